@@ -1,0 +1,58 @@
+"""hpcsync: MPI-first helpers for PyTorch training on clusters.
+
+Importing hpcsync initialises nothing: MPI starts on the first call that needs it, and torch,
+mpi4py and h5py are imported only by the features that use them.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+# public name -> module that defines it (resolved lazily, PEP 562)
+_EXPORTS = {
+    "Topology": "topology",
+    "topology": "topology",
+    "init": "bootstrap",
+    "shutdown": "bootstrap",
+    "is_initialized": "bootstrap",
+    "master_address": "bootstrap",
+    "install_abort_hook": "bootstrap",
+    "get_world_size": "comm",
+    "get_rank": "comm",
+    "get_local_rank": "comm",
+    "get_local_size": "comm",
+    "is_main_process": "comm",
+    "synchronize": "comm",
+    "all_gather": "comm",
+    "gather": "comm",
+    "broadcast_object": "comm",
+    "shared_random_seed": "comm",
+    "reduce_dict": "comm",
+    "sync_file": "filesync",
+    "SyncedFile": "filesync",
+    "HpcsyncError": "errors",
+    "LaunchError": "errors",
+    "AddressError": "errors",
+    "SyncError": "errors",
+    "MissingDependencyError": "errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpcsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return __all__

@@ -1,0 +1,164 @@
+"""Variable-length byte collectives that work past 2 GiB and keep memory bounded.
+
+MPI counts and displacements are C ``int``: one call moves less than 2 GiB. These helpers move
+any size in *rounds*: every rank knows every rank's size, so all of them compute the same
+schedule (each round gives each rank with data left an equal share of ``round_bytes``), and each
+round is one ``Gatherv`` / ``Allgatherv`` of variable-length byte buffers -- no padding to the
+largest rank. The receiving side holds at most one round (plus whatever it keeps).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+INT_MAX = 2**31 - 1
+DEFAULT_ROUND_BYTES = 256 * 2**20
+
+# fill(view, offset): write len(view) bytes of this rank's data, starting at offset, into view.
+Fill = Callable[[memoryview, int], None]
+
+
+def schedule(sizes: Sequence[int], round_bytes: int = DEFAULT_ROUND_BYTES) -> Iterator[List[int]]:
+    """Per-round counts: each round splits ``round_bytes`` among the ranks with data left."""
+    budget = max(1, min(int(round_bytes), INT_MAX))
+    left = [int(s) for s in sizes]
+    while any(left):
+        active = [i for i, n in enumerate(left) if n > 0]
+        share = max(1, budget // len(active))
+        counts = [min(n, share) for n in left]
+        # Hand what a small rank left unused to the others, so few rounds are wasted.
+        spare = budget - sum(counts)
+        for i in active:
+            if spare <= 0:
+                break
+            extra = min(left[i] - counts[i], spare)
+            counts[i] += extra
+            spare -= extra
+        for i, c in enumerate(counts):
+            left[i] -= c
+        yield counts
+
+
+def _displs(counts: Sequence[int]) -> List[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def allgather_sizes(comm: Any, nbytes: int) -> List[int]:
+    from mpi4py import MPI
+
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+    comm.Allgather([np.array([nbytes], dtype=np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
+    return [int(s) for s in sizes]
+
+
+def _from_buffer(data: Any) -> Tuple[int, Fill]:
+    mv = memoryview(data).cast("B")
+
+    def fill(view: memoryview, offset: int) -> None:
+        view[:] = mv[offset: offset + len(view)]
+
+    return len(mv), fill
+
+
+def _send_view(data: Optional[memoryview], fill: Fill, offset: int, count: int, bounce: bytearray) -> memoryview:
+    if data is not None:
+        return data[offset: offset + count]
+    view = memoryview(bounce)[:count]
+    fill(view, offset)
+    return view
+
+
+def iter_gatherv(
+    comm: Any,
+    sizes: Sequence[int],
+    fill: Fill,
+    root: int = 0,
+    round_bytes: int = DEFAULT_ROUND_BYTES,
+    direct: Optional[memoryview] = None,
+) -> Iterator[Tuple[int, int, memoryview]]:
+    """Gather every rank's bytes to ``root`` in rounds.
+
+    Yields ``(rank, offset, chunk)`` on the root, in rank order within each round (chunk is
+    only valid until the next item); yields nothing elsewhere. ``direct`` is this rank's data
+    as a buffer (sent without a copy); otherwise ``fill`` supplies it round by round.
+    """
+    from mpi4py import MPI
+
+    me, is_root = comm.Get_rank(), comm.Get_rank() == root
+    sent = [0] * len(sizes)
+    bounce = bytearray(0)
+    recv = bytearray(0)
+    for counts in schedule(sizes, round_bytes):
+        mine = counts[me]
+        if direct is None and len(bounce) < mine:
+            bounce = bytearray(mine)
+        sendbuf = [_send_view(direct, fill, sent[me], mine, bounce), mine, MPI.BYTE]
+        if is_root:
+            total = sum(counts)
+            if len(recv) < total:
+                recv = bytearray(total)
+            displs = _displs(counts)
+            comm.Gatherv(sendbuf, [recv, counts, displs, MPI.BYTE], root=root)
+            rv = memoryview(recv)
+            for r, (c, d) in enumerate(zip(counts, displs)):
+                if c:
+                    yield r, sent[r], rv[d: d + c]
+        else:
+            comm.Gatherv(sendbuf, None, root=root)
+        for r, c in enumerate(counts):
+            sent[r] += c
+
+
+def gatherv_bytes(comm: Any, data: Any, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES) -> Optional[List[bytearray]]:
+    """Gather one bytes-like object per rank to ``root``; returns the list there, None elsewhere."""
+    n, fill = _from_buffer(data)
+    sizes = allgather_sizes(comm, n)
+    out = [bytearray(s) for s in sizes] if comm.Get_rank() == root else None
+    for r, off, chunk in iter_gatherv(comm, sizes, fill, root, round_bytes, direct=memoryview(data).cast("B")):
+        out[r][off: off + len(chunk)] = chunk  # type: ignore[index]
+    return out
+
+
+def allgatherv_bytes(comm: Any, data: Any, round_bytes: int = DEFAULT_ROUND_BYTES) -> List[bytearray]:
+    """Every rank gets every rank's bytes-like object, in rank order."""
+    from mpi4py import MPI
+
+    mv = memoryview(data).cast("B")
+    sizes = allgather_sizes(comm, len(mv))
+    out = [bytearray(s) for s in sizes]
+    me = comm.Get_rank()
+    sent = [0] * len(sizes)
+    recv = bytearray(0)
+    for counts in schedule(sizes, round_bytes):
+        total = sum(counts)
+        if len(recv) < total:
+            recv = bytearray(total)
+        displs = _displs(counts)
+        comm.Allgatherv([mv[sent[me]: sent[me] + counts[me]], counts[me], MPI.BYTE],
+                        [recv, counts, displs, MPI.BYTE])
+        for r, (c, d) in enumerate(zip(counts, displs)):
+            if c:
+                out[r][sent[r]: sent[r] + c] = recv[d: d + c]
+            sent[r] += c
+    return out
+
+
+def bcast_bytes(comm: Any, data: Any = None, root: int = 0, round_bytes: int = 1 << 30) -> memoryview:
+    """Broadcast a bytes-like object of any size from ``root``."""
+    from mpi4py import MPI
+
+    is_root = comm.Get_rank() == root
+    n = np.array([len(memoryview(data).cast("B")) if is_root else 0], dtype=np.int64)
+    comm.Bcast([n, MPI.INT64_T], root=root)
+    size = int(n[0])
+    mv = memoryview(data).cast("B") if is_root else memoryview(bytearray(size))
+    step = max(1, min(round_bytes, INT_MAX))
+    for off in range(0, size, step):
+        c = min(step, size - off)
+        comm.Bcast([mv[off: off + c], c, MPI.BYTE], root=root)
+    return mv

@@ -1,0 +1,291 @@
+"""``hpcsync.init()``: torch.distributed from MPI, with a routable master address.
+
+Under MPI, ranks and sizes come from MPI and rank 0's choices (address, port) travel by
+``MPI_Bcast``: no guessing, no probe-then-bind port race. Without MPI (torchrun, HPCSYNC_MPI=0)
+the launcher's environment is used.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import sys
+import threading
+import traceback
+from typing import Any, Optional, Union
+
+from . import _mpi
+from .errors import AddressError, HpcsyncError, MissingDependencyError
+from .network import MasterChoice, NodeInterfaces, choose_master, local_interfaces
+from .topology import Topology, topology
+
+log = logging.getLogger(__name__)
+
+_lock = threading.RLock()
+_state: dict = {}
+
+BACKENDS = ("auto", "nccl", "mpi", "hpcsync", "gloo")
+
+
+def _timeout(timeout: Union[None, float, _dt.timedelta]) -> _dt.timedelta:
+    if timeout is None:
+        return _dt.timedelta(seconds=float(os.environ.get("HPCSYNC_TIMEOUT", 1800)))
+    if isinstance(timeout, _dt.timedelta):
+        return timeout
+    return _dt.timedelta(seconds=float(timeout))
+
+
+def collective_check(ok: bool, message: str, comm: Any = None) -> None:
+    """Agree on failure: if any rank's ``ok`` is False, raise the first failing rank's message on all."""
+    if comm is None and _mpi.use_mpi():
+        comm = _mpi.MPI().COMM_WORLD
+    if comm is None or comm.Get_size() == 1:
+        if not ok:
+            raise HpcsyncError(message)
+        return
+    failed = comm.allgather(None if ok else message)
+    bad = [(r, m) for r, m in enumerate(failed) if m is not None]
+    if bad:
+        r, m = bad[0]
+        others = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+        raise HpcsyncError(f"rank {r}{others}: {m}")
+
+
+def master_address(topo: Optional[Topology] = None) -> MasterChoice:
+    """Rank 0's routable address, chosen from every node's interfaces (collective under MPI)."""
+    topo = topo or topology()
+    env_addr = os.environ.get("HPCSYNC_MASTER_ADDR") or None
+    ifname = os.environ.get("HPCSYNC_IFNAME") or None
+    if not topo.uses_mpi:
+        launcher_addr = _env_master_addr()
+        if env_addr or launcher_addr:
+            return MasterChoice(env_addr or launcher_addr, None, "environment")  # type: ignore[arg-type]
+        return choose_master([NodeInterfaces(topo.hostname, local_interfaces())], ifname=ifname)
+    comm = _mpi.MPI().COMM_WORLD
+    mine = NodeInterfaces(topo.hostname, local_interfaces()) if topo.local_rank == 0 else None
+    tables = comm.gather((topo.node_rank, mine), root=0)
+    result: Any = None
+    if topo.rank == 0:
+        nodes = {n: t for n, t in tables if t is not None}
+        ordered = [nodes[topo.node_rank]] + [t for n, t in sorted(nodes.items()) if n != topo.node_rank]
+        try:
+            result = choose_master(ordered, ifname=ifname, address=env_addr)
+        except AddressError as exc:
+            result = str(exc)
+    result = comm.bcast(result, root=0)
+    if isinstance(result, str):
+        raise AddressError(result)
+    return result
+
+
+def _env_master_addr() -> Optional[str]:
+    from .environments import detect_environment
+
+    return detect_environment(os.environ).master_addr()
+
+
+def _pick_backend(backend: str, topo: Topology) -> str:
+    import torch
+    import torch.distributed as dist
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available() and torch.cuda.device_count() >= topo.local_size and dist.is_nccl_available():
+        return "nccl"
+    if topo.uses_mpi and dist.is_mpi_available():
+        return "mpi"
+    if topo.uses_mpi and _our_backend_available():
+        return "hpcsync"
+    return "gloo"
+
+
+def _our_backend_available() -> bool:
+    try:
+        from . import backend  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _export_env(topo: Topology, addr: Optional[str], port: Optional[int]) -> None:
+    os.environ["RANK"] = str(topo.rank)
+    os.environ["WORLD_SIZE"] = str(topo.world_size)
+    os.environ["LOCAL_RANK"] = str(topo.local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(topo.local_size)
+    os.environ["NODE_RANK"] = str(topo.node_rank)
+    if addr is not None:
+        os.environ["MASTER_ADDR"] = addr
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+
+
+def init(
+    backend: str = "auto",
+    init_method: Optional[str] = None,
+    timeout: Union[None, float, _dt.timedelta] = None,
+    master_port: Optional[int] = None,
+    set_device: bool = True,
+    abort_on_exception: bool = True,
+) -> Topology:
+    """Initialise torch.distributed from MPI (or the launcher) and return the topology.
+
+    backend: ``auto`` picks nccl (a GPU per local rank), native ``mpi`` (torch built with it),
+    ``hpcsync`` (the socket-free mpi4py backend), else ``gloo``.
+    init_method: ``None``/``"tcp"`` -- rank 0 binds a TCPStore (port ``master_port`` or 0, i.e.
+    any free port) and broadcasts the bound port over MPI; ``"env://"`` -- MASTER_ADDR/PORT;
+    ``"file:///shared/path"`` -- a file on a shared filesystem. ``mpi``/``hpcsync`` need none.
+    Calling it again returns the same topology; :func:`shutdown` undoes it.
+    """
+    with _lock:
+        if _state.get("topology") is not None:
+            return _state["topology"]
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as exc:
+            raise MissingDependencyError(f"hpcsync.init needs torch: pip install torch ({exc})") from exc
+        topo = topology()
+        td = _timeout(timeout)
+        if dist.is_initialized():
+            log.info("torch.distributed was already initialised; checking it against MPI")
+            _check_ranks(topo)
+            _state.update(topology=topo, owner=False)
+            return topo
+        name = _pick_backend(backend, topo)
+        choice = master_address(topo)
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if choice.ifname and var not in os.environ:
+                os.environ[var] = choice.ifname
+        if name == "nccl" and set_device:
+            torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+        store, port = None, None
+        if init_method is None and not topo.uses_mpi:
+            init_method = "env://"  # torchrun's agent store, or MASTER_ADDR/PORT from the launcher
+        if name == "mpi":
+            _export_env(topo, choice.address, None)
+            dist.init_process_group("mpi", timeout=td)
+        elif name == "hpcsync":
+            from .backend import BACKEND_NAME
+
+            _export_env(topo, choice.address, None)
+            dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=topo.rank,
+                                    world_size=topo.world_size, timeout=td)
+        elif init_method and init_method != "tcp":
+            if init_method == "env://":
+                port = int(os.environ.get("MASTER_PORT") or master_port or _default_port())
+                _export_env(topo, os.environ.get("MASTER_ADDR") or choice.address, port)
+            else:
+                _export_env(topo, choice.address, None)
+            dist.init_process_group(name, init_method=init_method, rank=topo.rank,
+                                    world_size=topo.world_size, timeout=td)
+        else:
+            store, port = _tcp_store(topo, choice.address, master_port, td)
+            _export_env(topo, choice.address, port)
+            dist.init_process_group(name, store=store, rank=topo.rank, world_size=topo.world_size, timeout=td)
+        _check_ranks(topo)
+        _state.update(topology=topo, owner=True, store=store, backend=name, master=choice)
+        if abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0":
+            install_abort_hook()
+        if topo.rank == 0:
+            log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s:%s (%s)",
+                     name, topo.world_size, topo.num_nodes, choice.address, port, choice.reason)
+        return topo
+
+
+def _default_port() -> int:
+    from .environments import detect_environment
+
+    return detect_environment(os.environ).master_port() or 29500
+
+
+def _tcp_store(topo: Topology, addr: str, port: Optional[int], td: _dt.timedelta) -> Any:
+    """Rank 0 binds the store and broadcasts the port it really got (no probe-then-bind race)."""
+    import torch.distributed as dist
+
+    comm = _mpi.MPI().COMM_WORLD
+    store, err = None, None
+    if topo.rank == 0:
+        try:
+            store = dist.TCPStore(addr, port or 0, topo.world_size, True, timeout=td, wait_for_workers=False)
+            port = store.port
+        except Exception as exc:  # tell every rank, do not leave them waiting
+            err = f"rank 0 could not bind a TCPStore on {addr}:{port or 0}: {exc}"
+    port, err = comm.bcast((port, err), root=0)
+    if err:
+        raise HpcsyncError(err)
+    if topo.rank != 0:
+        store = dist.TCPStore(addr, port, topo.world_size, False, timeout=td)
+    return store, port
+
+
+def _check_ranks(topo: Topology) -> None:
+    import torch.distributed as dist
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    if (r, w) != (topo.rank, topo.world_size):
+        raise HpcsyncError(f"torch.distributed says rank {r}/{w} but the launcher/MPI says "
+                           f"{topo.rank}/{topo.world_size}; was it initialised with other settings?")
+
+
+def is_initialized() -> bool:
+    return _state.get("topology") is not None
+
+
+def backend_name() -> Optional[str]:
+    return _state.get("backend")
+
+
+def shutdown() -> None:
+    """Undo :func:`init`: destroy the process group it created and restore the exception hook."""
+    with _lock:
+        if not _state:
+            return
+        if _state.get("owner"):
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        uninstall_abort_hook()
+        _state.clear()
+
+
+# -- abort on uncaught exception ---------------------------------------------------------------
+
+_prev_hook: Any = None
+
+
+def install_abort_hook() -> None:
+    """On an uncaught exception print the traceback with the rank, then ``MPI_Abort`` the job.
+
+    Without it the other ranks wait forever in their next collective. Installed after
+    ``init_process_group`` on purpose: torch wraps the hook that is current at init time and
+    holds back stderr until it returns, which would swallow the traceback before the abort.
+    """
+    global _prev_hook
+    if _prev_hook is not None:
+        return
+    _prev_hook = sys.excepthook
+
+    def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
+        rank = os.environ.get("RANK", "?")
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(f"[hpcsync] uncaught exception on rank {rank}:\n{text}")
+        sys.stderr.flush()
+        if _mpi.use_mpi() and not issubclass(exc_type, KeyboardInterrupt):
+            world = _mpi.MPI().COMM_WORLD
+            if world.Get_size() > 1:
+                sys.stderr.write(f"[hpcsync] rank {rank}: calling MPI_Abort so the other ranks do not hang "
+                                 f"(HPCSYNC_ABORT_ON_EXCEPTION=0 to disable)\n")
+                sys.stderr.flush()
+                world.Abort(1)
+
+    sys.excepthook = hook
+
+
+def uninstall_abort_hook() -> None:
+    global _prev_hook
+    if _prev_hook is not None:
+        sys.excepthook = _prev_hook
+        _prev_hook = None

@@ -1,0 +1,263 @@
+"""Collective HDF5 output: every rank contributes a block of rows to the same datasets.
+
+Parallel path (h5py built against parallel HDF5 and the same MPI that mpi4py loaded):
+``h5py.File(..., driver="mpio")``; offsets from an exclusive scan of the row counts; every rank
+takes part in creating and resizing datasets (HDF5 metadata operations are collective) and in
+every collective write -- ranks with zero rows write an empty selection. Datasets are chunked
+and resizable along the first axis, so several calls append.
+
+Fallback (serial h5py, an h5py built against another MPI, or no MPI): rows are gathered to the
+root with big-count-safe rounds and written there serially -- the same file content -- with one
+warning. Row blocks are checked collectively: dtype and trailing shape must agree, else every
+rank raises the same :class:`ValueError`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _mpi
+from .errors import MissingDependencyError
+
+log = logging.getLogger(__name__)
+
+WRITE_PIECE_BYTES = 1 << 30  # per collective write: stays clear of 2 GiB limits in MPI-IO / HDF5
+_warned = False
+
+
+def _h5py() -> Any:
+    try:
+        import h5py
+    except ImportError as exc:
+        raise MissingDependencyError("hpcsync.h5 needs h5py: pip install h5py (for the parallel path, "
+                                     "build it against parallel HDF5: see jobs/setup_env.sh)") from exc
+    return h5py
+
+
+def loaded_mpi_libraries() -> Sequence[str]:
+    """Distinct MPI libraries mapped into this process (two means h5py and mpi4py disagree)."""
+    found = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                m = re.search(r"/(libmpi(?:ch)?\.so(?:\.\d+)?)", line)
+                if m:
+                    found.add(m.group(1))
+    except OSError:
+        pass
+    return sorted(found)
+
+
+def parallel_available(comm: Any = None) -> Tuple[bool, str]:
+    """Whether the collective path can run here, and why not. Agreed by every rank of ``comm``."""
+    h5py = _h5py()
+    reason = ""
+    if comm is None:
+        reason = "no MPI in use"
+    elif not h5py.get_config().mpi:
+        reason = "h5py was built without MPI (the PyPI wheel is serial)"
+    else:
+        libs = loaded_mpi_libraries()
+        if len(libs) > 1:
+            reason = f"h5py and mpi4py use different MPI libraries ({', '.join(libs)})"
+    if comm is not None:
+        reasons = comm.allgather(reason)
+        reason = next((r for r in reasons if r), "")
+    return not reason, reason
+
+
+def _world() -> Any:
+    if _mpi.use_mpi():
+        from .topology import topology
+
+        topology()
+        return _mpi.MPI().COMM_WORLD
+    return None
+
+
+class CollectiveWriter:
+    """Open ``path`` collectively; :meth:`write` appends each rank's rows in rank order.
+
+    >>> with CollectiveWriter("preds.h5") as w:
+    ...     w.write("pred", my_rows)          # collective; my_rows may have 0 rows
+    ...     w.attrs({"epoch": 3})
+    """
+
+    def __init__(self, path: str, mode: str = "w", comm: Any = None, root: int = 0,
+                 parallel: Optional[bool] = None) -> None:
+        global _warned
+        if mode not in ("w", "a", "r+", "w-", "x"):
+            raise ValueError(f"unsupported mode {mode!r}")
+        self.h5py = _h5py()
+        self.comm = comm if comm is not None else _world()
+        self.root = root
+        self.rank = self.comm.Get_rank() if self.comm is not None else 0
+        ok, why = parallel_available(self.comm)
+        if parallel and not ok:
+            raise MissingDependencyError(f"parallel HDF5 requested but unavailable: {why}")
+        self.parallel = ok if parallel is None else bool(parallel)
+        self.path = os.path.abspath(path)
+        if self.comm is not None:
+            self.path = self.comm.bcast(self.path, root=root)
+        if not self.parallel and self.comm is not None and self.comm.Get_size() > 1 and not _warned \
+                and self.rank == root:
+            warnings.warn(f"hpcsync.h5: {why}; gathering rows to rank {root} and writing serially", RuntimeWarning,
+                          stacklevel=2)
+            _warned = True
+        self.file: Any = None
+        err = None
+        try:
+            if self.parallel:
+                self.file = self.h5py.File(self.path, mode, driver="mpio", comm=self.comm)
+            elif self.rank == root:
+                self.file = self.h5py.File(self.path, mode)
+        except Exception as exc:  # agree, so no rank waits for a file another could not open
+            err = f"cannot open {self.path}: {exc}"
+        self._agree(err)
+
+    def _agree(self, err: Optional[str]) -> None:
+        errors = self.comm.allgather(err) if self.comm is not None else [err]
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise ValueError("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+    def _layout(self, name: str, rows: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...], int, int]:
+        """Validate collectively; return dtype, trailing shape, my first row, total rows."""
+        info = (rows.dtype.str, rows.shape[1:], rows.shape[0], rows.dtype.kind)
+        every = self.comm.allgather(info) if self.comm is not None else [info]
+        with_rows = [(r, i) for r, i in enumerate(every) if i[2] > 0]
+        ref_rank, ref = with_rows[0] if with_rows else (0, every[0])
+        bad = [r for r, i in with_rows if (i[0], i[1]) != (ref[0], ref[1])]
+        if bad:
+            raise ValueError(f"dataset {name!r}: rank(s) {bad} give dtype/trailing shape "
+                             f"{every[bad[0]][0]}/{every[bad[0]][1]} but rank {ref_rank} gives {ref[0]}/{ref[1]}")
+        if ref[3] == "O":
+            raise ValueError(f"dataset {name!r}: object arrays cannot be written; use fixed-size dtypes")
+        start = sum(i[2] for i in every[: self.rank])
+        return np.dtype(ref[0]), tuple(ref[1]), start, sum(i[2] for i in every)
+
+    def write(self, name: str, rows: Any) -> Tuple[int, int]:
+        """Append this rank's ``rows`` (first axis = rows) to dataset ``name``. Collective.
+
+        Returns ``(first_row, n_rows)`` of this rank's block in the dataset.
+        """
+        rows = np.ascontiguousarray(rows)
+        if rows.ndim == 0:
+            raise ValueError(f"dataset {name!r}: rows need at least one dimension")
+        dtype, trailing, start, total = self._layout(name, rows)
+        if rows.shape[0] == 0:
+            rows = np.zeros((0, *trailing), dtype=dtype)
+        if self.parallel or self.rank == self.root:
+            f = self.file
+            if name in f:
+                dset = f[name]
+                if dset.shape[1:] != trailing or dset.dtype != dtype:
+                    err = f"dataset {name!r} exists with shape {dset.shape}/{dset.dtype}, cannot append {trailing}/{dtype}"
+                else:
+                    err = None
+            else:
+                err = None
+        else:
+            err = None
+        self._agree(err)
+        if self.parallel:
+            base = self._create_or_grow(name, dtype, trailing, total)
+            self._write_collective(self.file[name], rows, base + start)
+        else:
+            blocks = self._gather_rows(rows)
+            if self.rank == self.root:
+                base = self._create_or_grow(name, dtype, trailing, total)
+                pos = base
+                for b in blocks:
+                    if len(b):
+                        self.file[name][pos: pos + len(b)] = b
+                    pos += len(b)
+            base = self.comm.bcast(base if self.rank == self.root else None, root=self.root) \
+                if self.comm is not None else base
+        return base + start, rows.shape[0]
+
+    def _create_or_grow(self, name: str, dtype: np.dtype, trailing: Tuple[int, ...], total: int) -> int:
+        f = self.file
+        if name not in f:
+            chunk_rows = max(1, min(max(total, 1), (1 << 20) // max(1, dtype.itemsize * int(np.prod(trailing or (1,))))))
+            f.create_dataset(name, shape=(total, *trailing), maxshape=(None, *trailing), dtype=dtype,
+                             chunks=(chunk_rows, *trailing))
+            return 0
+        dset = f[name]
+        base = dset.shape[0]
+        dset.resize(base + total, axis=0)
+        return base
+
+    def _write_collective(self, dset: Any, rows: np.ndarray, first: int) -> None:
+        h5py = self.h5py
+        row_bytes = max(1, rows.itemsize * int(np.prod(rows.shape[1:] or (1,))))
+        per = max(1, WRITE_PIECE_BYTES // row_bytes)
+        pieces = max(self.comm.allgather((rows.shape[0] + per - 1) // per)) if self.comm is not None else 1
+        dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+        dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
+        trailing = rows.shape[1:]
+        for k in range(max(pieces, 1)):
+            lo, hi = k * per, min(rows.shape[0], (k + 1) * per)
+            fspace = dset.id.get_space()
+            n = max(0, hi - lo)
+            if n:
+                fspace.select_hyperslab((first + lo, *([0] * len(trailing))), (n, *trailing))
+                mspace = h5py.h5s.create_simple((n, *trailing))
+                buf = rows[lo:hi]
+            else:  # an empty selection still takes part in the collective write
+                fspace.select_none()
+                mspace = h5py.h5s.create_simple((1, *trailing))
+                mspace.select_none()
+                buf = np.zeros((1, *trailing), dtype=rows.dtype)
+            dset.id.write(mspace, fspace, buf, dxpl=dxpl)
+
+    def _gather_rows(self, rows: np.ndarray) -> Sequence[np.ndarray]:
+        if self.comm is None:
+            return [rows]
+        from .comm import gather
+
+        return gather(rows, dst=self.root, group=self.comm)
+
+    def attrs(self, values: Mapping[str, Any], dataset: Optional[str] = None) -> None:
+        """Set attributes on the file or a dataset (root's values win). Collective."""
+        if self.comm is not None:
+            values = self.comm.bcast(dict(values), root=self.root)
+        if self.parallel or self.rank == self.root:
+            target = self.file if dataset is None else self.file[dataset]
+            for k, v in values.items():
+                target.attrs[k] = v
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.comm is not None:
+            self.comm.Barrier()  # the file is complete for every rank once close returns
+
+    def __enter__(self) -> "CollectiveWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_rows(path: str, datasets: Mapping[str, Any], attrs: Optional[Mapping[str, Any]] = None,
+               mode: str = "w", **kwargs: Any) -> Dict[str, Tuple[int, int]]:
+    """One call: write each rank's rows of every dataset (sorted by name) and file attributes."""
+    out = {}
+    with CollectiveWriter(path, mode=mode, **kwargs) as w:
+        names = sorted(datasets)
+        every = w.comm.allgather(names) if w.comm is not None else [names]
+        differ = [r for r, n in enumerate(every) if n != every[0]]
+        if differ:
+            raise ValueError(f"write_rows: rank(s) {differ} give datasets {every[differ[0]]}, rank 0 gives {every[0]}")
+        for name in names:
+            out[name] = w.write(name, datasets[name])
+        if attrs:
+            w.attrs(attrs)
+    return out

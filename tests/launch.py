@@ -1,0 +1,109 @@
+"""Launch real multi-rank jobs for the tests: Open MPI's mpirun, MPICH's mpiexec, torchrun, python.
+
+A launcher that is missing makes the test *fail* (run `bash tests/run.sh`, which installs them):
+a multi-rank test must never quietly become a skip or a one-rank run. Every rank of a program
+writes ``rank<N>.json`` into ``$HPCSYNC_TEST_OUT``; :func:`run` checks that exactly N ranks did.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+PY = sys.executable
+VENV_BIN = Path(sys.executable).parent
+
+# Variables a launcher sets; scrubbed so the tests' own environment cannot leak into a job.
+_LAUNCH_VARS = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_", "HYDRA_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC", "GROUP_RANK", "MPI4PY_",
+                "HPCSYNC_", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Launcher:
+    name: str
+    argv: List[str]
+    env: Dict[str, str] = field(default_factory=dict)
+
+    def command(self, n: int) -> List[str]:
+        return [*self.argv, "-n", str(n)] if self.name != "torchrun" else [*self.argv, f"--nproc-per-node={n}"]
+
+
+def openmpi() -> Launcher:
+    exe = shutil.which("mpirun.openmpi")
+    if not exe:
+        pytest.fail("Open MPI (mpirun.openmpi) is not installed: run `bash tests/run.sh`")
+    return Launcher("openmpi", [exe, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"],
+                    # mpi4py's wheel loads Debian's libmpi.so.40; shared memory only on one node.
+                    {"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader"})
+
+
+def mpich() -> Launcher:
+    exe = VENV_BIN / "mpiexec"
+    if not exe.exists():
+        pytest.fail(f"MPICH's mpiexec is not in {VENV_BIN}: run `bash tests/run.sh` (pip install mpich)")
+    # mpi4py finds the venv's libmpi.so.12 first when MPI4PY_MPIABI is unset.
+    return Launcher("mpich", [str(exe)], {})
+
+
+def torchrun() -> Launcher:
+    return Launcher("torchrun", [PY, "-m", "torch.distributed.run", "--standalone"], {})
+
+
+LAUNCHERS = {"openmpi": openmpi, "mpich": mpich, "torchrun": torchrun}
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    ranks: List[dict]
+
+    def __str__(self) -> str:
+        return f"rc={self.returncode}\n--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-6000:]}"
+
+
+def run(launcher: Optional[Launcher], n: int, program: str, *args: str, tmp_path: Path,
+        timeout: float = 180, env: Optional[Dict[str, str]] = None, expect_ok: bool = True,
+        cwd: Optional[Path] = None) -> Result:
+    """Run ``tests/programs/<program>`` on ``n`` ranks and collect each rank's JSON report."""
+    out = tmp_path / f"out-{program.replace('.py', '')}-{launcher.name if launcher else 'python'}-{n}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    prog = program if os.path.isabs(program) else str(PROGRAMS / program)
+    python = [] if launcher and launcher.name == "torchrun" else [PY]  # torchrun adds its own
+    cmd = [*(launcher.command(n) if launcher else []), *python, prog, *args]
+    full_env = clean_env({**(launcher.env if launcher else {}), "HPCSYNC_TEST_OUT": str(out), **(env or {})})
+    try:
+        proc = subprocess.run(cmd, env=full_env, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\nstdout:{exc.stdout}\nstderr:{exc.stderr}")
+    ranks = []
+    for r in range(n):
+        f = out / f"rank{r}.json"
+        ranks.append(json.loads(f.read_text()) if f.exists() else None)
+    res = Result(proc.returncode, proc.stdout, proc.stderr, ranks)
+    if expect_ok:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed: {res}"
+        assert all(r is not None for r in ranks), f"only {sum(r is not None for r in ranks)}/{n} ranks reported: {res}"
+        sizes = {r.get("world_size") for r in ranks}
+        assert sizes == {n}, f"ranks saw world sizes {sizes}, expected {n} (degraded run?): {res}"
+    return res

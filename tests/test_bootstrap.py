@@ -1,0 +1,48 @@
+"""hpcsync.init() on real launchers: ranks, port broadcast, exported variables, abort on failure."""
+import time
+
+import pytest
+
+from launch import LAUNCHERS, openmpi, run
+
+
+@pytest.mark.parametrize("launcher,n", [("openmpi", 4), ("mpich", 4), ("openmpi", 16), ("torchrun", 2)])
+def test_init_gloo_allreduce(launcher, n, tmp_path):
+    res = run(LAUNCHERS[launcher](), n, "init.py", "gloo", tmp_path=tmp_path)
+    ports = {d["env"]["MASTER_PORT"] for d in res.ranks}
+    assert len(ports) == 1 and int(ports.pop()) > 0, "every rank must use the port rank 0 bound"
+    for r, d in enumerate(res.ranks):
+        assert (d["rank"], d["world_size"], d["backend"]) == (r, n, "gloo")
+        assert d["allreduce"] == n * (n + 1) / 2
+        assert d["env"]["RANK"] == str(r) and d["env"]["WORLD_SIZE"] == str(n)
+        assert d["env"]["LOCAL_RANK"] == str(r) and d["env"]["LOCAL_WORLD_SIZE"] == str(n)
+        assert d["env"]["MASTER_ADDR"] == ("localhost" if launcher == "torchrun" else "127.0.0.1")
+        assert d["same_topology"] is True and d["after_shutdown"] is False
+        if launcher != "torchrun":
+            assert d["env"]["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_requested_port_and_file_init(tmp_path):
+    res = run(openmpi(), 2, "init.py", "gloo", f"file://{tmp_path}/rendezvous", tmp_path=tmp_path)
+    assert [d["allreduce"] for d in res.ranks] == [3.0, 3.0]
+
+
+def test_single_process(tmp_path):
+    res = run(None, 1, "init.py", "gloo", tmp_path=tmp_path)
+    assert res.ranks[0]["allreduce"] == 1.0 and res.ranks[0]["backend"] == "gloo"
+
+
+def test_uncaught_exception_ends_the_job(tmp_path):
+    t0 = time.monotonic()
+    res = run(openmpi(), 4, "fail.py", tmp_path=tmp_path, expect_ok=False, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0
+    assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+    assert "uncaught exception on rank 1" in res.stderr
+    assert "RuntimeError: deliberate failure on rank 1" in res.stderr
+    assert "MPI_Abort" in res.stderr
+
+
+def test_abort_hook_can_be_disabled_torchrun_still_reports(tmp_path):
+    res = run(LAUNCHERS["mpich"](), 2, "fail.py", tmp_path=tmp_path, expect_ok=False, timeout=120)
+    assert res.returncode != 0 and "deliberate failure on rank 1" in res.stderr

@@ -1,0 +1,55 @@
+"""detectron2-style helpers over MPI, over torch.distributed (torchrun), and in one process."""
+import pytest
+
+from launch import LAUNCHERS, openmpi, run
+
+
+def check(res, n):
+    for r, d in enumerate(res.ranks):
+        assert d["rank"] == r and d["main"] == (r == 0)
+        assert d["all_gather_ranks"] == list(range(n)) and d["all_gather_ok"]
+        assert d["gather_ranks"] == (list(range(n)) if r == n - 1 else [])
+        assert d["seed_same"] and 0 <= d["seed"] < 2**31
+        assert d["bcast"] == {"from": 0, "big": list(range(10))}
+        mean = (n - 1) / 2
+        assert d["reduced"]["loss"] == pytest.approx(mean)
+        assert d["reduced"]["acc"] == pytest.approx([mean, 2 * mean])
+        if n > 1:
+            assert "keys differ between ranks" in d["key_error"]
+    assert len({d["seed"] for d in res.ranks}) == 1
+
+
+@pytest.mark.parametrize("launcher,n", [("openmpi", 4), ("mpich", 3), ("openmpi", 16)])
+def test_helpers_over_mpi(launcher, n, tmp_path):
+    res = run(LAUNCHERS[launcher](), n, "comm_helpers.py", tmp_path=tmp_path)
+    check(res, n)
+    assert all((d["local_rank"], d["local_size"]) == (r, n) for r, d in enumerate(res.ranks))
+
+
+def test_helpers_with_torch_initialised(tmp_path):
+    res = run(openmpi(), 4, "comm_helpers.py", "torch", tmp_path=tmp_path)
+    check(res, 4)
+    assert all(d["reduced"]["t"] == pytest.approx(2.5) and d["reduced_t_is_tensor"] == "Tensor" for d in res.ranks)
+
+
+def test_helpers_under_torchrun_without_mpi(tmp_path):
+    res = run(LAUNCHERS["torchrun"](), 2, "comm_helpers.py", "torch", tmp_path=tmp_path)
+    check(res, 2)
+
+
+def test_helpers_single_process(tmp_path):
+    res = run(None, 1, "comm_helpers.py", tmp_path=tmp_path)
+    check(res, 1)
+
+
+@pytest.mark.bigmem
+@pytest.mark.parametrize("mode", ["gather", "all_gather"])
+def test_object_gather_past_2gib(mode, tmp_path):
+    per_rank = 2**31 + 12345  # one rank alone sends more than an MPI int count can say
+    res = run(openmpi(), 2, "big_gather.py", str(per_rank), mode, tmp_path=tmp_path, timeout=600)
+    for d in res.ranks:
+        if mode == "gather" and d["rank"] != 0:
+            assert d["received"] == []
+            continue
+        assert [list(x) for x in d["received"]] == [list(x) for x in d["expected"]]
+        assert d["received"][1][0] == per_rank
