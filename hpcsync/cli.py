@@ -1,4 +1,4 @@
-"""Command line: ``hpcsync info`` (run it under your launcher)."""
+"""Command line: ``hpcsync info`` and ``hpcsync merge`` (run them under your launcher)."""
 from __future__ import annotations
 
 import argparse
@@ -43,12 +43,40 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Merge part files left by a job that died before syncing; parts split across ranks in order."""
+    from .comm import get_rank, get_world_size
+    from .filesync import merge_parts
+
+    size, rank = get_world_size(), get_rank()
+    per, extra = divmod(len(args.parts), size)
+    lo = rank * per + min(rank, extra)
+    mine = args.parts[lo: lo + per + (1 if rank < extra else 0)]
+    result = merge_parts(args.target, mine, strip_header=args.strip_header, text=not args.binary,
+                         keep_parts=not args.delete_parts, method=args.method, allow_missing=args.allow_missing,
+                         progress=None if not args.no_progress else False)
+    if rank == 0:
+        print(f"merged {len(args.parts)} part(s) from {size} rank(s) into {result.path}: "
+              f"{result.bytes} bytes in {result.seconds:.2f}s ({result.method})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcsync", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="one line per rank: ranks, node, host, master address, MPI, backends")
     info.set_defaults(func=cmd_info)
+    merge = sub.add_parser("merge", help="join part files into TARGET in the order given (one process or mpirun)")
+    merge.add_argument("target")
+    merge.add_argument("parts", nargs="+")
+    merge.add_argument("--strip-header", action="store_true", help="drop the first line of every part but the first")
+    merge.add_argument("--binary", action="store_true", help="byte-exact: add no newline after parts lacking one")
+    merge.add_argument("--delete-parts", action="store_true", help="delete the parts after a durable merge")
+    merge.add_argument("--allow-missing", action="store_true", help="treat a missing part as empty")
+    merge.add_argument("--method", default="auto", choices=["auto", "gather", "mpiio"])
+    merge.add_argument("--no-progress", action="store_true")
+    merge.set_defaults(func=cmd_merge)
     return parser
 
 

@@ -1,0 +1,36 @@
+"""sync_file / SyncedFile on parts the test prepared (or writes here); report result or error."""
+import csv
+import json
+import resource
+import sys
+from dataclasses import asdict
+
+import hpcsync
+from hpcsync import comm
+from _report import report
+
+target, opts = sys.argv[1], json.loads(sys.argv[2])
+mode = opts.pop("_mode", "sync_file")
+rank, size = comm.get_rank(), comm.get_world_size()
+out = {"rank": rank, "world_size": size}
+try:
+    if mode == "synced_file":
+        fail_rank = opts.pop("_fail_rank", None)
+        with hpcsync.SyncedFile(target, **opts) as part:
+            out["part"] = part.path
+            with open(part.path, "w", newline="", encoding="utf-8") as f:
+                w = csv.writer(f)
+                w.writerow(["rank", "i", "text"])
+                for i in range(rank + 1):
+                    w.writerow([rank, i, f"rång {rank}·{i}"])
+            if rank == fail_rank:
+                raise KeyError("boom inside the block")
+        res = part.result
+    else:
+        res = hpcsync.sync_file(target, **opts)
+    out.update(ok=True, result=asdict(res))
+except (hpcsync.SyncError, KeyError) as exc:
+    out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+report(rank, out)
+sys.exit(0 if out["ok"] else 3)
