@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -43,6 +44,18 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def _register_backend_if_torch_loaded() -> None:
+    """``import torch; import hpcsync`` makes ``init_process_group("hpcsync")`` available."""
+    if "torch.distributed" in sys.modules or "torch" in sys.modules:
+        try:
+            importlib.import_module(".backend", __name__)
+        except ImportError:  # torch without distributed support, or no mpi4py
+            pass
+
+
+_register_backend_if_torch_loaded()
 
 
 def __getattr__(name: str) -> Any:

@@ -146,6 +146,7 @@ def init(
             import torch.distributed as dist
         except ImportError as exc:
             raise MissingDependencyError(f"hpcsync.init needs torch: pip install torch ({exc})") from exc
+        _our_backend_available()  # registers "hpcsync" with torch, so new_group(backend="hpcsync") works
         topo = topology()
         td = _timeout(timeout)
         if dist.is_initialized():
@@ -167,11 +168,10 @@ def init(
             _export_env(topo, choice.address, None)
             dist.init_process_group("mpi", timeout=td)
         elif name == "hpcsync":
-            from .backend import BACKEND_NAME
+            from .backend import BACKEND_NAME, INIT_METHOD
 
             _export_env(topo, choice.address, None)
-            dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=topo.rank,
-                                    world_size=topo.world_size, timeout=td)
+            dist.init_process_group(BACKEND_NAME, init_method=INIT_METHOD, timeout=td)
         elif init_method and init_method != "tcp":
             if init_method == "env://":
                 port = int(os.environ.get("MASTER_PORT") or master_port or _default_port())

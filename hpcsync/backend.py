@@ -1,0 +1,679 @@
+"""``hpcsync``: a socket-free torch.distributed backend that moves tensors with mpi4py.
+
+Works with stock pip wheels of torch (which have no MPI backend) and opens no listening socket:
+ranks come from MPI, rendezvous uses an in-process ``HashStore``, data goes through MPI.
+
+    import hpcsync.backend                      # registers "hpcsync" (also done by hpcsync.init)
+    dist.init_process_group("hpcsync", init_method="hpcsync://")
+
+How it works. Each process group owns a private duplicate of its MPI communicator for
+collectives and another for point-to-point, so torch's traffic never matches the program's own
+MPI messages. Collectives run in issue order on one worker thread per group with blocking mpi4py
+calls (the GIL is released inside MPI): ``async_op=True`` (and DDP's bucket all-reduces) return at
+once and overlap with the caller's computation; a blocking call with nothing queued runs inline,
+with no thread hand-off. Point-to-point uses ``Isend``/``Irecv`` started in the caller's thread,
+so sends and receives never block each other.
+
+Types: every torch dtype. MPI has no float16/bfloat16: reductions on them are computed in
+float32 and rounded once (at least as accurate as reducing in 16 bits). CUDA tensors are staged
+through host memory (a CUDA-aware MPI could take them directly; not detected yet).
+Errors: an exception inside an operation fails its work (``wait()`` raises); MPI collectives
+cannot be cancelled, so a rank that never arrives is handled by hpcsync's abort hook / the launcher.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import zlib
+from collections import deque
+from datetime import timedelta
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from . import _mpi
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "hpcsync"
+INIT_METHOD = "hpcsync://"
+_CHUNK_ELEMS = 1 << 30  # elements per MPI call: counts are C ints
+
+RedOp = dist.ReduceOp.RedOpType
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _mpi_type(dtype: torch.dtype) -> Any:
+    MPI = _mpi.MPI()
+    table = {
+        torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
+        torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
+        torch.complex64: MPI.C_FLOAT_COMPLEX, torch.complex128: MPI.C_DOUBLE_COMPLEX,
+        torch.uint16: MPI.UINT16_T, torch.uint32: MPI.UINT32_T, torch.uint64: MPI.UINT64_T,
+        torch.float16: MPI.INT16_T, torch.bfloat16: MPI.INT16_T,  # moved as bits, reduced in float32
+    }
+    try:
+        return table[dtype]
+    except KeyError:
+        raise TypeError(f"hpcsync backend: unsupported dtype {dtype}") from None
+
+
+def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
+    MPI = _mpi.MPI()
+    kind = op.op if hasattr(op, "op") else op
+    if dtype == torch.bool:
+        table = {RedOp.SUM: MPI.LOR, RedOp.MAX: MPI.LOR, RedOp.BOR: MPI.LOR, RedOp.MIN: MPI.LAND,
+                 RedOp.PRODUCT: MPI.LAND, RedOp.BAND: MPI.LAND, RedOp.BXOR: MPI.LXOR, RedOp.AVG: MPI.LOR}
+    else:
+        table = {RedOp.SUM: MPI.SUM, RedOp.AVG: MPI.SUM, RedOp.PREMUL_SUM: MPI.SUM, RedOp.PRODUCT: MPI.PROD,
+                 RedOp.MIN: MPI.MIN, RedOp.MAX: MPI.MAX, RedOp.BAND: MPI.BAND, RedOp.BOR: MPI.BOR,
+                 RedOp.BXOR: MPI.BXOR}
+    if kind not in table:
+        raise ValueError(f"hpcsync backend: unsupported reduce op {kind}")
+    return table[kind]
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """A writable numpy uint8 view of a contiguous CPU tensor's memory (no copy)."""
+    if not t.is_contiguous():  # reshape would copy and MPI would write into the copy
+        raise AssertionError("hpcsync backend: internal error, buffer is not contiguous")
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.numpy()
+    return flat.view(torch.uint8).numpy()
+
+
+class _Staged:
+    """A contiguous CPU (and, for 16-bit floats under reduction, float32) stand-in for a tensor."""
+
+    def __init__(self, t: torch.Tensor, reduce: bool = False, read: bool = True) -> None:
+        self.orig = t
+        work = t.detach()
+        if work.device.type != "cpu":
+            work = work.cpu() if read else torch.empty(work.shape, dtype=work.dtype)
+        if reduce and work.dtype in _HALF:
+            work = work.to(torch.float32, memory_format=torch.contiguous_format)
+        elif not work.is_contiguous():
+            work = work.contiguous() if read else torch.empty(work.shape, dtype=work.dtype)
+        self.t = work
+
+    @property
+    def copied(self) -> bool:
+        return self.t.data_ptr() != self.orig.data_ptr() or self.t.dtype != self.orig.dtype
+
+    def spec(self, start: int = 0, count: Optional[int] = None) -> List[Any]:
+        """``[buffer, count, type]`` for a point-to-point / per-rank message."""
+        n = self.t.numel() - start if count is None else count
+        item = self.t.element_size()
+        return [_bytes(self.t)[start * item:(start + n) * item], n, _mpi_type(self.t.dtype)]
+
+    def whole(self) -> List[Any]:
+        """``[buffer, type]``: mpi4py splits it evenly among the ranks (Allgather, Gather, Scatter)."""
+        return [_bytes(self.t), _mpi_type(self.t.dtype)]
+
+    def finish(self) -> None:
+        if self.copied:
+            with torch.no_grad():
+                self.orig.copy_(self.t)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share bytes (MPI forbids aliased send and receive buffers)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size() if a.is_contiguous() else a.untyped_storage().nbytes() + a0
+    b1 = b0 + b.numel() * b.element_size() if b.is_contiguous() else b.untyped_storage().nbytes() + b0
+    return a0 < b1 and b0 < a1
+
+
+def _chunks(n: int) -> Sequence[Tuple[int, int]]:
+    return [(s, min(_CHUNK_ELEMS, n - s)) for s in range(0, n, _CHUNK_ELEMS)] or [(0, 0)]
+
+
+class MPIWork(dist.Work):
+    """Work completed by the group's worker (collectives) or an MPI request (point-to-point)."""
+
+    def __init__(self, outputs: Optional[List[torch.Tensor]] = None) -> None:
+        super().__init__()
+        self._done = threading.Event()
+        self._exc: Optional[BaseException] = None
+        self._outputs = outputs or []
+        self._future: Future = Future()
+        self._source = -1
+
+    def _complete(self, exc: Optional[BaseException] = None) -> None:
+        self._exc = exc
+        self._done.set()
+        if exc is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(exc)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        if not self._done.wait(seconds if seconds > 0 else None):
+            raise RuntimeError(f"hpcsync backend: operation did not complete within {seconds}s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._exc
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+
+class ProcessGroupHpcsync(dist.ProcessGroup):
+    """A torch ProcessGroup over an mpi4py communicator."""
+
+    def __init__(self, comm: Any, timeout: timedelta = timedelta(minutes=30)) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self._coll = comm.Dup()
+        self._p2p_comm = comm.Dup()
+        self._timeout = timeout
+        self._cv = threading.Condition()
+        self._queue: Deque[Tuple[Callable[[], None], MPIWork]] = deque()
+        self._pending = 0
+        self._worker: Optional[threading.Thread] = None
+        self._closed = False
+        self._p2p_cv = threading.Condition()
+        self._p2p_queue: Deque[Tuple[Any, MPIWork, Callable[[Any], None]]] = deque()
+        self._p2p_thread: Optional[threading.Thread] = None
+        MPI = _mpi.MPI()
+        self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        if not self._threads_ok:
+            log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
+
+    # -- identity ---------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def comm(self) -> Any:
+        return self._coll
+
+    # torch keeps a group's name in its C++ backends; this group is its own backend, so keep it here
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    @property
+    def group_name(self) -> str:
+        return self.getGroupName()
+
+    @property
+    def group_desc(self) -> str:
+        return self.getGroupDesc()
+
+    # -- execution --------------------------------------------------------------------------
+    def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any = None) -> MPIWork:
+        work = MPIWork(outputs)
+        async_op = bool(getattr(opts, "asyncOp", True))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("hpcsync backend: process group was shut down")
+            inline = not self._threads_ok or (not async_op and self._pending == 0)
+            self._pending += 1
+            if not inline:
+                self._queue.append((fn, work))
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work_loop, name="hpcsync-pg", daemon=True)
+                    self._worker.start()
+                self._cv.notify_all()
+        if inline:
+            try:
+                fn()
+                work._complete()
+            except BaseException as exc:  # surfaced by wait()
+                work._complete(exc)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+        return work
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                fn, work = self._queue.popleft()
+            try:
+                fn()
+                work._complete()
+            except BaseException as exc:
+                log.debug("hpcsync backend: operation failed: %s", exc)
+                work._complete(exc)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    # -- reductions -------------------------------------------------------------------------
+    def _reduce_into(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
+        """All-reduce (root None) or reduce to ``root`` in place, for one tensor."""
+        MPI = _mpi.MPI()
+        kind = op.op if hasattr(op, "op") else op
+        s = _Staged(tensor, reduce=True)
+        if kind == RedOp.PREMUL_SUM:
+            s.t.mul_(op.factor)
+        mop = _mpi_op(op, s.t.dtype)
+        for start, n in _chunks(s.t.numel()):
+            if n == 0:
+                continue
+            buf = s.spec(start, n)
+            if root is None:
+                self._coll.Allreduce(MPI.IN_PLACE, buf, op=mop)
+            elif self._coll.Get_rank() == root:
+                self._coll.Reduce(MPI.IN_PLACE, buf, op=mop, root=root)
+            else:
+                self._coll.Reduce(buf, None, op=mop, root=root)
+        if kind == RedOp.AVG and (root is None or self._coll.Get_rank() == root):
+            _divide(s.t, self._coll.Get_size())
+        if root is None or self._coll.Get_rank() == root:
+            s.finish()
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def fn() -> None:
+            for t in tensors:
+                self._reduce_into(t, op, None)
+
+        return self._run(fn, tensors, opts)
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def fn() -> None:
+            for dtype, group in itertools.groupby(sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype)),
+                                                  key=lambda i: str(tensors[i].dtype)):
+                ts = [tensors[i] for i in group]
+                flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
+                self._reduce_into(flat, op, None)
+                pos = 0
+                with torch.no_grad():
+                    for t in ts:
+                        t.copy_(flat[pos:pos + t.numel()].view_as(t))
+                        pos += t.numel()
+
+        return self._run(fn, tensors, opts)
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
+        def fn() -> None:
+            for t in tensors:
+                self._reduce_into(t, opts.reduceOp, opts.rootRank)
+
+        return self._run(fn, tensors, opts)
+
+    # -- data movement ----------------------------------------------------------------------
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
+        root = opts.rootRank
+
+        def fn() -> None:
+            me = self._coll.Get_rank()
+            for t in tensors:
+                s = _Staged(t, read=me == root)
+                for start, n in _chunks(s.t.numel()):
+                    if n:
+                        self._coll.Bcast(s.spec(start, n), root=root)
+                if me != root:
+                    s.finish()
+
+        return self._run(fn, tensors, opts)
+
+    def _allgather_flat(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        size = self._coll.Get_size()
+        if out.numel() != inp.numel() * size:
+            raise ValueError(f"all_gather: output has {out.numel()} elements, expected {inp.numel()} x {size}")
+        so, si = _Staged(out, read=False), _Staged(inp)
+        n = si.t.numel()
+        me = self._coll.Get_rank()
+        if _overlap(so.t, si.t):  # in-place: the input is (part of) the output
+            mine = so.t.reshape(-1)[me * n:(me + 1) * n]
+            if mine.data_ptr() == si.t.data_ptr() and si.t.is_contiguous():
+                si = None  # exactly this rank's slot: MPI_IN_PLACE
+            else:
+                si.t = si.t.clone()
+        if n and n * size <= 2**31 - 1:
+            self._coll.Allgather(_mpi.MPI().IN_PLACE if si is None else si.spec(), so.whole())
+        elif n:  # big counts: one broadcast per rank, in chunks
+            for r in range(size):
+                if r == me and si is not None:
+                    so.t.reshape(-1)[r * n:(r + 1) * n].copy_(si.t.reshape(-1))
+                for start, k in _chunks(n):
+                    self._coll.Bcast(so.spec(r * n + start, k), root=r)
+        so.finish()
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
+        return self._run(lambda: self._allgather_flat(output, input), [output], opts)
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None) -> MPIWork:
+        def fn() -> None:
+            for outs, inp in zip(output_lists, inputs):
+                flat = torch.empty((len(outs), *inp.shape), dtype=inp.dtype)
+                self._allgather_flat(flat, inp)
+                with torch.no_grad():
+                    for o, src in zip(outs, flat):
+                        o.copy_(src)
+
+        return self._run(fn, [t for outs in output_lists for t in outs], opts)
+
+    def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+                            opts: Any = None) -> MPIWork:
+        # torch: output_lists[r][i] is input i of rank r
+        def fn() -> None:
+            for i, inp in enumerate(inputs):
+                flat = torch.empty((self._coll.Get_size(), *inp.shape), dtype=inp.dtype)
+                self._allgather_flat(flat, inp)
+                with torch.no_grad():
+                    for r, outs in enumerate(output_lists):
+                        outs[i].copy_(flat[r])
+
+        return self._run(fn, [t for outs in output_lists for t in outs], opts)
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Any = None) -> MPIWork:
+        def fn() -> None:
+            for o, i in zip(outputs, inputs):
+                self._allgather_flat(o, i)
+
+        return self._run(fn, outputs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> MPIWork:
+        root = opts.rootRank
+
+        def fn() -> None:
+            me, size = self._coll.Get_rank(), self._coll.Get_size()
+            inp = _Staged(inputs[0])
+            if me == root:
+                flat = torch.empty((size, *inputs[0].shape), dtype=inputs[0].dtype)
+                self._coll.Gather(inp.spec(), _Staged(flat, read=False).whole(), root=root)
+                with torch.no_grad():
+                    for o, src in zip(output_lists[0], flat):
+                        o.copy_(src)
+            else:
+                self._coll.Gather(inp.spec(), None, root=root)
+
+        return self._run(fn, [t for outs in output_lists for t in outs], opts)
+
+    def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any) -> MPIWork:
+        root = opts.rootRank
+
+        def fn() -> None:
+            out = _Staged(outputs[0], read=False)
+            if self._coll.Get_rank() == root:
+                flat = torch.stack([t.detach().cpu() for t in input_lists[0]]).contiguous()
+                self._coll.Scatter(_Staged(flat).whole(), out.spec(), root=root)
+            else:
+                self._coll.Scatter(None, out.spec(), root=root)
+            out.finish()
+
+        return self._run(fn, outputs, opts)
+
+    def _reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
+        size = self._coll.Get_size()
+        if inp.numel() != out.numel() * size:
+            raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, expected {out.numel()} x {size}")
+        kind = op.op if hasattr(op, "op") else op
+        si = _Staged(inp, reduce=True)
+        if not si.copied and (kind == RedOp.PREMUL_SUM or _overlap(si.t, out)):
+            si.t = si.t.clone()  # never scale the caller's input, never alias send and receive
+        if kind == RedOp.PREMUL_SUM:
+            si.t.mul_(op.factor)
+        so = _Staged(out, reduce=True, read=False)
+        if so.t.dtype != si.t.dtype:
+            so.t = torch.empty(out.shape, dtype=si.t.dtype)
+        if out.numel():
+            self._coll.Reduce_scatter_block(si.whole(), so.spec(), op=_mpi_op(op, si.t.dtype))
+        if kind == RedOp.AVG:
+            _divide(so.t, size)
+        so.finish()
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
+                       opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def fn() -> None:
+            for out, ins in zip(outputs, input_lists):
+                flat = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
+                self._reduce_scatter_flat(out, flat, op)
+
+        return self._run(fn, outputs, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def fn() -> None:
+            for o, i in zip(outputs, inputs):
+                self._reduce_scatter_flat(o, i, op)
+
+        return self._run(fn, outputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _alltoallv(self, out: torch.Tensor, inp: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> None:
+        so, si = _Staged(out, read=False), _Staged(inp)
+        if _overlap(so.t, si.t):
+            si.t = si.t.clone()
+        if max(sum(send_counts), sum(recv_counts)) > 2**31 - 1:
+            raise ValueError("all_to_all: more than 2**31-1 elements in one call is not supported")
+        sd = [sum(send_counts[:r]) for r in range(len(send_counts))]
+        rd = [sum(recv_counts[:r]) for r in range(len(recv_counts))]
+        t = _mpi_type(si.t.dtype)
+        self._coll.Alltoallv([_bytes(si.t), (send_counts, sd), t], [_bytes(so.t), (recv_counts, rd), t])
+        so.finish()
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                          input_split_sizes: List[int], opts: Any = None) -> MPIWork:
+        size = self._coll.Get_size()
+
+        def counts(t: torch.Tensor, splits: List[int]) -> List[int]:
+            row = t[0].numel() if t.dim() and t.shape[0] else (t.numel() // max(t.shape[0], 1) if t.dim() else 1)
+            if not splits:
+                if t.dim() == 0 or t.shape[0] % size:
+                    raise ValueError(f"all_to_all_single: dim 0 ({t.shape[0] if t.dim() else 0}) "
+                                     f"must divide by the group size {size}")
+                return [t.numel() // size] * size
+            return [s * row for s in splits]
+
+        return self._run(lambda: self._alltoallv(output, input, counts(input, input_split_sizes),
+                                                 counts(output, output_split_sizes)), [output], opts)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                      input_split_sizes: List[int], opts: Any = None) -> MPIWork:
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None) -> MPIWork:
+        def fn() -> None:
+            dtype = inputs[0].dtype
+            send = torch.cat([t.detach().reshape(-1).cpu() for t in inputs]) if inputs else torch.empty(0, dtype=dtype)
+            recv = torch.empty(sum(t.numel() for t in outputs), dtype=dtype)
+            self._alltoallv(recv, send, [t.numel() for t in inputs], [t.numel() for t in outputs])
+            pos = 0
+            with torch.no_grad():
+                for o in outputs:
+                    o.copy_(recv[pos:pos + o.numel()].view_as(o))
+                    pos += o.numel()
+
+        return self._run(fn, outputs, opts)
+
+    def barrier(self, opts: Any = None) -> MPIWork:
+        return self._run(self._coll.Barrier, [], opts)
+
+    # -- point to point ---------------------------------------------------------------------
+    def _track(self, request: Any, outputs: List[torch.Tensor], after: Callable[[Any], None]) -> MPIWork:
+        work = MPIWork(outputs)
+        with self._p2p_cv:
+            self._p2p_queue.append((request, work, after))
+            if self._p2p_thread is None:
+                self._p2p_thread = threading.Thread(target=self._p2p_loop, name="hpcsync-p2p", daemon=True)
+                self._p2p_thread.start()
+            self._p2p_cv.notify_all()
+        return work
+
+    def _p2p_loop(self) -> None:
+        MPI = _mpi.MPI()
+        while True:
+            with self._p2p_cv:
+                while not self._p2p_queue and not self._closed:
+                    self._p2p_cv.wait()
+                if not self._p2p_queue:
+                    return
+                request, work, after = self._p2p_queue.popleft()
+            try:
+                status = MPI.Status()
+                request.Wait(status)
+                after(status)
+                work._complete()
+            except BaseException as exc:
+                work._complete(exc)
+
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> MPIWork:
+        s = _Staged(tensors[0])
+        req = self._p2p_comm.Isend(s.spec(), dest=dst, tag=tag)
+        return self._track(req, tensors, lambda status, keep=s: None)
+
+    def _recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> MPIWork:
+        s = _Staged(tensors[0], read=False)
+        req = self._p2p_comm.Irecv(s.spec(), source=src, tag=tag)
+        holder: List[MPIWork] = []
+
+        def after(status: Any) -> None:
+            s.finish()
+            holder[0]._source = status.Get_source()
+
+        work = self._track(req, tensors, after)
+        holder.append(work)
+        return work
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> MPIWork:
+        return self._recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> MPIWork:
+        return self._recv(tensors, _mpi.MPI().ANY_SOURCE, tag)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        with self._p2p_cv:
+            self._p2p_cv.notify_all()
+        for t in (self._worker, self._p2p_thread):
+            if t is not None:
+                t.join(timeout=self._timeout.total_seconds())
+        MPI = _mpi.MPI()
+        if not MPI.Is_finalized():
+            for c in (self._coll, self._p2p_comm):
+                if c != MPI.COMM_NULL:
+                    c.Free()
+
+    def abort(self) -> None:
+        _mpi.MPI().COMM_WORLD.Abort(1)
+
+
+def _divide(t: torch.Tensor, n: int) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.div_(n)
+    elif t.dtype != torch.bool:
+        t.copy_(torch.div(t, n, rounding_mode="trunc"))
+
+
+def _group_comm(world: Any, ranks: Sequence[int], group_id: str) -> Any:
+    """An MPI communicator of ``ranks`` (world ranks, in that order); collective over them only."""
+    if list(ranks) == list(range(world.Get_size())):
+        return world
+    group = world.Get_group().Incl(list(ranks))
+    try:
+        tag = zlib.crc32(group_id.encode()) % 32768
+        return world.Create_group(group, tag)
+    finally:
+        group.Free()
+
+
+def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
+    from .topology import topology
+
+    topology()  # silent-singleton check, MPI initialised
+    world = _mpi.MPI().COMM_WORLD
+    ranks = list(opts.global_ranks_in_group) or list(range(world.Get_size()))
+    comm = _group_comm(world, ranks, str(opts.group_id))
+    if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
+        raise RuntimeError(f"hpcsync backend: torch expects rank {opts.group_rank}/{opts.group_size} in group "
+                           f"{opts.group_id}, MPI gives {comm.Get_rank()}/{comm.Get_size()}")
+    pg = ProcessGroupHpcsync(comm, opts.timeout)
+    if comm is not world:
+        comm.Free()  # the group keeps its own duplicates
+    return pg
+
+
+def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
+    """``hpcsync://``: rank and size from MPI, an in-process store: no TCP listener at all."""
+    from .topology import topology
+
+    topo = topology()
+    yield dist.HashStore(), topo.rank, topo.world_size
+
+
+def register() -> None:
+    """Register the backend and the ``hpcsync://`` rendezvous with torch (idempotent)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    try:
+        register_rendezvous_handler("hpcsync", _rendezvous)
+    except ValueError:
+        pass  # already registered
+
+
+register()
