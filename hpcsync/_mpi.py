@@ -66,13 +66,19 @@ def use_mpi(env: Optional[Mapping[str, str]] = None) -> bool:
     return launched_by_mpi(env) and mpi4py_importable()
 
 
+_MODULE: Any = None
+
+
 def MPI() -> Any:
     """Return ``mpi4py.MPI`` (initialising MPI on first use) or raise with an install hint."""
-    try:
-        from mpi4py import MPI as mod
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise MissingDependencyError(f"this feature needs MPI: {INSTALL_HINT} ({exc})") from exc
-    return mod
+    global _MODULE
+    if _MODULE is None:
+        try:
+            from mpi4py import MPI as mod
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise MissingDependencyError(f"this feature needs MPI: {INSTALL_HINT} ({exc})") from exc
+        _MODULE = mod
+    return _MODULE
 
 
 def library_name() -> Optional[str]:

@@ -1,0 +1,243 @@
+"""Benchmark: the hpcsync backend vs gloo vs raw mpi4py vs the memory limit, and DDP step time.
+
+    python bench/bench_backend.py [--ranks 2 4] [--quick]
+
+Every rank runs, in one job and side by side: each collective on the hpcsync group and on a gloo
+group, the same MPI call with mpi4py on numpy (the MPI limit), and one ``np.add`` over the same
+bytes (the memory limit). Sizes are per-rank message bytes (all_gather: the gathered output;
+reduce_scatter: the input). Time per call = the slowest rank's mean over the iterations. Then
+DDP training steps of an MLP and a small CNN on each backend. Prints tables, writes
+``bench/results/backend.json`` and ``bench/results/backend.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = [4, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+QUICK_SIZES = [4, 4 << 10, 1 << 20, 16 << 20]
+OPS = ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
+
+
+def worker(quick: bool) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch import nn
+
+    import hpcsync
+
+    torch.set_num_threads(1)
+    topo = hpcsync.init(backend="gloo", timeout=600)
+    R, W = topo.rank, topo.world_size
+    ours = dist.new_group(list(range(W)), backend="hpcsync")
+    gloo = dist.new_group(list(range(W)), backend="gloo")
+    comm = MPI.COMM_WORLD.Dup()
+    rows = []
+
+    def timed(fn, nbytes):
+        iters = max(3, min(300, int((2e8 if not quick else 3e7) / max(nbytes, 1))))
+        for _ in range(2):
+            fn()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        comm.Barrier()
+        return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
+
+    for nbytes in (QUICK_SIZES if quick else SIZES):
+        n = max(1, nbytes // 4)
+        x = torch.ones(n)
+        xn = np.ones(n, dtype=np.float32)
+        part = max(1, n // W)
+        g_out = torch.empty(part * W)
+        g_in = torch.ones(part)
+        gn_out = np.empty(part * W, dtype=np.float32)
+        gn_in = np.ones(part, dtype=np.float32)
+        rs_in = torch.ones(part * W)
+        rs_out = torch.empty(part)
+        rsn_in = np.ones(part * W, dtype=np.float32)
+        rsn_out = np.empty(part, dtype=np.float32)
+        a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
+        mem = timed(lambda: np.add(a, b, out=c), nbytes)
+        impls = {
+            "all_reduce": {
+                "hpcsync": lambda: dist.all_reduce(x, group=ours),
+                "gloo": lambda: dist.all_reduce(x, group=gloo),
+                "mpi4py": lambda: comm.Allreduce(MPI.IN_PLACE, xn),
+            },
+            "all_gather": {
+                "hpcsync": lambda: dist.all_gather_into_tensor(g_out, g_in, group=ours),
+                "gloo": lambda: dist.all_gather_into_tensor(g_out, g_in, group=gloo),
+                "mpi4py": lambda: comm.Allgather(gn_in, gn_out),
+            },
+            "broadcast": {
+                "hpcsync": lambda: dist.broadcast(x, src=0, group=ours),
+                "gloo": lambda: dist.broadcast(x, src=0, group=gloo),
+                "mpi4py": lambda: comm.Bcast(xn, root=0),
+            },
+            "reduce_scatter": {
+                "hpcsync": lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=ours),
+                "gloo": lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=gloo),
+                "mpi4py": lambda: comm.Reduce_scatter_block(rsn_in, rsn_out),
+            },
+        }
+        for op, fns in impls.items():
+            row = {"op": op, "bytes": nbytes, "np.add": mem}
+            for name, fn in fns.items():
+                try:
+                    row[name] = timed(fn, nbytes)
+                except Exception as exc:  # noqa: BLE001  e.g. gloo lacking an op
+                    row[name] = None
+                    row[f"{name}_error"] = str(exc).splitlines()[0][:120]
+            rows.append(row)
+            if R == 0:
+                print(f"  {op:15s} {nbytes:>10d} B  " + "  ".join(
+                    f"{k}={v * 1e6:9.1f}us" for k, v in row.items() if k in ("hpcsync", "gloo", "mpi4py", "np.add") and v),
+                    flush=True)
+
+    # DDP steps: same model, same data, each backend
+    def ddp_steps(make_model, make_batch, group, steps):
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(make_model(), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = make_batch()
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        comm.Barrier()
+        return comm.allreduce((time.perf_counter() - t0) / steps, op=MPI.MAX)
+
+    models = {
+        "MLP 1024-1024-10, batch 32": (lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)),
+                                       lambda: (torch.randn(32, 1024), torch.randint(0, 10, (32,)))),
+        "CNN conv16-conv32-fc, 32x32, batch 32": (
+            lambda: nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                  nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                  nn.Linear(32 * 8 * 8, 10)),
+            lambda: (torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)))),
+    }
+    ddp = []
+    for name, (mk, batch) in models.items():
+        steps = 5 if quick else 20
+        row = {"model": name, "hpcsync": ddp_steps(mk, batch, ours, steps), "gloo": ddp_steps(mk, batch, gloo, steps)}
+        ddp.append(row)
+    if R == 0:
+        print(json.dumps({"world_size": W, "collectives": rows, "ddp": ddp}))
+    hpcsync.shutdown()
+
+
+def fmt_time(s):
+    return "-" if s is None else (f"{s * 1e6:.1f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms")
+
+
+def report(results, out_json, out_png):
+    lines = []
+    for res in results:
+        W = res["world_size"]
+        lines.append(f"\n### {W} ranks\n")
+        lines.append("| op | size | hpcsync | gloo | mpi4py | np.add | hpcsync GB/s | × gloo | × mpi4py |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in res["collectives"]:
+            o, g, m = r.get("hpcsync"), r.get("gloo"), r.get("mpi4py")
+            bw = f"{r['bytes'] / o / 1e9:.2f}" if o else "-"
+            lines.append(f"| {r['op']} | {human(r['bytes'])} | {fmt_time(o)} | {fmt_time(g)} | {fmt_time(m)} | "
+                         f"{fmt_time(r['np.add'])} | {bw} | {g / o:.2f} | {m / o:.2f} |" if o and g and m else
+                         f"| {r['op']} | {human(r['bytes'])} | {fmt_time(o)} | {fmt_time(g)} | {fmt_time(m)} | "
+                         f"{fmt_time(r['np.add'])} | {bw} | - | - |")
+        lines.append("\n| DDP step | hpcsync | gloo | hpcsync / gloo |")
+        lines.append("|---|---|---|---|")
+        for d in res["ddp"]:
+            lines.append(f"| {d['model']} | {fmt_time(d['hpcsync'])} | {fmt_time(d['gloo'])} | "
+                         f"{d['hpcsync'] / d['gloo']:.2f} |")
+    print("\n".join(lines))
+    os.makedirs(os.path.dirname(out_json), exist_ok=True)
+    with open(out_json, "w") as f:
+        json.dump({"results": results, "host_cpus": os.cpu_count()}, f, indent=1)
+    try:
+        plot(results, out_png)
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+    print(f"\nwrote {out_json} and {out_png}")
+
+
+def human(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} TiB"
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), len(OPS), figsize=(4.2 * len(OPS), 3.4 * len(results)), squeeze=False)
+    for i, res in enumerate(results):
+        for j, op in enumerate(OPS):
+            ax = axes[i][j]
+            rows = [r for r in res["collectives"] if r["op"] == op]
+            for name, style in (("hpcsync", "o-"), ("gloo", "s--"), ("mpi4py", "^:"), ("np.add", "k-")):
+                pts = [(r["bytes"], r["bytes"] / r[name] / 1e9) for r in rows if r.get(name)]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=name, linewidth=1 if name == "np.add" else 1.5)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{op}, {res['world_size']} ranks")
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("GB/s")
+            ax.grid(True, which="both", alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 ranks, sizes up to 16 MiB")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backend.json"))
+    args = ap.parse_args()
+    if args.worker:
+        worker(bool(os.environ.get("BENCH_QUICK")))
+        return
+    if args.quick:
+        args.ranks = [2]
+    env = {**os.environ, "MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1", **({"BENCH_QUICK": "1"} if args.quick else {})}
+    results = []
+    for n in args.ranks:
+        print(f"{n} ranks:", flush=True)
+        proc = subprocess.run(["mpirun.openmpi", "--oversubscribe", "--bind-to", "none", "-n", str(n), sys.executable,
+                               __file__, "--worker"], env=env, stdout=subprocess.PIPE, text=True, timeout=3000)
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmark job with {n} ranks failed (rc={proc.returncode})")
+        lines = proc.stdout.strip().splitlines()
+        print("\n".join(lines[:-1]))
+        results.append(json.loads(lines[-1]))
+    report(results, args.out, str(Path(args.out).with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
