@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 n=${1:-4}; shift || true
 bash jobs/setup_env.sh
 # MPICH's mpiexec from the venv (pip wheel): no --allow-run-as-root or --oversubscribe needed.
-exec .venv/bin/mpiexec -n "$n" .venv/bin/python examples/train.py --out runs/quickstart "$@"
+exec bash jobs/mpirun_local.sh "$n" --out runs/quickstart "$@"

@@ -1,0 +1,136 @@
+"""A real single-node Slurm cluster (munge + slurmctld + slurmd from Debian) for the tests.
+
+    python tests/slurm_cluster.py start DIR   # prints `export SLURM_CONF=DIR/slurm.conf`
+    python tests/slurm_cluster.py stop DIR
+
+Everything lives under DIR (config, state, spool, logs, pid files); the node declares 16 CPUs
+(``SlurmdParameters=config_overrides``) so 16-rank jobs fit on a 2-core machine. Needs root and
+the packages ``slurm-wlm munge libpmix-dev`` (installed by ``jobs/setup_env.sh --full``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CPUS = 16
+
+
+def _config(d: Path, host: str) -> str:
+    mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
+    return f"""\
+ClusterName=hpcsync-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+SchedulerType=sched/builtin
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+SlurmctldPort=16817
+SlurmdPort=16818
+MinJobAge=300
+KillWait=5
+InactiveLimit=0
+NodeName={host} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={mem_mb} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def _munge() -> None:
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+        return
+    run = Path("/run/munge")
+    run.mkdir(parents=True, exist_ok=True)
+    shutil.chown(run, "munge", "munge")
+    if not Path("/etc/munge/munge.key").exists():
+        subprocess.run(["mungekey", "-c", "-k", "/etc/munge/munge.key"], check=True)
+        shutil.chown("/etc/munge/munge.key", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+
+
+def start(d: Path, timeout: float = 60) -> dict:
+    """Start the cluster; return the environment clients need (SLURM_CONF)."""
+    if os.geteuid() != 0:
+        raise RuntimeError("the test Slurm cluster needs root")
+    for exe in ("slurmctld", "slurmd", "munged", "srun", "sbatch"):
+        if not shutil.which(exe):
+            raise RuntimeError(f"{exe} not found: run `bash jobs/setup_env.sh --full` (slurm-wlm munge)")
+    host = socket.gethostname()
+    d = d.resolve()
+    for sub in ("state", "spool"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    conf = d / "slurm.conf"
+    conf.write_text(_config(d, host))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    _munge()
+    subprocess.run(["slurmctld", "-c"], env=env, check=True)
+    subprocess.run(["slurmd", "-N", host], env=env, check=True)
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        state = subprocess.run(["sinfo", "-h", "-n", host, "-o", "%t"], env=env, capture_output=True,
+                               text=True).stdout.strip()
+        if state == "idle":
+            return {"SLURM_CONF": str(conf)}
+        time.sleep(0.2)
+    log = (d / "slurmctld.log").read_text()[-2000:] if (d / "slurmctld.log").exists() else ""
+    stop(d)
+    raise RuntimeError(f"slurm node never became idle (state {state!r}); slurmctld.log tail:\n{log}")
+
+
+def stop(d: Path) -> None:
+    for name in ("slurmd", "slurmctld"):
+        pidfile = d / f"{name}.pid"
+        if pidfile.exists():
+            try:
+                pid = int(pidfile.read_text().strip())
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(50):
+                    os.kill(pid, 0)
+                    time.sleep(0.1)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def wait_job(job_id: str, env: dict, timeout: float = 300) -> dict:
+    """Poll until the job left the queue; return its scontrol fields (JobState, ExitCode, ...)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        q = subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True)
+        if q.returncode == 0 and not q.stdout.strip():
+            break
+        time.sleep(0.3)
+    else:
+        subprocess.run(["scancel", job_id], env=env)
+        raise TimeoutError(f"job {job_id} still queued or running after {timeout}s")
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+if __name__ == "__main__":
+    cmd, folder = sys.argv[1], Path(sys.argv[2])
+    if cmd == "start":
+        print(f"export SLURM_CONF={start(folder)['SLURM_CONF']}")
+    else:
+        stop(folder)
