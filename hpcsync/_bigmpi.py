@@ -49,6 +49,8 @@ def _displs(counts: Sequence[int]) -> List[int]:
 
 
 def allgather_sizes(comm: Any, nbytes: int) -> List[int]:
+    if not hasattr(comm, "Allgather"):  # TorchComm: no buffer collectives
+        return [int(n) for n in comm.allgather(int(nbytes))]
     from mpi4py import MPI
 
     sizes = np.zeros(comm.Get_size(), dtype=np.int64)
@@ -87,9 +89,25 @@ def iter_gatherv(
     only valid until the next item); yields nothing elsewhere. ``direct`` is this rank's data
     as a buffer (sent without a copy); otherwise ``fill`` supplies it round by round.
     """
+    me, is_root = comm.Get_rank(), comm.Get_rank() == root
+    if not hasattr(comm, "Gatherv"):  # TorchComm: the same rounds, as pickled objects
+        sent = [0] * len(sizes)
+        for counts in schedule(sizes, round_bytes):
+            view = memoryview(bytearray(counts[me]))
+            if counts[me] and direct is None:
+                fill(view, sent[me])
+            elif counts[me]:
+                view[:] = direct[sent[me]:sent[me] + counts[me]]
+            chunks = comm.gather(bytes(view), root=root)
+            if is_root:
+                for r, chunk in enumerate(chunks):
+                    if chunk:
+                        yield r, sent[r], memoryview(chunk)
+            for r, c in enumerate(counts):
+                sent[r] += c
+        return
     from mpi4py import MPI
 
-    me, is_root = comm.Get_rank(), comm.Get_rank() == root
     sent = [0] * len(sizes)
     bounce = bytearray(0)
     recv = bytearray(0)

@@ -1,4 +1,4 @@
-"""Command line: ``hpcsync info`` and ``hpcsync merge`` (run them under your launcher)."""
+"""Command line: ``hpcsync info``, ``merge`` and ``doctor`` (run them under your launcher)."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +61,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import run
+
+    return run(connect=not args.no_connect)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcsync", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -77,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--method", default="auto", choices=["auto", "gather", "mpiio"])
     merge.add_argument("--no-progress", action="store_true")
     merge.set_defaults(func=cmd_merge)
+    doctor = sub.add_parser("doctor", help="check MPI, launcher, addresses, torch, GPUs, HDF5; non-zero exit on problems")
+    doctor.add_argument("--no-connect", action="store_true", help="skip the TCP reachability test to rank 0")
+    doctor.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -40,12 +40,9 @@ _HEADER_SCAN = 1 << 20
 
 
 def _world() -> Any:
-    if _mpi.use_mpi():
-        from .topology import topology
+    from ._torchcomm import world
 
-        topology()  # silent-singleton check
-        return _mpi.MPI().COMM_WORLD
-    return None
+    return world()
 
 
 def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[PathLike] = None) -> str:
@@ -312,6 +309,10 @@ def merge_parts(
 
 def _choose_method(comm: Any, method: str, tmp: Optional[str], total: int) -> str:
     if comm is None or comm.Get_size() == 1:
+        return "gather"
+    if not hasattr(comm, "Gatherv"):  # torch.distributed without MPI
+        if method == "mpiio":
+            raise SyncError("method='mpiio' needs MPI (mpi4py); this job runs without it")
         return "gather"
     if method != "auto":
         if method == "mpiio" and not all(comm.allgather(os.path.exists(tmp or ""))):

@@ -57,7 +57,7 @@ def parallel_available(comm: Any = None) -> Tuple[bool, str]:
     """Whether the collective path can run here, and why not. Agreed by every rank of ``comm``."""
     h5py = _h5py()
     reason = ""
-    if comm is None:
+    if comm is None or not hasattr(comm, "Allgather"):
         reason = "no MPI in use"
     elif not h5py.get_config().mpi:
         reason = "h5py was built without MPI (the PyPI wheel is serial)"
@@ -72,12 +72,9 @@ def parallel_available(comm: Any = None) -> Tuple[bool, str]:
 
 
 def _world() -> Any:
-    if _mpi.use_mpi():
-        from .topology import topology
+    from ._torchcomm import world
 
-        topology()
-        return _mpi.MPI().COMM_WORLD
-    return None
+    return world()
 
 
 class CollectiveWriter:

@@ -41,6 +41,10 @@ if ! { "$PY" -c "import torch, mpi4py, numpy, psutil, pytest, yaml, h5py" 2>/dev
 fi
 pip install --no-deps -e .
 
+if [ "$full" = 1 ] && ! "$PY" -c "import lightning, matplotlib" 2>/dev/null; then
+  log "pip install lightning matplotlib (Lightning integration tests, benchmark plots)"
+  pip install lightning matplotlib   # torch 2.13.0 already satisfies lightning: no CUDA download
+fi
 if [ "$full" = 1 ] && ! "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
   log "building h5py against Debian's parallel HDF5 + Open MPI (~2-3 min)"
   pip install "setuptools>=77" cython pkgconfig wheel

@@ -78,6 +78,24 @@ def test_binary_parts_byte_exact(method, tmp_path):
     assert target.read_bytes() == b"".join(parts)
 
 
+def test_torchrun_without_mpi(tmp_path):
+    """torchrun, no MPI: SyncedFile joins over torch.distributed once hpcsync.init() ran..."""
+    target = tmp_path / "metrics.csv"
+    run(LAUNCHERS["torchrun"](), 3, "sync.py", str(target),
+        json.dumps({"_mode": "synced_file", "strip_header": True, "_init": True}), tmp_path=tmp_path)
+    lines = target.read_text(encoding="utf-8").splitlines()
+    assert lines == ["rank,i,text"] + [f"{r},{i},rång {r}·{i}" for r in range(3) for i in range(r + 1)]
+
+
+def test_torchrun_without_any_transport_is_an_error(tmp_path):
+    """...and refuses to run as N independent one-rank jobs when nothing connects the ranks."""
+    target = tmp_path / "metrics.csv"
+    res = run(LAUNCHERS["torchrun"](), 2, "sync.py", str(target), json.dumps({"_mode": "synced_file"}),
+              tmp_path=tmp_path, expect_ok=False)
+    assert res.returncode != 0 and not target.exists()
+    assert "neither MPI (mpi4py) nor torch.distributed" in res.stderr
+
+
 def test_missing_rank_part_allowed_and_keep_parts(tmp_path):
     target = tmp_path / "m.txt"
     parts = [b"a\n", None, b"c"]

@@ -11,6 +11,8 @@ from _report import report
 
 target, opts = sys.argv[1], json.loads(sys.argv[2])
 mode = opts.pop("_mode", "sync_file")
+if opts.pop("_init", False):
+    hpcsync.init(backend="gloo", timeout=60)
 rank, size = comm.get_rank(), comm.get_world_size()
 out = {"rank": rank, "world_size": size}
 try:

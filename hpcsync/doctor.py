@@ -1,0 +1,189 @@
+"""``hpcsync doctor``: check, under the user's launcher, what would break training, with the fix.
+
+Every check runs on every rank; rank 0 prints one line per check (worst status over ranks, with
+the ranks it concerns) and the command exits non-zero when any check failed.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+_ORDER = {OK: 0, WARN: 1, FAIL: 2}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+
+
+def _mpi_checks(checks: List[Check]) -> Any:
+    """Library, thread level, silent singletons. Returns the topology, or None if unusable."""
+    from . import _mpi
+    from .errors import HpcsyncError
+    from .topology import topology
+
+    try:
+        topo = topology()
+    except HpcsyncError as exc:
+        checks.append(Check("launcher / MPI", FAIL, str(exc)))
+        return None
+    checks.append(Check("launcher", OK, f"{topo.launcher}: rank {topo.rank}/{topo.world_size}, local "
+                                         f"{topo.local_rank}/{topo.local_size}, node {topo.node_rank}/{topo.num_nodes}"))
+    if topo.uses_mpi:
+        MPI = _mpi.MPI()
+        level = MPI.Query_thread()
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED",
+                 MPI.THREAD_MULTIPLE: "MULTIPLE"}
+        status = OK if level == MPI.THREAD_MULTIPLE else WARN
+        checks.append(Check("MPI", status, f"{topo.mpi_library}, thread level {names.get(level, level)}"
+                            + ("" if status == OK else " (the hpcsync backend then runs every operation "
+                               "synchronously: no overlap of communication with backward)")))
+    elif topo.world_size == 1:
+        checks.append(Check("MPI", WARN if topo.launcher == "single" else OK,
+                            "not in use (one process)" if topo.launcher == "single" else "not in use"))
+    else:
+        checks.append(Check("MPI", OK, f"not in use: ranks from {topo.launcher}'s environment"))
+    return topo
+
+
+def _hostname_check(topo: Any, checks: List[Check]) -> None:
+    from .network import hostname_addresses
+
+    addrs = hostname_addresses(topo.hostname)
+    if not addrs:
+        checks.append(Check("hostname", WARN, f"{topo.hostname} does not resolve here; hpcsync does not need it "
+                                              "(addresses come from interfaces), but tools that use the hostname will fail"))
+    elif all(a.startswith("127.") or a == "::1" for a in addrs):
+        status = WARN if topo.num_nodes > 1 else OK
+        checks.append(Check("hostname", status, f"{topo.hostname} resolves to {', '.join(addrs)} (loopback): "
+                            + ("other nodes cannot use it; hpcsync picks a routable interface address instead, "
+                               "set HPCSYNC_IFNAME to choose one" if status == WARN else "fine on one node")))
+    else:
+        checks.append(Check("hostname", OK, f"{topo.hostname} resolves to {', '.join(addrs)}"))
+
+
+def _address_checks(topo: Any, checks: List[Check], connect: bool) -> None:
+    from . import _mpi
+    from .bootstrap import master_address
+    from .errors import HpcsyncError
+
+    try:
+        choice = master_address(topo)
+    except HpcsyncError as exc:
+        checks.append(Check("master address", FAIL, str(exc)))
+        return
+    checks.append(Check("master address", OK, f"{choice.address} ({choice.ifname or '?'}): {choice.reason}"))
+    if not (connect and topo.uses_mpi and topo.world_size > 1):
+        return
+    comm = _mpi.MPI().COMM_WORLD
+    server: Optional[socket.socket] = None
+    port, err = 0, None
+    if topo.rank == 0:
+        try:
+            server = socket.socket(socket.AF_INET6 if ":" in choice.address else socket.AF_INET)
+            server.bind((choice.address, 0))
+            server.listen(64)
+            port = server.getsockname()[1]
+        except OSError as exc:
+            err = f"rank 0 cannot bind {choice.address}: {exc}"
+    port, err = comm.bcast((port, err), root=0)
+    result = err
+    if err is None and topo.rank != 0:
+        try:
+            socket.create_connection((choice.address, port), timeout=5).close()
+        except OSError as exc:
+            result = f"cannot connect to {choice.address}:{port}: {exc}"
+    results = comm.gather(result, root=0)
+    comm.Barrier()
+    if server is not None:
+        server.close()
+    if topo.rank == 0:
+        bad = [(r, m) for r, m in enumerate(results) if m]
+        checks.append(Check("reachability", FAIL if bad else OK,
+                            "; ".join(f"rank {r}: {m}" for r, m in bad[:5]) + " -- set HPCSYNC_IFNAME or "
+                            "HPCSYNC_MASTER_ADDR to an address all nodes can reach" if bad else
+                            f"every rank connected to {choice.address} (a TCP test; --no-connect skips it)"))
+
+
+def _torch_checks(topo: Any, checks: List[Check]) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        checks.append(Check("torch", FAIL, "torch is not installed: pip install torch"))
+        return
+    names = [n for n, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                             ("mpi", dist.is_mpi_available())) if ok]
+    ours = "hpcsync (socket-free, needs MPI)" if topo is not None and topo.uses_mpi else "hpcsync unavailable without MPI"
+    checks.append(Check("torch", OK, f"{torch.__version__}; backends: {', '.join(names) or 'none'}, {ours}"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if topo is None:
+        return
+    if gpus == 0:
+        checks.append(Check("GPUs", OK, f"none on {topo.hostname}: backend auto picks "
+                                        f"{'hpcsync' if topo.uses_mpi else 'gloo'}"))
+    elif gpus < topo.local_size:
+        checks.append(Check("GPUs", FAIL, f"{gpus} GPU(s) on {topo.hostname} for {topo.local_size} local ranks: "
+                                          "NCCL needs one GPU per rank; request --gpus-per-task=1 or fewer tasks per node"))
+    else:
+        checks.append(Check("GPUs", OK, f"{gpus} GPU(s) for {topo.local_size} local rank(s)"))
+
+
+def _hdf5_check(checks: List[Check]) -> None:
+    try:
+        import h5py  # noqa: F401
+    except ImportError:
+        checks.append(Check("HDF5", WARN, "h5py not installed: hpcsync.h5 unavailable (pip install h5py)"))
+        return
+    from . import _mpi
+    from .h5 import parallel_available
+
+    comm = _mpi.MPI().COMM_WORLD if _mpi.use_mpi() else None
+    ok, why = parallel_available(comm)
+    fix = ("run under the MPI that h5py was built against, or rebuild h5py against this one" if "different MPI" in why
+           else "build h5py against parallel HDF5: jobs/setup_env.sh --full")
+    checks.append(Check("HDF5", OK if ok else WARN, "parallel (h5py + mpio)" if ok else f"serial fallback: {why} ({fix})"))
+
+
+def run(connect: bool = True) -> int:
+    """Run every check; rank 0 prints the report. Returns the exit code (agreed by all ranks)."""
+    checks: List[Check] = []
+    topo = _mpi_checks(checks)
+    if topo is not None:
+        _hostname_check(topo, checks)
+        _address_checks(topo, checks, connect)
+    _torch_checks(topo, checks)
+    if topo is not None:
+        _hdf5_check(checks)
+    rows = [(c.name, c.status, c.detail) for c in checks]
+    if topo is not None and topo.uses_mpi:
+        from . import _mpi
+
+        every = _mpi.MPI().COMM_WORLD.gather(rows, root=0)
+        rank = topo.rank
+    else:
+        every, rank = [rows], 0
+    failed = False
+    if rank == 0:
+        merged: dict = {}
+        for r, rs in enumerate(every):
+            for name, status, detail in rs:
+                cur = merged.setdefault(name, {"status": status, "detail": detail, "ranks": []})
+                if _ORDER[status] > _ORDER[cur["status"]]:
+                    cur.update(status=status, detail=detail, ranks=[])
+                if status == cur["status"] and status != OK:
+                    cur["ranks"].append(r)
+        for name, m in merged.items():
+            where = f" [rank(s) {','.join(map(str, m['ranks'][:8]))}]" if m["ranks"] and len(every) > 1 else ""
+            print(f"{m['status']:>4}  {name:15s} {m['detail']}{where}", flush=True)
+        failed = any(m["status"] == FAIL for m in merged.values())
+        print("doctor: " + ("problems found (FAIL above)" if failed else "no blocking problem found"), flush=True)
+    if topo is not None and topo.uses_mpi:
+        from . import _mpi
+
+        failed = _mpi.MPI().COMM_WORLD.bcast(failed, root=0)
+    return 1 if failed else 0

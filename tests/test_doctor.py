@@ -1,0 +1,41 @@
+"""`hpcsync doctor` on a healthy job and on deliberately broken ones."""
+import subprocess
+
+from launch import PY, clean_env, mpich, openmpi
+
+
+def doctor(launcher, n, env=None, args=()):
+    cmd = [*launcher.command(n), PY, "-m", "hpcsync.cli", "doctor", *args]
+    return subprocess.run(cmd, env=clean_env({**launcher.env, **(env or {})}), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_healthy_openmpi_job():
+    p = doctor(openmpi(), 3)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert "ok  launcher        openmpi: rank 0/3" in out
+    assert "thread level MULTIPLE" in out
+    assert "every rank connected to 127.0.0.1" in out
+    assert "ok  HDF5            parallel" in out
+    assert "no blocking problem found" in out
+
+
+def test_silent_singletons_fail_with_the_fix():
+    p = doctor(mpich(), 2, env={"MPI4PY_MPIABI": "openmpi"})
+    assert p.returncode != 0
+    assert p.stdout.count("FAIL  launcher / MPI  silent singletons") == 2  # every task says so
+    assert "MPI4PY_MPIABI" in p.stdout
+
+
+def test_missing_interface_fails():
+    p = doctor(mpich(), 2, env={"HPCSYNC_IFNAME": "ib7"})
+    assert p.returncode != 0
+    assert "FAIL  master address  HPCSYNC_IFNAME='ib7'" in p.stdout and "lo=127.0.0.1/8" in p.stdout
+
+
+def test_hdf5_mismatch_is_a_warning_not_a_failure():
+    p = doctor(mpich(), 2, args=("--no-connect",))
+    assert p.returncode == 0
+    assert "warn  HDF5            serial fallback: h5py and mpi4py use different MPI libraries" in p.stdout
+    assert "reachability" not in p.stdout

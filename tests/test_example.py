@@ -1,0 +1,43 @@
+"""examples/train.py trains (loss falls) under every local launcher; srun/sbatch: test_slurm.py."""
+import json
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from launch import LAUNCHERS, PY, ROOT, clean_env
+
+EXAMPLE = str(ROOT / "examples" / "train.py")
+
+
+def check_outputs(out, n):
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == n
+    assert s["loss_last"] < 0.7 * s["loss_first"], s
+    assert s["val_accuracy"] > 0.5
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "rank,epoch,step,loss" and rows.count("rank,epoch,step,loss") == 1
+    assert {int(r.split(",")[0]) for r in rows[1:]} == set(range(n))
+    with h5py.File(out / "predictions.h5") as f:
+        assert f["pred"].shape == f["label"].shape and f["x"].shape[1] == 2
+        assert sorted(np.unique(f["rank"][:])) == list(range(n))
+        assert abs(float(f.attrs["accuracy"]) - s["val_accuracy"]) < 1e-9
+    assert (out / "model.pt").exists()
+    return s
+
+
+@pytest.mark.parametrize("launcher,n,backend", [("openmpi", 16, "auto"), ("mpich", 4, "auto"), ("openmpi", 4, "gloo"),
+                                                ("torchrun", 2, "auto"), (None, 1, "auto")])
+def test_example_trains(launcher, n, backend, tmp_path):
+    out = tmp_path / "run"
+    lau = LAUNCHERS[launcher]() if launcher else None
+    prefix = lau.command(n) if lau else []
+    python = [] if launcher == "torchrun" else [PY]
+    cmd = [*prefix, *python, EXAMPLE, "--epochs", "4", "--samples", "3000", "--backend", backend, "--out", str(out)]
+    p = subprocess.run(cmd, env=clean_env(lau.env if lau else {}), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = check_outputs(out, n)
+    expected = {"openmpi": "hpcsync", "mpich": "hpcsync", "torchrun": "gloo", None: "gloo"}[launcher]
+    assert s["backend"] == (backend if backend != "auto" else expected)
+    assert p.stdout.count("done:") == 1, "the summary is printed by rank 0 only"
