@@ -6,7 +6,7 @@ Compares, on the same parts in one run: hpcsync's gather path and MPI-IO path, t
 detectron2's ``comm.gather`` (pickle, pad to the largest, ``all_gather`` over gloo), mpi4py's
 lowercase object ``gather``, and ``cat parts > target`` as the limit. Each measurement is one
 ``mpirun`` job (so root peak memory is per method): throughput = merged bytes / merge time, root
-memory = peak RSS growth on the root during the merge. Prints a table, writes JSON to
+memory = peak RSS growth on the root during the merge (VmHWM, reset just before it). Prints a table, writes JSON to
 ``bench/results/filesync.json``. Parts sit in the page cache for every method (written just before).
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -26,12 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)", "mpi4py-gather", "cat"]
 
 
-def rss_kib() -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def reset_peak() -> None:
+    """Reset VmHWM (peak RSS) to the current RSS, so the peak covers the merge only."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def worker(method: str, folder: str, total: int) -> None:
@@ -44,8 +49,12 @@ def worker(method: str, folder: str, total: int) -> None:
     target = os.path.join(folder, "merged")
     n = total // size + (1 if rank < total % size else 0)
     line = (f"{rank},0123456789,abcdefghijklmnopqrstuvwxyz\n").encode()
-    with open(part, "wb") as f:  # CSV-like text, each rank a different size share
-        f.write((line * (n // len(line) + 1))[:n])
+    block = line * (2**20 // len(line))
+    with open(part, "wb") as f:  # CSV-like text, written in 1 MiB blocks
+        left = n
+        while left:
+            f.write(block[:left])
+            left -= min(left, len(block))
     if method == "pad+allgather(gloo)":
         import pickle
 
@@ -56,9 +65,13 @@ def worker(method: str, folder: str, total: int) -> None:
 
         hpcsync.init(backend="gloo", timeout=600)
     else:
-        import hpcsync.filesync  # noqa: F401
+        import hpcsync
+        from hpcsync import _torchcomm, filesync  # noqa: F401  imports are not part of the merge
+
+        hpcsync.topology()
     comm.Barrier()
-    base = rss_kib()
+    base = status_kib("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     if method == "hpcsync-gather":
         hpcsync.sync_file(target, part=part, method="gather", text=False, keep_parts=True, progress=False)
@@ -93,7 +106,7 @@ def worker(method: str, folder: str, total: int) -> None:
                 os.fsync(f.fileno())
     comm.Barrier()
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM")
     if rank == 0:
         assert os.path.getsize(target) == total, (os.path.getsize(target), total)
         print(json.dumps({"seconds": seconds, "root_peak_growth_mib": max(0, peak - base) / 1024}))

@@ -10,8 +10,9 @@ Methods: ``gather`` -- parts travel to the root in rounds of MPI ``Gatherv`` on 
 byte buffers (no padding) and the root writes them at their offsets: root memory stays below
 ``round_bytes`` (default 256 MiB) whatever the size. ``mpiio`` -- every rank writes its own bytes
 into the target with collective ``File.Write_at_all`` at ``Exscan`` offsets (target on a shared
-filesystem). ``auto`` uses ``mpiio`` when several nodes share the target's filesystem and the
-merge is large, else ``gather``.
+filesystem). ``auto`` uses ``mpiio`` when every rank sees the target's directory (one node,
+Lustre, GPFS; not NFS) and the merge is 4 MiB or more, else ``gather``. The root's own part is
+copied file-to-file in the kernel (``copy_file_range``), never through Python memory.
 
 Nothing is lost: the target is written to a temporary file in its directory, flushed, fsynced
 and renamed; parts are deleted only after that; every failure (missing or unreadable part,
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 METHODS = ("auto", "gather", "mpiio")
-AUTO_MPIIO_BYTES = 256 * 2**20
+AUTO_MPIIO_BYTES = 4 * 2**20
 _HEADER_SCAN = 1 << 20
 
 
@@ -319,30 +320,47 @@ def _choose_method(comm: Any, method: str, tmp: Optional[str], total: int) -> st
             raise SyncError(f"method='mpiio' needs the target directory on a filesystem every rank "
                             f"sees; {os.path.dirname(tmp or '')} is not shared. Use method='gather'.")
         return method
-    from .topology import topology
+    # MPI-IO when every rank sees the target directory (one node, Lustre, GPFS, ...) and the merge
+    # is not tiny; NFS without special mount options can corrupt concurrent writes: gather there.
+    shared = all(comm.allgather(os.path.exists(tmp or "") and not _on_nfs(tmp or "")))
+    return "mpiio" if shared and total >= AUTO_MPIIO_BYTES else "gather"
 
-    shared = all(comm.allgather(os.path.exists(tmp or "")))
-    return "mpiio" if shared and topology().num_nodes > 1 and total >= AUTO_MPIIO_BYTES else "gather"
+
+def _on_nfs(path: str) -> bool:
+    """Whether ``path`` lies on NFS (longest matching mount point in /proc/mounts)."""
+    best, fstype = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and path.startswith(parts[1].rstrip("/") + "/") and len(parts[1]) >= len(best):
+                    best, fstype = parts[1], parts[2]
+    except OSError:
+        return False
+    return fstype.startswith("nfs")
 
 
 def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int, round_bytes: int,
                   bar: Optional[Progress]) -> Optional[str]:
+    """Root copies its own part file-to-file in the kernel, then receives the others in rounds."""
     me = comm.Get_rank() if comm is not None else 0
     fd, err = (os.open(tmp, os.O_WRONLY), None) if me == root else (-1, None)
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
     try:
-        if comm is None:
-            chunks = _local_chunks(src, round_bytes)
-        else:
-            chunks = _bigmpi.iter_gatherv(comm, sizes, src.fill, root, round_bytes)
-        for r, off, chunk in chunks:
-            if err is None:
-                try:
-                    _pwrite_all(fd, chunk, starts[r] + off)
-                except OSError as exc:
-                    err = f"writing {tmp}: {exc}"  # keep receiving: the other ranks must not hang
+        if me == root:
+            err = _copy_own(src, fd, starts[root], tmp)
             if bar is not None:
-                bar.update(len(chunk))
+                bar.update(sizes[root])
+        if comm is not None:
+            others = [0 if r == root else n for r, n in enumerate(sizes)]  # same schedule on every rank
+            for r, off, chunk in _bigmpi.iter_gatherv(comm, others, src.fill, root, round_bytes):
+                if err is None:
+                    try:
+                        _pwrite_all(fd, chunk, starts[r] + off)
+                    except OSError as exc:
+                        err = f"writing {tmp}: {exc}"  # keep receiving: the other ranks must not hang
+                if bar is not None:
+                    bar.update(len(chunk))
         if me == root and err is None:
             os.fsync(fd)
     except OSError as exc:
@@ -353,13 +371,24 @@ def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int
     return err
 
 
-def _local_chunks(src: _Source, round_bytes: int):
-    buf = bytearray(min(max(src.size, 1), round_bytes))
-    for off in range(0, src.size, len(buf)):
-        n = min(len(buf), src.size - off)
-        view = memoryview(buf)[:n]
-        src.fill(view, off)
-        yield 0, off, view
+def _copy_own(src: _Source, fd: int, offset: int, tmp: str) -> Optional[str]:
+    """Write the root's own contribution at ``offset`` without passing it through user memory."""
+    for path, skip, n in src.pieces:
+        try:
+            if path is None:
+                _pwrite_all(fd, memoryview(b"\n" * n), offset)
+            else:
+                with open(path, "rb", buffering=0) as f:
+                    done = 0
+                    while done < n:
+                        k = os.copy_file_range(f.fileno(), fd, n - done, skip + done, offset + done)
+                        if k == 0:
+                            raise OSError(f"{path} shrank while being merged")
+                        done += k
+        except OSError as exc:
+            return f"copying {path or 'newline'} into {tmp}: {exc}"
+        offset += n
+    return None
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
