@@ -1,9 +1,10 @@
 """hpcsync.init() on real launchers: ranks, port broadcast, exported variables, abort on failure."""
+import subprocess
 import time
 
 import pytest
 
-from launch import LAUNCHERS, openmpi, run
+from launch import LAUNCHERS, PY, clean_env, openmpi, run
 
 
 @pytest.mark.parametrize("launcher,n", [("openmpi", 4), ("mpich", 4), ("openmpi", 16), ("torchrun", 2)])
@@ -43,6 +44,15 @@ def test_uncaught_exception_ends_the_job(tmp_path):
     assert "MPI_Abort" in res.stderr
 
 
-def test_abort_hook_can_be_disabled_torchrun_still_reports(tmp_path):
+def test_uncaught_exception_under_mpich_ends_the_job(tmp_path):
     res = run(LAUNCHERS["mpich"](), 2, "fail.py", tmp_path=tmp_path, expect_ok=False, timeout=120)
     assert res.returncode != 0 and "deliberate failure on rank 1" in res.stderr
+
+
+def test_abort_hook_can_be_turned_off(tmp_path):
+    code = ("import sys, hpcsync; hpcsync.init(backend='gloo', abort_on_exception={arg});"
+            "print(sys.excepthook.__module__)")
+    for arg, env, ours in (("True", {}, True), ("False", {}, False), ("True", {"HPCSYNC_ABORT_ON_EXCEPTION": "0"}, False)):
+        out = subprocess.run([PY, "-c", code.format(arg=arg)], env=clean_env(env), capture_output=True, text=True,
+                             check=True).stdout.split()[-1]
+        assert (out == "hpcsync.bootstrap") is ours, (arg, env, out)  # otherwise torch's own hook

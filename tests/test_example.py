@@ -41,3 +41,16 @@ def test_example_trains(launcher, n, backend, tmp_path):
     expected = {"openmpi": "hpcsync", "mpich": "hpcsync", "torchrun": "gloo", None: "gloo"}[launcher]
     assert s["backend"] == (backend if backend != "auto" else expected)
     assert p.stdout.count("done:") == 1, "the summary is printed by rank 0 only"
+
+
+def test_sync_file_example(tmp_path):
+    from launch import mpich
+
+    target = tmp_path / "m.csv"
+    lau = mpich()
+    p = subprocess.run([*lau.command(3), PY, str(ROOT / "examples" / "sync_file.py"), str(target)],
+                       env=clean_env(lau.env), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert target.read_text().splitlines() == ["rank,step,value"] + [f"{r},{s},{r * 10 + s}" for r in range(3)
+                                                                      for s in range(3)]
+    assert p.stdout.count("bytes from 3 rank(s)") == 1

@@ -57,3 +57,14 @@ def test_import_initialises_nothing():
     out = subprocess.run([PY, "-c", code], env=clean_env({"OMPI_COMM_WORLD_SIZE": "4"}), capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_cli_info_prints_every_rank_in_order():
+    lau = openmpi()
+    p = subprocess.run([*lau.command(4), PY, "-m", "hpcsync.cli", "info"], env=clean_env(lau.env),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[0] == "# master address: 127.0.0.1 (single node: loopback)"
+    assert [ln.split()[0] for ln in lines[1:]] == [f"rank={r}/4" for r in range(4)]
+    assert all("local=" in ln and "ifname=lo" in ln and "mpi=Open MPI" in ln and "hpcsync" in ln for ln in lines[1:])
