@@ -18,6 +18,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 _EXPORTS = {
     "Topology": "topology",
     "topology": "topology",
+    "local_comm": "topology",
     "init": "bootstrap",
     "shutdown": "bootstrap",
     "is_initialized": "bootstrap",

@@ -35,22 +35,6 @@ def _timeout(timeout: Union[None, float, _dt.timedelta]) -> _dt.timedelta:
     return _dt.timedelta(seconds=float(timeout))
 
 
-def collective_check(ok: bool, message: str, comm: Any = None) -> None:
-    """Agree on failure: if any rank's ``ok`` is False, raise the first failing rank's message on all."""
-    if comm is None and _mpi.use_mpi():
-        comm = _mpi.MPI().COMM_WORLD
-    if comm is None or comm.Get_size() == 1:
-        if not ok:
-            raise HpcsyncError(message)
-        return
-    failed = comm.allgather(None if ok else message)
-    bad = [(r, m) for r, m in enumerate(failed) if m is not None]
-    if bad:
-        r, m = bad[0]
-        others = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-        raise HpcsyncError(f"rank {r}{others}: {m}")
-
-
 def master_address(topo: Optional[Topology] = None) -> MasterChoice:
     """Rank 0's routable address, chosen from every node's interfaces (collective under MPI)."""
     topo = topo or topology()
@@ -231,10 +215,6 @@ def _check_ranks(topo: Topology) -> None:
 
 def is_initialized() -> bool:
     return _state.get("topology") is not None
-
-
-def backend_name() -> Optional[str]:
-    return _state.get("backend")
 
 
 def shutdown() -> None:

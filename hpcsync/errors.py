@@ -1,6 +1,8 @@
 """Exceptions raised by hpcsync. Collective failures raise the same error on every rank."""
 from __future__ import annotations
 
+from typing import Any, Optional, Type
+
 
 class HpcsyncError(RuntimeError):
     """Base class of every hpcsync error."""
@@ -20,3 +22,16 @@ class AddressError(HpcsyncError):
 
 class SyncError(HpcsyncError):
     """A file sync failed; no part was deleted and the old target, if any, is intact."""
+
+
+def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], what: str) -> None:
+    """Collective: if any rank has an ``error``, raise the same ``exc_type`` on every rank.
+
+    The message names each failing rank, so the cause is visible wherever the job is read.
+    ``comm`` None means one process.
+    """
+    errors = comm.allgather(error) if comm is not None else [error]
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        lines = "; ".join(f"rank {r}: {e}" for r, e in bad[:8]) + (f"; ... {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise exc_type(f"{what}{lines}")

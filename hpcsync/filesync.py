@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _bigmpi, _mpi
-from .errors import SyncError
+from .errors import SyncError, raise_if_any
 from .progress import Progress
 
 log = logging.getLogger(__name__)
@@ -165,11 +165,7 @@ def _inspect(path: str, allow_missing: bool, need_header: bool) -> Tuple[Optiona
 
 def _agree(comm: Any, error: Optional[str], what: str) -> None:
     """Raise the same SyncError on every rank if any rank has an error."""
-    errors = comm.allgather(error) if comm is not None else [error]
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if bad:
-        lines = "; ".join(f"rank {r}: {e}" for r, e in bad[:8]) + (f"; ... {len(bad) - 8} more" if len(bad) > 8 else "")
-        raise SyncError(f"{what} failed, nothing deleted: {lines}")
+    raise_if_any(comm, error, SyncError, f"{what} failed, nothing deleted: ")
 
 
 def _plan(comm: Any, my_parts: List[_Part], strip_header: bool, check_headers: bool, text: bool) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _mpi
-from .errors import MissingDependencyError
+from .errors import MissingDependencyError, raise_if_any
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,7 @@ class CollectiveWriter:
         self._agree(err)
 
     def _agree(self, err: Optional[str]) -> None:
-        errors = self.comm.allgather(err) if self.comm is not None else [err]
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            raise ValueError("; ".join(f"rank {r}: {e}" for r, e in bad))
+        raise_if_any(self.comm, err, ValueError, "")
 
     def _layout(self, name: str, rows: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...], int, int]:
         """Validate collectively; return dtype, trailing shape, my first row, total rows."""
