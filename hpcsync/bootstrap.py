@@ -6,6 +6,7 @@ the launcher's environment is used.
 """
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import logging
 import os
@@ -170,6 +171,9 @@ def init(
             dist.init_process_group(name, store=store, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
         _state.update(topology=topo, owner=True, store=store, backend=name, master=choice)
+        # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
+        # the process ("terminate called without an active exception"), measured under torchrun.
+        atexit.register(shutdown)
         if abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0":
             install_abort_hook()
         if topo.rank == 0:
