@@ -75,6 +75,9 @@ def _pick_backend(backend: str, topo: Topology) -> str:
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "hpcsync" and not topo.uses_mpi and topo.world_size > 1:
+        raise HpcsyncError("backend 'hpcsync' moves tensors with MPI, but this job runs without MPI "
+                           f"(launcher {topo.launcher}); launch with mpirun/srun --mpi=..., or use backend='gloo'")
     if backend != "auto":
         return backend
     if torch.cuda.is_available() and torch.cuda.device_count() >= topo.local_size and dist.is_nccl_available():

@@ -56,3 +56,12 @@ def test_abort_hook_can_be_turned_off(tmp_path):
         out = subprocess.run([PY, "-c", code.format(arg=arg)], env=clean_env(env), capture_output=True, text=True,
                              check=True).stdout.split()[-1]
         assert (out == "hpcsync.bootstrap") is ours, (arg, env, out)  # otherwise torch's own hook
+
+
+def test_hpcsync_backend_without_mpi_is_a_clear_error(tmp_path):
+    prog = tmp_path / "p.py"
+    prog.write_text("import hpcsync\ntry:\n    hpcsync.init(backend='hpcsync')\n"
+                    "except hpcsync.HpcsyncError as e:\n    print('ERR', e)\n")
+    p = subprocess.run([*LAUNCHERS["torchrun"]().command(2), str(prog)], env=clean_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.stdout.count("ERR backend 'hpcsync' moves tensors with MPI") == 2, p.stdout + p.stderr[-2000:]
