@@ -5,7 +5,8 @@
 Compares, on the same parts in one run: hpcsync's gather path and MPI-IO path, the approach of
 detectron2's ``comm.gather`` (pickle, pad to the largest, ``all_gather`` over gloo), mpi4py's
 lowercase object ``gather``, and ``cat parts > target`` as the limit. Each measurement is one
-``mpirun`` job (so root peak memory is per method): throughput = merged bytes / merge time, root
+``mpirun`` job (so root peak memory is per method), started after ``sync`` (no dirty pages left
+by the previous one): throughput = merged bytes / merge time, root
 memory = peak RSS growth on the root during the merge (VmHWM, reset just before it). Prints a table, writes JSON to
 ``bench/results/filesync.json``. Parts sit in the page cache for every method (written just before).
 """
@@ -69,6 +70,8 @@ def worker(method: str, folder: str, total: int) -> None:
         from hpcsync import _torchcomm, filesync  # noqa: F401  imports are not part of the merge
 
         hpcsync.topology()
+    if rank == 0:
+        os.sync()  # start every measurement with no dirty pages left by the previous one
     comm.Barrier()
     base = status_kib("VmRSS")
     reset_peak()
@@ -123,6 +126,7 @@ def measure(method: str, ranks: int, total: int, tmp: Path) -> dict:
             p = folder / f"part{r:04d}"
             p.write_bytes((b"x" * 64 + b"\n") * (n // 65) + b"y" * (n % 65))
             parts.append(str(p))
+        os.sync()
         t0 = time.perf_counter()
         subprocess.run(f"cat {' '.join(parts)} > {folder}/merged && sync {folder}/merged", shell=True, check=True)
         out = {"seconds": time.perf_counter() - t0, "root_peak_growth_mib": 0.0}

@@ -67,14 +67,6 @@ def _from_buffer(data: Any) -> Tuple[int, Fill]:
     return len(mv), fill
 
 
-def _send_view(data: Optional[memoryview], fill: Fill, offset: int, count: int, bounce: bytearray) -> memoryview:
-    if data is not None:
-        return data[offset: offset + count]
-    view = memoryview(bounce)[:count]
-    fill(view, offset)
-    return view
-
-
 def iter_gatherv(
     comm: Any,
     sizes: Sequence[int],
@@ -106,30 +98,72 @@ def iter_gatherv(
             for r, c in enumerate(counts):
                 sent[r] += c
         return
+    for chunks in iter_gatherv_rounds(comm, sizes, fill, root, round_bytes, direct):
+        yield from chunks
+
+
+def iter_gatherv_rounds(
+    comm: Any,
+    sizes: Sequence[int],
+    fill: Fill,
+    root: int = 0,
+    round_bytes: int = DEFAULT_ROUND_BYTES,
+    direct: Optional[memoryview] = None,
+    pipeline: bool = False,
+) -> Iterator[List[Tuple[int, int, memoryview]]]:
+    """Like :func:`iter_gatherv`, one list of ``(rank, offset, chunk)`` per round (root only).
+
+    ``pipeline=True`` overlaps the stages: senders fill round k+1 from a helper thread while
+    round k is in flight, and the root receives into two alternating buffers of half the budget
+    each (memory stays within ``round_bytes``). A round's chunks then stay valid until the
+    generator is resumed *twice*, so the root can write round k while round k+1 arrives.
+    """
     from mpi4py import MPI
 
-    sent = [0] * len(sizes)
-    bounce = bytearray(0)
-    recv = bytearray(0)
-    for counts in schedule(sizes, round_bytes):
-        mine = counts[me]
-        if direct is None and len(bounce) < mine:
-            bounce = bytearray(mine)
-        sendbuf = [_send_view(direct, fill, sent[me], mine, bounce), mine, MPI.BYTE]
-        if is_root:
-            total = sum(counts)
-            if len(recv) < total:
-                recv = bytearray(total)
-            displs = _displs(counts)
-            comm.Gatherv(sendbuf, [recv, counts, displs, MPI.BYTE], root=root)
-            rv = memoryview(recv)
-            for r, (c, d) in enumerate(zip(counts, displs)):
-                if c:
-                    yield r, sent[r], rv[d: d + c]
-        else:
-            comm.Gatherv(sendbuf, None, root=root)
+    me, is_root = comm.Get_rank(), comm.Get_rank() == root
+    nbuf = 2 if pipeline else 1
+    rounds = list(schedule(sizes, max(1, round_bytes // nbuf)))
+    starts, sent = [], [0] * len(sizes)
+    for counts in rounds:
+        starts.append(list(sent))
         for r, c in enumerate(counts):
             sent[r] += c
+    mine_max = max((c[me] for c in rounds), default=0)
+    bounces = [bytearray(mine_max) for _ in range(nbuf)] if direct is None else []
+    recvs = [bytearray(max((sum(c) for c in rounds), default=0)) for _ in range(nbuf)] if is_root else []
+    pool = None
+    if pipeline and direct is None and mine_max:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcsync-read")
+
+    def payload(k: int) -> memoryview:
+        n, off = rounds[k][me], starts[k][me]
+        if direct is not None:
+            return direct[off: off + n]
+        view = memoryview(bounces[k % nbuf])[:n]
+        if n:
+            fill(view, off)
+        return view
+
+    try:
+        ahead = pool.submit(payload, 0) if pool is not None and rounds else None
+        for k, counts in enumerate(rounds):
+            view = ahead.result() if ahead is not None else payload(k)
+            if pool is not None and k + 1 < len(rounds):
+                ahead = pool.submit(payload, k + 1)  # read the next round while this one travels
+            sendbuf = [view, counts[me], MPI.BYTE]
+            if is_root:
+                displs = _displs(counts)
+                recv = recvs[k % nbuf]
+                comm.Gatherv(sendbuf, [recv, counts, displs, MPI.BYTE], root=root)
+                rv = memoryview(recv)
+                yield [(r, starts[k][r], rv[d: d + c]) for r, (c, d) in enumerate(zip(counts, displs)) if c]
+            else:
+                comm.Gatherv(sendbuf, None, root=root)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def gatherv_bytes(comm: Any, data: Any, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES) -> Optional[List[bytearray]]:

@@ -10,8 +10,9 @@ Methods: ``gather`` -- parts travel to the root in rounds of MPI ``Gatherv`` on 
 byte buffers (no padding) and the root writes them at their offsets: root memory stays below
 ``round_bytes`` (default 256 MiB) whatever the size. ``mpiio`` -- every rank writes its own bytes
 into the target with collective ``File.Write_at_all`` at ``Exscan`` offsets (target on a shared
-filesystem). ``auto`` uses ``mpiio`` when every rank sees the target's directory (one node,
-Lustre, GPFS; not NFS) and the merge is 256 MiB or more, else ``gather``. The root's own part is
+filesystem). ``auto`` uses ``mpiio`` when several nodes see the target's directory (Lustre,
+GPFS; not NFS) and the merge is 256 MiB or more, else ``gather``. The gather path is pipelined:
+senders read round k+1 while round k travels, the root writes round k while k+1 arrives. The root's own part is
 copied file-to-file in the kernel (``copy_file_range``), never through Python memory.
 
 Nothing is lost: the target is written to a temporary file in its directory, flushed, fsynced
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 METHODS = ("auto", "gather", "mpiio")
-AUTO_MPIIO_BYTES = 256 * 2**20  # measured: MPI-IO wins from ~1 GB here, gather below
+AUTO_MPIIO_BYTES = 256 * 2**20
 _HEADER_SCAN = 1 << 20
 
 
@@ -316,10 +317,13 @@ def _choose_method(comm: Any, method: str, tmp: Optional[str], total: int) -> st
             raise SyncError(f"method='mpiio' needs the target directory on a filesystem every rank "
                             f"sees; {os.path.dirname(tmp or '')} is not shared. Use method='gather'.")
         return method
-    # MPI-IO when every rank sees the target directory (one node, Lustre, GPFS, ...) and the merge
-    # is not tiny; NFS without special mount options can corrupt concurrent writes: gather there.
+    # MPI-IO when several nodes see the target directory (Lustre, GPFS, ...) and the merge is
+    # large: it spares the root's network link. On one node the pipelined gather measured as fast
+    # or faster. NFS without special mount options can corrupt concurrent writes: gather there.
+    from .topology import topology
+
     shared = all(comm.allgather(os.path.exists(tmp or "") and not _on_nfs(tmp or "")))
-    return "mpiio" if shared and total >= AUTO_MPIIO_BYTES else "gather"
+    return "mpiio" if shared and topology().num_nodes > 1 and total >= AUTO_MPIIO_BYTES else "gather"
 
 
 def _on_nfs(path: str) -> bool:
@@ -349,14 +353,7 @@ def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int
                 bar.update(sizes[root])
         if comm is not None:
             others = [0 if r == root else n for r, n in enumerate(sizes)]  # same schedule on every rank
-            for r, off, chunk in _bigmpi.iter_gatherv(comm, others, src.fill, root, round_bytes):
-                if err is None:
-                    try:
-                        _pwrite_all(fd, chunk, starts[r] + off)
-                    except OSError as exc:
-                        err = f"writing {tmp}: {exc}"  # keep receiving: the other ranks must not hang
-                if bar is not None:
-                    bar.update(len(chunk))
+            err = _receive_and_write(comm, others, src, root, round_bytes, fd, starts, tmp, bar) or err
         if me == root and err is None:
             os.fsync(fd)
     except OSError as exc:
@@ -365,6 +362,46 @@ def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int
         if fd >= 0:
             os.close(fd)
     return err
+
+
+def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, round_bytes: int, fd: int,
+                       starts: List[int], tmp: str, bar: Optional[Progress]) -> Optional[str]:
+    """Pipelined: a writer thread writes round k while round k+1 is gathered (and read ahead)."""
+    if not hasattr(comm, "Gatherv"):  # TorchComm fallback: plain rounds
+        rounds = ([c] for c in _bigmpi.iter_gatherv(comm, sizes, src.fill, root, round_bytes))
+        pipeline = None
+    else:
+        rounds = _bigmpi.iter_gatherv_rounds(comm, sizes, src.fill, root, round_bytes, pipeline=True)
+        from concurrent.futures import ThreadPoolExecutor
+
+        pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcsync-write")
+    errors: List[str] = []
+
+    def write(chunks: List[Tuple[int, int, memoryview]]) -> None:
+        for r, off, chunk in chunks:
+            if not errors:
+                try:
+                    _pwrite_all(fd, chunk, starts[r] + off)
+                except OSError as exc:
+                    errors.append(f"writing {tmp}: {exc}")  # keep receiving: the others must not hang
+            if bar is not None:
+                bar.update(len(chunk))
+
+    pending: List[Any] = []
+    try:
+        for chunks in rounds:
+            if pipeline is None:
+                write(chunks)
+                continue
+            pending.append(pipeline.submit(write, chunks))
+            if len(pending) == 2:  # round k-1's buffer is reused by the next Gatherv: finish it first
+                pending.pop(0).result()
+        for fut in pending:
+            fut.result()
+    finally:
+        if pipeline is not None:
+            pipeline.shutdown(wait=True)
+    return errors[0] if errors else None
 
 
 def _copy_own(src: _Source, fd: int, offset: int, tmp: str) -> Optional[str]:
