@@ -129,8 +129,10 @@ def iter_gatherv_rounds(
         for r, c in enumerate(counts):
             sent[r] += c
     mine_max = max((c[me] for c in rounds), default=0)
-    bounces = [bytearray(mine_max) for _ in range(nbuf)] if direct is None else []
-    recvs = [bytearray(max((sum(c) for c in rounds), default=0)) for _ in range(nbuf)] if is_root else []
+    recv_max = max((sum(c) for c in rounds), default=0)
+    # Allocated on first use: a one-round merge never touches the second buffer's pages.
+    bounces: List[Optional[bytearray]] = [None] * nbuf
+    recvs: List[Optional[bytearray]] = [None] * nbuf
     pool = None
     if pipeline and direct is None and mine_max:
         from concurrent.futures import ThreadPoolExecutor
@@ -141,7 +143,9 @@ def iter_gatherv_rounds(
         n, off = rounds[k][me], starts[k][me]
         if direct is not None:
             return direct[off: off + n]
-        view = memoryview(bounces[k % nbuf])[:n]
+        if bounces[k % nbuf] is None:
+            bounces[k % nbuf] = bytearray(mine_max)
+        view = memoryview(bounces[k % nbuf])[:n]  # type: ignore[arg-type]
         if n:
             fill(view, off)
         return view
@@ -155,6 +159,8 @@ def iter_gatherv_rounds(
             sendbuf = [view, counts[me], MPI.BYTE]
             if is_root:
                 displs = _displs(counts)
+                if recvs[k % nbuf] is None:
+                    recvs[k % nbuf] = bytearray(recv_max)
                 recv = recvs[k % nbuf]
                 comm.Gatherv(sendbuf, [recv, counts, displs, MPI.BYTE], root=root)
                 rv = memoryview(recv)
