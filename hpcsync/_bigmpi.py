@@ -81,23 +81,6 @@ def iter_gatherv(
     only valid until the next item); yields nothing elsewhere. ``direct`` is this rank's data
     as a buffer (sent without a copy); otherwise ``fill`` supplies it round by round.
     """
-    me, is_root = comm.Get_rank(), comm.Get_rank() == root
-    if not hasattr(comm, "Gatherv"):  # TorchComm: the same rounds, as pickled objects
-        sent = [0] * len(sizes)
-        for counts in schedule(sizes, round_bytes):
-            view = memoryview(bytearray(counts[me]))
-            if counts[me] and direct is None:
-                fill(view, sent[me])
-            elif counts[me]:
-                view[:] = direct[sent[me]:sent[me] + counts[me]]
-            chunks = comm.gather(bytes(view), root=root)
-            if is_root:
-                for r, chunk in enumerate(chunks):
-                    if chunk:
-                        yield r, sent[r], memoryview(chunk)
-            for r, c in enumerate(counts):
-                sent[r] += c
-        return
     for chunks in iter_gatherv_rounds(comm, sizes, fill, root, round_bytes, direct):
         yield from chunks
 
@@ -118,9 +101,12 @@ def iter_gatherv_rounds(
     each (memory stays within ``round_bytes``). A round's chunks then stay valid until the
     generator is resumed *twice*, so the root can write round k while round k+1 arrives.
     """
+    me, is_root = comm.Get_rank(), comm.Get_rank() == root
+    if not hasattr(comm, "Gatherv"):  # TorchComm: the same rounds, as pickled objects (always fresh)
+        yield from _object_rounds(comm, sizes, fill, root, round_bytes, direct)
+        return
     from mpi4py import MPI
 
-    me, is_root = comm.Get_rank(), comm.Get_rank() == root
     nbuf = 2 if pipeline else 1
     rounds = list(schedule(sizes, max(1, round_bytes // nbuf)))
     starts, sent = [], [0] * len(sizes)
@@ -170,6 +156,23 @@ def iter_gatherv_rounds(
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def _object_rounds(comm: Any, sizes: Sequence[int], fill: Fill, root: int, round_bytes: int,
+                   direct: Optional[memoryview]) -> Iterator[List[Tuple[int, int, memoryview]]]:
+    me, is_root = comm.Get_rank(), comm.Get_rank() == root
+    sent = [0] * len(sizes)
+    for counts in schedule(sizes, round_bytes):
+        view = memoryview(bytearray(counts[me]))
+        if counts[me] and direct is None:
+            fill(view, sent[me])
+        elif counts[me]:
+            view[:] = direct[sent[me]:sent[me] + counts[me]]
+        chunks = comm.gather(bytes(view), root=root)
+        if is_root:
+            yield [(r, sent[r], memoryview(c)) for r, c in enumerate(chunks) if c]
+        for r, c in enumerate(counts):
+            sent[r] += c
 
 
 def gatherv_bytes(comm: Any, data: Any, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES) -> Optional[List[bytearray]]:

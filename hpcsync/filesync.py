@@ -367,14 +367,10 @@ def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int
 def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, round_bytes: int, fd: int,
                        starts: List[int], tmp: str, bar: Optional[Progress]) -> Optional[str]:
     """Pipelined: a writer thread writes round k while round k+1 is gathered (and read ahead)."""
-    if not hasattr(comm, "Gatherv"):  # TorchComm fallback: plain rounds
-        rounds = ([c] for c in _bigmpi.iter_gatherv(comm, sizes, src.fill, root, round_bytes))
-        pipeline = None
-    else:
-        rounds = _bigmpi.iter_gatherv_rounds(comm, sizes, src.fill, root, round_bytes, pipeline=True)
-        from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
-        pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcsync-write")
+    rounds = _bigmpi.iter_gatherv_rounds(comm, sizes, src.fill, root, round_bytes, pipeline=True)
+    pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcsync-write")
     errors: List[str] = []
 
     def write(chunks: List[Tuple[int, int, memoryview]]) -> None:
@@ -390,17 +386,13 @@ def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, rou
     pending: List[Any] = []
     try:
         for chunks in rounds:
-            if pipeline is None:
-                write(chunks)
-                continue
             pending.append(pipeline.submit(write, chunks))
             if len(pending) == 2:  # round k-1's buffer is reused by the next Gatherv: finish it first
                 pending.pop(0).result()
         for fut in pending:
             fut.result()
     finally:
-        if pipeline is not None:
-            pipeline.shutdown(wait=True)
+        pipeline.shutdown(wait=True)
     return errors[0] if errors else None
 
 
