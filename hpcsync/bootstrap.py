@@ -13,11 +13,12 @@ import os
 import sys
 import threading
 import traceback
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Union
 
 from . import _mpi
 from .errors import AddressError, HpcsyncError, MissingDependencyError
-from .network import MasterChoice, NodeInterfaces, choose_master, local_interfaces
+from .network import (MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
+                      local_interfaces, master_candidates, open_listener, try_connect)
 from .topology import Topology, topology
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,15 @@ def _timeout(timeout: Union[None, float, _dt.timedelta]) -> _dt.timedelta:
     return _dt.timedelta(seconds=float(timeout))
 
 
-def master_address(topo: Optional[Topology] = None) -> MasterChoice:
-    """Rank 0's routable address, chosen from every node's interfaces (collective under MPI)."""
+def master_address(topo: Optional[Topology] = None, verify: bool = True) -> MasterChoice:
+    """Rank 0's routable address, chosen from every node's interfaces (collective under MPI).
+
+    With ``verify`` and several nodes, the choice is proven before anyone uses it: rank 0 listens
+    on each candidate, one rank per other node connects to all of them (bounded by
+    ``HPCSYNC_CONNECT_TIMEOUT``, default 3 s), and the first candidate every node reached wins.
+    None reached: the same :class:`AddressError` on every rank, with what each node has and what
+    failed.
+    """
     topo = topo or topology()
     env_addr = os.environ.get("HPCSYNC_MASTER_ADDR") or None
     ifname = os.environ.get("HPCSYNC_IFNAME") or None
@@ -50,13 +58,56 @@ def master_address(topo: Optional[Topology] = None) -> MasterChoice:
     mine = NodeInterfaces(topo.hostname, local_interfaces()) if topo.local_rank == 0 else None
     tables = comm.gather((topo.node_rank, mine), root=0)
     result: Any = None
+    ordered: List[NodeInterfaces] = []
     if topo.rank == 0:
         nodes = {n: t for n, t in tables if t is not None}
         ordered = [nodes[topo.node_rank]] + [t for n, t in sorted(nodes.items()) if n != topo.node_rank]
         try:
-            result = choose_master(ordered, ifname=ifname, address=env_addr)
+            if env_addr:
+                result = [choose_master(ordered, address=env_addr)]
+            else:
+                result = master_candidates(ordered, ifname=ifname, route=kernel_route_source)
         except AddressError as exc:
             result = str(exc)
+    result = comm.bcast(result, root=0)
+    if isinstance(result, str):
+        raise AddressError(result)
+    if not verify or topo.num_nodes == 1 or env_addr:
+        return result[0]
+    return _prove(comm, topo, result, ordered)
+
+
+def _prove(comm: Any, topo: Topology, candidates: List[MasterChoice], nodes: List[NodeInterfaces]) -> MasterChoice:
+    """Pick the first candidate that one rank on every other node can connect to (collective)."""
+    timeout = float(os.environ.get("HPCSYNC_CONNECT_TIMEOUT", 3))
+    listeners: List[Any] = []
+    ports: Any = None
+    if topo.rank == 0:
+        opened = [open_listener(c.address, backlog=max(128, topo.num_nodes + 16)) for c in candidates]
+        listeners = [sock for sock, _, _ in opened if sock is not None]
+        ports = [port for _, port, _ in opened]
+    ports = comm.bcast(ports, root=0)
+    errors = None
+    if topo.local_rank == 0 and topo.rank != 0:
+        errors = try_connect([(c.address, p) for c, p in zip(candidates, ports)], timeout)
+    every = comm.gather((topo.hostname, errors), root=0)
+    result: Any = None
+    if topo.rank == 0:
+        for sock in listeners:
+            sock.close()
+        reports = [(host, errs) for host, errs in every if errs is not None]
+        for k, cand in enumerate(candidates):
+            if ports[k] and all(errs[k] is None for _, errs in reports):
+                result = MasterChoice(cand.address, cand.ifname, cand.reason + ", reached from every node")
+                break
+        else:
+            tried = "\n".join(
+                f"  {c.address} ({c.ifname}; {c.reason}): "
+                + ("; ".join(f"{host}: {errs[k]}" for host, errs in reports if errs[k]) or "rank 0 could not listen")
+                for k, c in enumerate(candidates))
+            result = (f"no candidate master address was reachable from every node; tried:\n{tried}\n"
+                      f"Interfaces per node:\n{describe_nodes(nodes)}\n"
+                      "Set HPCSYNC_MASTER_ADDR or HPCSYNC_IFNAME, or use backend='hpcsync' (needs no address).")
     result = comm.bcast(result, root=0)
     if isinstance(result, str):
         raise AddressError(result)
@@ -143,9 +194,10 @@ def init(
             _state.update(topology=topo, owner=False)
             return topo
         name = _pick_backend(backend, topo)
-        choice = master_address(topo)
+        # The MPI-based backends need no address: do not pay for choosing and proving one.
+        choice = None if name in ("mpi", "hpcsync") else master_address(topo)
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if choice.ifname and var not in os.environ:
+            if choice is not None and choice.ifname and var not in os.environ:
                 os.environ[var] = choice.ifname
         if name == "nccl" and set_device:
             torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
@@ -153,14 +205,15 @@ def init(
         if init_method is None and not topo.uses_mpi:
             init_method = "env://"  # torchrun's agent store, or MASTER_ADDR/PORT from the launcher
         if name == "mpi":
-            _export_env(topo, choice.address, None)
+            _export_env(topo, None, None)
             dist.init_process_group("mpi", timeout=td)
         elif name == "hpcsync":
             from .backend import BACKEND_NAME, INIT_METHOD
 
-            _export_env(topo, choice.address, None)
+            _export_env(topo, None, None)
             dist.init_process_group(BACKEND_NAME, init_method=INIT_METHOD, timeout=td)
         elif init_method and init_method != "tcp":
+            assert choice is not None
             if init_method == "env://":
                 port = int(os.environ.get("MASTER_PORT") or master_port or _default_port())
                 _export_env(topo, os.environ.get("MASTER_ADDR") or choice.address, port)
@@ -169,6 +222,7 @@ def init(
             dist.init_process_group(name, init_method=init_method, rank=topo.rank,
                                     world_size=topo.world_size, timeout=td)
         else:
+            assert choice is not None
             store, port = _tcp_store(topo, choice.address, master_port, td)
             _export_env(topo, choice.address, port)
             dist.init_process_group(name, store=store, rank=topo.rank, world_size=topo.world_size, timeout=td)
@@ -180,8 +234,8 @@ def init(
         if abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0":
             install_abort_hook()
         if topo.rank == 0:
-            log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s:%s (%s)",
-                     name, topo.world_size, topo.num_nodes, choice.address, port, choice.reason)
+            log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
+                     topo.num_nodes, f"{choice.address}:{port} ({choice.reason})" if choice else "none (MPI)")
         return topo
 
 

@@ -5,9 +5,8 @@ the ranks it concerns) and the command exits non-zero when any check failed.
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 _ORDER = {OK: 0, WARN: 1, FAIL: 2}
@@ -72,31 +71,22 @@ def _address_checks(topo: Any, checks: List[Check], connect: bool) -> None:
     from .errors import HpcsyncError
 
     try:
-        choice = master_address(topo)
+        choice = master_address(topo, verify=connect)
     except HpcsyncError as exc:
         checks.append(Check("master address", FAIL, str(exc)))
         return
     checks.append(Check("master address", OK, f"{choice.address} ({choice.ifname or '?'}): {choice.reason}"))
     if not (connect and topo.uses_mpi and topo.world_size > 1):
         return
+    from .network import open_listener, try_connect
+
     comm = _mpi.MPI().COMM_WORLD
-    server: Optional[socket.socket] = None
-    port, err = 0, None
-    if topo.rank == 0:
-        try:
-            server = socket.socket(socket.AF_INET6 if ":" in choice.address else socket.AF_INET)
-            server.bind((choice.address, 0))
-            server.listen(64)
-            port = server.getsockname()[1]
-        except OSError as exc:
-            err = f"rank 0 cannot bind {choice.address}: {exc}"
+    server, port, err = open_listener(choice.address, backlog=max(128, topo.world_size + 16)) if topo.rank == 0 \
+        else (None, 0, None)
     port, err = comm.bcast((port, err), root=0)
     result = err
     if err is None and topo.rank != 0:
-        try:
-            socket.create_connection((choice.address, port), timeout=5).close()
-        except OSError as exc:
-            result = f"cannot connect to {choice.address}:{port}: {exc}"
+        result = try_connect([(choice.address, port)], timeout=5)[0]
     results = comm.gather(result, root=0)
     comm.Barrier()
     if server is not None:
@@ -144,9 +134,12 @@ def _hdf5_check(checks: List[Check]) -> None:
 
     comm = _mpi.MPI().COMM_WORLD if _mpi.use_mpi() else None
     ok, why = parallel_available(comm)
-    fix = ("run under the MPI that h5py was built against, or rebuild h5py against this one" if "different MPI" in why
+    mismatch = "different MPI" in why or "another MPI's headers" in why
+    fix = ("run under the MPI that h5py was built against, or rebuild h5py against this one (its mpicc and "
+           "include directory first: jobs/setup_env.sh --full)" if mismatch
            else "build h5py against parallel HDF5: jobs/setup_env.sh --full")
-    checks.append(Check("HDF5", OK if ok else WARN, "parallel (h5py + mpio)" if ok else f"serial fallback: {why} ({fix})"))
+    status = OK if ok else FAIL if mismatch else WARN
+    checks.append(Check("HDF5", status, "parallel (h5py + mpio)" if ok else f"serial fallback: {why} ({fix})"))
 
 
 def run(connect: bool = True) -> int:

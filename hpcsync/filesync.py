@@ -22,6 +22,7 @@ unequal headers, full disk, bad target directory) is agreed collectively and rai
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -55,7 +56,11 @@ def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[Pa
     path = os.path.abspath(os.fspath(path))
     folder, name = os.path.split(path)
     base = parts_dir or os.environ.get("HPCSYNC_PARTS_DIR")
-    where = os.path.join(os.fspath(base), f"{name}.parts") if base else os.path.join(folder, f".{name}.parts")
+    if base:  # one parts_dir serves many targets: out1/m.csv and out2/m.csv must not share parts
+        tag = hashlib.sha1(path.encode()).hexdigest()[:8]
+        where = os.path.join(os.fspath(base), f"{name}.{tag}.parts")
+    else:
+        where = os.path.join(folder, f".{name}.parts")
     return os.path.join(where, f"rank{rank:05d}{os.path.splitext(name)[1]}")
 
 
@@ -479,13 +484,18 @@ def sync_file(
         mine = os.fspath(part).format(rank=rank) if "{rank" in os.fspath(part) else os.fspath(part)
     result = merge_parts(path, [mine], comm=comm, **options)
     if result.parts_deleted and part is None:
+        # Remove the parts folder once every rank deleted its part, and let no rank go on (and
+        # create its next part there) before every rank's rmdir is done: without the second
+        # barrier a fast rank's next SyncedFile raced a slow rank's rmdir (FileNotFoundError).
         folder = os.path.dirname(mine)
         if comm is not None:
             comm.Barrier()
         try:
-            os.rmdir(folder)  # empty once every rank on this filesystem has deleted its part
+            os.rmdir(folder)
         except OSError:
             pass
+        if comm is not None:
+            comm.Barrier()
     return result
 
 

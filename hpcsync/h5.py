@@ -53,8 +53,85 @@ def loaded_mpi_libraries() -> Sequence[str]:
     return sorted(found)
 
 
+_PROBE = r"""
+import os, sys
+from mpi4py import MPI
+import h5py
+path = os.path.join(sys.argv[1], "probe.h5")
+with h5py.File(path, "w", driver="mpio", comm=MPI.COMM_SELF) as f:
+    f.create_dataset("x", data=[1, 2, 3])
+with h5py.File(path, "r", driver="mpio", comm=MPI.COMM_SELF) as f:
+    assert list(f["x"][:]) == [1, 2, 3]
+"""
+_probe_cache: Dict[str, str] = {}
+# Launcher variables the probe must not see: it runs as an MPI singleton, not as a rank of this job.
+_LAUNCH_VARS = ("OMPI_", "PMIX_", "PMI_", "SLURM_", "HYDRA_", "MPI_LOCAL", "PALS_", "MV2_")
+
+
+def mpi_abi_mismatch() -> str:
+    """Why h5py's compiled MPI calls would crash with the MPI that mpi4py loaded ('' if they work).
+
+    h5py built with one MPI's ``mpi.h`` (e.g. MPICH's, 32-bit ``MPI_Comm``) but linked at run time
+    to another (Open MPI, pointer handles) segfaults inside ``H5Pset_fapl_mpio``. No symbol shows
+    it, so a child process opens a file with ``driver="mpio"`` on ``COMM_SELF``; a crash there
+    means mismatch. Cached per process and on disk (``$XDG_CACHE_HOME/hpcsync``), keyed by the
+    h5py build and the MPI library.
+    """
+    import hashlib
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    h5py = _h5py()
+    folder = os.path.dirname(h5py.__file__)
+    stamp = [(n, os.stat(os.path.join(folder, n)).st_mtime_ns) for n in sorted(os.listdir(folder)) if n.endswith(".so")]
+    lib = _mpi.MPI().Get_library_version().strip("\x00 \n").splitlines()[0] if _mpi.mpi4py_importable() else "none"
+    abi = [os.environ.get(k, "") for k in ("MPI4PY_MPIABI", "MPI4PY_LIBMPI", "LD_LIBRARY_PATH")]
+    key = hashlib.sha256(json.dumps([folder, stamp, lib, abi, sys.executable]).encode()).hexdigest()[:20]
+    if key in _probe_cache:
+        return _probe_cache[key]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcsync",
+                         f"h5-mpi-probe-{key}.json")
+    try:
+        with open(cache) as f:
+            _probe_cache[key] = json.load(f)["reason"]
+            return _probe_cache[key]
+    except (OSError, ValueError, KeyError):
+        pass
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
+    with tempfile.TemporaryDirectory(prefix="hpcsync-h5probe-") as tmp:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _PROBE, tmp], env=env, capture_output=True, text=True,
+                                  timeout=120)
+            code, err = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired:
+            code, err = None, "timed out after 120 s"
+    if code == 0:
+        reason = ""
+    elif code is not None and code < 0:
+        reason = (f"h5py was compiled against another MPI's headers than the MPI mpi4py loads ({lib.split(',')[0]}): "
+                  f"a test open with driver='mpio' died of signal {-code}; rebuild h5py with that MPI's mpicc "
+                  "and its include directory first (jobs/setup_env.sh --full does)")
+    else:
+        reason = f"a test open with driver='mpio' failed: {(err or '').strip().splitlines()[-1:] or code}"
+    _probe_cache[key] = reason
+    if code is not None:
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            with open(cache, "w") as f:
+                json.dump({"reason": reason, "library": lib}, f)
+        except OSError:
+            pass
+    return reason
+
+
 def parallel_available(comm: Any = None) -> Tuple[bool, str]:
-    """Whether the collective path can run here, and why not. Agreed by every rank of ``comm``."""
+    """Whether the collective path can run here, and why not. Agreed by every rank of ``comm``.
+
+    Checks, in order: MPI in use, h5py built with MPI, one MPI library in the process, and
+    (rank 0 of ``comm``, cached) :func:`mpi_abi_mismatch` -- never a segfault in HDF5.
+    """
     h5py = _h5py()
     reason = ""
     if comm is None or not hasattr(comm, "Allgather"):
@@ -65,6 +142,8 @@ def parallel_available(comm: Any = None) -> Tuple[bool, str]:
         libs = loaded_mpi_libraries()
         if len(libs) > 1:
             reason = f"h5py and mpi4py use different MPI libraries ({', '.join(libs)})"
+        elif comm.Get_rank() == 0:
+            reason = mpi_abi_mismatch()
     if comm is not None:
         reasons = comm.allgather(reason)
         reason = next((r for r in reasons if r), "")

@@ -2,8 +2,11 @@
 
 Hostnames on compute nodes often resolve to 127.0.1.1 or to a management network the job cannot
 use, so hpcsync never trusts the hostname: every node reports its interfaces (address + netmask)
-and rank 0 picks one of its own addresses that shares a subnet with every other node. The choice
-logic is a pure function of those tables so it can be tested on synthetic clusters.
+and rank 0 picks one of its own addresses that shares a subnet with every other node or, on routed
+networks, the source address its kernel would use to reach them. Addresses seen on several nodes
+(docker0 = 172.17.0.1 everywhere) are node-local bridges and never chosen. The choice is a pure
+function of those tables (and a routing function) so it can be tested on synthetic clusters;
+:func:`hpcsync.bootstrap.master_address` then proves it with a TCP connect from every node.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import ipaddress
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .errors import AddressError
 
@@ -94,33 +97,69 @@ def hostname_addresses(hostname: Optional[str] = None) -> List[str]:
     return sorted({i[4][0] for i in infos})
 
 
+def usable(iface: Interface) -> bool:
+    """Up, not loopback, not link-local: an address another node could connect to."""
+    return iface.up and not iface.is_loopback and not iface.is_link_local
+
+
+def duplicated_addresses(nodes: Sequence[NodeInterfaces]) -> Set[str]:
+    """Addresses found on more than one node: node-local bridges such as docker0 = 172.17.0.1."""
+    seen: Dict[str, int] = {}
+    for n, node in enumerate(nodes):
+        for i in node.interfaces:
+            if i.is_loopback or i.is_link_local:
+                continue
+            addr = i.address.split("%")[0]
+            if seen.setdefault(addr, n) != n:
+                seen[addr] = -1
+    return {a for a, n in seen.items() if n == -1}
+
+
 def _reaches(cand: Interface, other: Interface) -> bool:
-    if cand.ip.version != other.ip.version or not other.up or other.is_loopback:
+    if cand.ip.version != other.ip.version:
         return False
     return other.ip in cand.network and cand.ip in other.network
 
 
 def _rank(iface: Interface) -> Tuple[int, int]:
-    kind = 2 if iface.is_link_local else 1 if iface.is_virtual else 0
-    return (kind, 0 if iface.ip.version == 4 else 1)
+    return (1 if iface.is_virtual else 0, 0 if iface.ip.version == 4 else 1)
 
 
-def choose_master(
+RouteFn = Callable[[str], Optional[str]]
+
+
+def kernel_route_source(dest: str) -> Optional[str]:
+    """The source address this host's kernel would use to reach ``dest`` (``ip route get``).
+
+    A UDP ``connect`` only consults the routing table: no packet is sent.
+    """
+    family = socket.AF_INET6 if ":" in dest else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((dest.split("%")[0], 9))
+            return str(s.getsockname()[0]).split("%")[0]
+    except OSError:
+        return None
+
+
+def master_candidates(
     nodes: Sequence[NodeInterfaces],
     ifname: Optional[str] = None,
-    address: Optional[str] = None,
-) -> MasterChoice:
-    """Pick rank 0's address that every node can reach. ``nodes[0]`` is rank 0's node.
+    route: Optional[RouteFn] = None,
+) -> List[MasterChoice]:
+    """Rank 0's addresses that every node should reach, best first. ``nodes[0]`` is rank 0's node.
 
-    ``address`` (HPCSYNC_MASTER_ADDR) is taken as given; ``ifname`` (HPCSYNC_IFNAME) limits
-    the choice to that interface of rank 0. One node: loopback (or the named interface).
+    Never an address that appears on several nodes (a node-local bridge), loopback, link-local
+    or down. First the addresses on a subnet shared with every other node (physical before
+    virtual, IPv4 before IPv6); then, for routed networks, the source address that rank 0's
+    kernel (``route``, run on rank 0's node) uses to reach every other node's usable addresses.
+    ``ifname`` (HPCSYNC_IFNAME) limits the choice to that interface of rank 0.
+    One node: loopback (or the named interface). Raises :class:`AddressError` listing every
+    node's interfaces when nothing qualifies.
     """
     if not nodes:
         raise ValueError("need at least rank 0's node")
     own = [i for i in nodes[0].interfaces if i.up]
-    if address:
-        match = next((i.name for i in own if i.address.split("%")[0] == address), None)
-        return MasterChoice(address, match, "HPCSYNC_MASTER_ADDR")
     if ifname:
         own = [i for i in own if i.name == ifname]
         if not own:
@@ -128,29 +167,97 @@ def choose_master(
                                f"such interface that is up; it has: {_describe(nodes[0])}")
     if len(nodes) == 1:
         if ifname:
-            best = min(own, key=_rank)
-            return MasterChoice(best.address, best.name, f"HPCSYNC_IFNAME={ifname}")
+            best = sorted(own, key=lambda i: (i.is_link_local, i.ip.version))[0]
+            return [MasterChoice(best.address, best.name, f"HPCSYNC_IFNAME={ifname}")]
         loop = sorted((i for i in own if i.is_loopback), key=lambda i: i.ip.version)
         if loop:
-            return MasterChoice(loop[0].address, loop[0].name, "single node: loopback")
-        return MasterChoice("127.0.0.1", None, "single node: loopback")
-    candidates = []
-    for order, cand in enumerate(own):
-        if cand.is_loopback:
-            continue
-        if all(any(_reaches(cand, o) for o in node.interfaces) for node in nodes[1:]):
-            candidates.append((_rank(cand), order, cand))
-    if not candidates:
-        lines = "\n".join(f"  node {n}: {node.hostname}: {_describe(node)}" for n, node in enumerate(nodes))
+            return [MasterChoice(loop[0].address, loop[0].name, "single node: loopback")]
+        return [MasterChoice("127.0.0.1", None, "single node: loopback")]
+    dup = duplicated_addresses(nodes)
+
+    def unique(i: Interface) -> bool:
+        return usable(i) and i.address.split("%")[0] not in dup
+
+    own = [i for i in own if unique(i)]
+    others = [[i for i in node.interfaces if unique(i)] for node in nodes[1:]]
+    names = ", ".join(n.hostname for n in nodes[1:4]) + (" ..." if len(nodes) > 4 else "")
+    shared = [(_rank(c), k, c) for k, c in enumerate(own) if all(any(_reaches(c, o) for o in node) for node in others)]
+    out = [MasterChoice(c.address, c.name, f"{c.network} is shared with {names}") for _, _, c in sorted(shared)]
+    if route is not None:
+        by_addr = {i.address.split("%")[0]: i for i in own}
+        sources: Optional[Set[str]] = None
+        for node in others:  # sources that reach at least one address of this node
+            reach = {s for s in (route(o.address) for o in node) if s is not None and s in by_addr}
+            sources = reach if sources is None else sources & reach
+        for src in sorted(sources or (), key=lambda a: _rank(by_addr[a])):
+            if all(src != c.address.split("%")[0] for c in out):
+                i = by_addr[src]
+                out.append(MasterChoice(i.address, i.name, f"routed: rank 0's kernel reaches {names} from {i.name}"))
+    if not out:
+        why = f" (addresses found on several nodes, i.e. node-local bridges: {', '.join(sorted(dup))})" if dup else ""
         raise AddressError(
-            "no address of rank 0's node shares a subnet with every other node; set "
-            "HPCSYNC_MASTER_ADDR (a routable address of rank 0's node) or HPCSYNC_IFNAME. "
-            f"Interfaces per node:\n{lines}"
+            "no address of rank 0's node is on a subnet shared with every other node or routed to all of them"
+            f"{why}; set HPCSYNC_MASTER_ADDR (a routable address of rank 0's node) or HPCSYNC_IFNAME. "
+            f"Interfaces per node:\n{describe_nodes(nodes)}"
         )
-    best = min(candidates, key=lambda c: (c[0], c[1]))[2]
-    others = ", ".join(n.hostname for n in nodes[1:4]) + (" ..." if len(nodes) > 4 else "")
-    return MasterChoice(best.address, best.name, f"{best.network} is shared with {others}")
+    return out
+
+
+def choose_master(
+    nodes: Sequence[NodeInterfaces],
+    ifname: Optional[str] = None,
+    address: Optional[str] = None,
+    route: Optional[RouteFn] = None,
+) -> MasterChoice:
+    """The best of :func:`master_candidates`; ``address`` (HPCSYNC_MASTER_ADDR) is taken as given."""
+    if address:
+        if not nodes:
+            raise ValueError("need at least rank 0's node")
+        match = next((i.name for i in nodes[0].interfaces if i.address.split("%")[0] == address), None)
+        return MasterChoice(address, match, "HPCSYNC_MASTER_ADDR")
+    return master_candidates(nodes, ifname, route)[0]
+
+
+def describe_nodes(nodes: Sequence[NodeInterfaces]) -> str:
+    return "\n".join(f"  node {n}: {node.hostname}: {_describe(node)}" for n, node in enumerate(nodes))
 
 
 def _describe(node: NodeInterfaces) -> str:
     return ", ".join(str(i) for i in node.interfaces) or "(no interfaces)"
+
+
+def open_listener(address: str, backlog: int = 128) -> Tuple[Optional[socket.socket], int, Optional[str]]:
+    """Listen on ``address`` (any free port) for a reachability test: (socket, port, error).
+
+    Nobody accepts: the kernel completes connections up to ``backlog``, which is all a test needs.
+    """
+    sock = None
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((address.split("%")[0], 0))
+        sock.listen(backlog)
+        return sock, sock.getsockname()[1], None
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        return None, 0, f"cannot listen on {address}: {exc}"
+
+
+def try_connect(targets: Sequence[Tuple[str, int]], timeout: float) -> List[Optional[str]]:
+    """Connect to every ``(address, port)`` at once; per target None (reached) or the error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(target: Tuple[str, int]) -> Optional[str]:
+        addr, port = target
+        if not port:
+            return "not listening"
+        try:
+            socket.create_connection((addr.split("%")[0], port), timeout=timeout).close()
+            return None
+        except OSError as exc:
+            return f"cannot connect to {addr}:{port} within {timeout:g}s: {exc}"
+
+    if not targets:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+        return list(pool.map(one, targets))

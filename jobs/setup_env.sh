@@ -45,12 +45,22 @@ if [ "$full" = 1 ] && ! "$PY" -c "import lightning, matplotlib" 2>/dev/null; the
   log "pip install lightning matplotlib (Lightning integration tests, benchmark plots)"
   pip install lightning matplotlib   # torch 2.13.0 already satisfies lightning: no CUDA download
 fi
-if [ "$full" = 1 ] && ! "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
+# Parallel h5py must be compiled with the headers of the MPI it links (Debian's Open MPI). The
+# mpich wheel puts MPICH's mpi.h into $VENV/include, which setuptools adds to every compile of a
+# venv: Open MPI's include dir goes first (CFLAGS precede it), else h5py passes 32-bit MPICH
+# handles to Open MPI and segfaults in H5Pset_fapl_mpio. The check is a real mpio open
+# (hpcsync.h5.mpi_abi_mismatch), not just h5py.get_config().mpi, so a broken build is rebuilt.
+h5py_ok() {
+  MPI4PY_MPIABI=openmpi "$PY" -c "import h5py, sys; from hpcsync.h5 import mpi_abi_mismatch as m
+sys.exit(0 if h5py.get_config().mpi and not m() else 1)" 2>/dev/null
+}
+if [ "$full" = 1 ] && ! h5py_ok; then
   log "building h5py against Debian's parallel HDF5 + Open MPI (~2-3 min)"
   pip install "setuptools>=77" cython pkgconfig wheel
   CC=mpicc.openmpi HDF5_MPI=ON HDF5_DIR=/usr/lib/x86_64-linux-gnu/hdf5/openmpi \
-    "$PY" -m pip --disable-pip-version-check -q install --force-reinstall --no-deps \
+    CFLAGS="$(mpicc.openmpi --showme:incdirs | sed 's/^/-I/; s/ / -I/g') ${CFLAGS:-}" \
+    "$PY" -m pip --disable-pip-version-check -q install --no-cache-dir --force-reinstall --no-deps \
     --no-binary=h5py --no-build-isolation h5py
-  "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 'h5py has no MPI after the build')"
+  h5py_ok || { log "h5py built, but an mpio open under Open MPI fails (MPI header/library mismatch)"; exit 1; }
 fi
 log "ready: $VENV ($("$PY" -c 'import torch, mpi4py, h5py; print("torch", torch.__version__, "mpi4py", mpi4py.__version__, "h5py", h5py.__version__, "parallel" if h5py.get_config().mpi else "serial")'))"

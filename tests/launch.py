@@ -42,7 +42,7 @@ class Launcher:
     argv: List[str]
     env: Dict[str, str] = field(default_factory=dict)
 
-    def command(self, n: int) -> List[str]:
+    def command(self, n: int, env: Optional[Dict[str, str]] = None) -> List[str]:
         return [*self.argv, "-n", str(n)] if self.name != "torchrun" else [*self.argv, f"--nproc-per-node={n}"]
 
 
@@ -90,8 +90,8 @@ def run(launcher: Optional[Launcher], n: int, program: str, *args: str, tmp_path
     out.mkdir(parents=True)
     prog = program if os.path.isabs(program) else str(PROGRAMS / program)
     python = [] if launcher and launcher.name == "torchrun" else [PY]  # torchrun adds its own
-    cmd = [*(launcher.command(n) if launcher else []), *python, prog, *args]
     full_env = clean_env({**(launcher.env if launcher else {}), "HPCSYNC_TEST_OUT": str(out), **(env or {})})
+    cmd = [*(launcher.command(n, full_env) if launcher else []), *python, prog, *args]
     try:
         proc = subprocess.run(cmd, env=full_env, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:

@@ -34,8 +34,10 @@ def test_missing_interface_fails():
     assert "FAIL  master address  HPCSYNC_IFNAME='ib7'" in p.stdout and "lo=127.0.0.1/8" in p.stdout
 
 
-def test_hdf5_mismatch_is_a_warning_not_a_failure():
+def test_hdf5_mismatch_fails_with_the_fix():
+    """h5py linked to Open MPI under an MPICH job: hpcsync.h5 falls back, the doctor says FAIL + fix."""
     p = doctor(mpich(), 2, args=("--no-connect",))
-    assert p.returncode == 0
-    assert "warn  HDF5            serial fallback: h5py and mpi4py use different MPI libraries" in p.stdout
+    assert p.returncode == 1
+    assert "FAIL  HDF5            serial fallback: h5py and mpi4py use different MPI libraries" in p.stdout
+    assert "rebuild h5py against this one" in p.stdout
     assert "reachability" not in p.stdout

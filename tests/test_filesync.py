@@ -256,3 +256,16 @@ def test_merge_past_2gib_with_bounded_root_memory(tmp_path):
     assert g.hexdigest() == h.hexdigest()
     root_peak = res.ranks[0]["maxrss_kib"] * 1024
     assert root_peak < 1.0 * 2**30, f"root peak RSS {root_peak / 2**20:.0f} MiB for a {sum(sizes) / 2**30:.1f} GiB merge"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_repeated_sync_of_one_target_is_race_free(n, tmp_path):
+    """1000 back-to-back SyncedFile syncs of one target (a rank's rmdir of the parts folder once
+    raced another rank's next part), then two same-named targets sharing one parts_dir."""
+    for attempt in range(2):
+        work = tmp_path / f"w{attempt}"
+        work.mkdir()
+        res = run(openmpi(), n, "repeat_sync.py", str(work), "1000", tmp_path=tmp_path, timeout=600)
+        assert all(d["bad"] is None for d in res.ranks), res.ranks[0]["bad"]
+        assert res.ranks[0]["left"] == ["a", "b", "f.csv", "parts"]  # no stray parts folder
+        assert os.listdir(work / "parts") == []

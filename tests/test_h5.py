@@ -1,9 +1,11 @@
 """Collective HDF5 writer on the real parallel path (h5py + mpio) and on the gather fallback."""
+import subprocess
+
 import h5py
 import numpy as np
 import pytest
 
-from launch import mpich, openmpi, run
+from launch import PY, clean_env, mpich, openmpi, run
 
 
 def expected(size):
@@ -45,3 +47,30 @@ def test_mismatched_trailing_shape_is_an_error_everywhere(mode, tmp_path):
     res = run(openmpi(), 4, "h5write.py", str(tmp_path / "bad.h5"), mode, "bad", tmp_path=tmp_path)
     errors = {d.get("error") for d in res.ranks}
     assert len(errors) == 1 and "rank(s) [3]" in errors.pop()
+
+
+def test_abi_probe_catches_a_crashing_h5py(tmp_path):
+    """An h5py whose mpio open segfaults (as one compiled with MPICH's mpi.h but linked to Open MPI
+    does) is detected in a child process, before this process calls into HDF5.
+
+    The crashing h5py here is a stand-in that really dies of SIGSEGV: building a mis-linked h5py
+    in CI costs minutes (the real one was checked by hand: see the issue-8 note)."""
+    fake = tmp_path / "fake" / "h5py"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import os, signal\n"
+        "class _C:\n    mpi = True\n"
+        "def get_config():\n    return _C()\n"
+        "def File(*a, **k):\n    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    code = ("import hpcsync.h5 as h; r = h.mpi_abi_mismatch(); print(r); "
+            "assert r == h.mpi_abi_mismatch()")  # second call: from the cache
+    env = clean_env({"PYTHONPATH": str(tmp_path / "fake"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                     "MPI4PY_MPIABI": "openmpi"})
+    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "compiled against another MPI's headers" in p.stdout and "signal 11" in p.stdout
+    assert len(list((tmp_path / "cache" / "hpcsync").iterdir())) == 1
+    # the real, correctly built h5py of this environment passes the same probe
+    env.pop("PYTHONPATH")
+    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "", p.stdout + p.stderr

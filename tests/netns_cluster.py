@@ -1,0 +1,204 @@
+"""Several "nodes" on this machine: Linux network + UTS namespaces, a real cluster network, MPI across them.
+
+Each node is a network namespace with its own hostname (a UTS namespace entered by the launch
+agent), a hostname that resolves to 127.0.1.1 on that node (``/etc/netns/<node>/hosts``), a
+``docker0`` with the same address 172.17.0.1/16 on every node, IPv6 link-local addresses on every
+link, and a node-local directory (``cluster.node_local``: the same path, a different directory
+on each node). The cluster network is either
+
+- ``bridged``: every node's ``eth0`` in 10.80.0.0/24, veths into one bridge, plus an ``ib0`` in
+  10.70.0.0/24 on every node that is not connected to anything (a dead fabric: the address tables
+  say "shared subnet", only a connection test can tell), or
+- ``routed``: node *i*'s ``eth0`` alone in 10.(81+i).0.0/24 ("racks"), joined by a router
+  namespace with IP forwarding.
+
+MPI is launched across the nodes as on a cluster: Open MPI's ``mpirun`` (rsh agent) or MPICH's
+hydra ``mpiexec`` (``-launcher ssh -launcher-exec``) runs inside the first node and starts the
+others through ``agent``, which enters the node's namespaces. Needs root (CI has it); without it
+the fixture fails with the reason instead of skipping.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+from launch import VENV_BIN, Launcher
+
+BRIDGED, ROUTED = "bridged", "routed"
+DOCKER0 = "172.17.0.1/16"
+# Variables a remote rank needs from the test (Open MPI forwards only what -x names).
+_FORWARD = ("HPCSYNC_", "MPI4PY_", "PYTHON", "OMP_NUM_THREADS", "TORCH_", "LD_LIBRARY_PATH", "PATH", "HOME")
+
+_AGENT = r"""#!/bin/sh
+# rsh/ssh agent for namespace nodes: agent [ssh options] NODE COMMAND...
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+node=$1; shift
+exec ip netns exec "$node" unshare --uts sh -c "hostname $node && mount --bind '{dir}/nodes/'$node '{dir}/nodelocal' && cd '{cwd}' && $*"
+"""
+
+
+def _sh(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
+
+
+class Cluster:
+    """``nodes`` namespace nodes on a ``bridged`` or ``routed`` network; :meth:`stop` removes them."""
+
+    def __init__(self, base: Path, nodes: int = 2, network: str = BRIDGED) -> None:
+        if network not in (BRIDGED, ROUTED):
+            raise ValueError(network)
+        self.network = network
+        tag = uuid.uuid4().hex[:5]
+        self.names = [f"h{tag}n{i}" for i in range(nodes)]
+        self.infra = f"h{tag}sw"
+        self.dir = base / f"cluster-{tag}"
+        self.node_local = str(self.dir / "nodelocal")
+        self.agent = str(self.dir / "agent")
+        self._started: List[str] = []
+
+    def address(self, i: int) -> str:
+        return f"10.80.0.{i + 2}" if self.network == BRIDGED else f"10.{81 + i}.0.2"
+
+    def start(self) -> "Cluster":
+        if os.geteuid() != 0:
+            pytest.fail("the multi-node tests need root (network namespaces); run them as root, as CI does")
+        for tool in ("ip", "unshare"):
+            if not shutil.which(tool):
+                pytest.fail(f"the multi-node tests need `{tool}` (iproute2 / util-linux)")
+        (self.dir / "nodelocal").mkdir(parents=True)
+        Path(self.agent).write_text(_AGENT.replace("{dir}", str(self.dir)).replace("{cwd}", str(self.dir)))
+        os.chmod(self.agent, 0o755)
+        try:
+            self._build()
+            self._wait_links_up()
+        except RuntimeError as exc:
+            self.stop()
+            pytest.fail(f"cannot build namespace nodes here (need root and network namespaces): {exc}")
+        return self
+
+    def _build(self) -> None:
+        sw = self.infra
+        _sh("ip", "netns", "add", sw)
+        self._started.append(sw)
+        _sh("ip", "-n", sw, "link", "set", "lo", "up")
+        if self.network == BRIDGED:
+            _sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", sw, "link", "set", "br0", "up")
+        else:
+            _sh("ip", "netns", "exec", sw, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for i, name in enumerate(self.names):
+            _sh("ip", "netns", "add", name)
+            self._started.append(name)
+            (self.dir / "nodes" / name).mkdir(parents=True)
+            etc = Path("/etc/netns") / name
+            etc.mkdir(parents=True, exist_ok=True)
+            # as on many clusters: the node's own name resolves to loopback, the others' to their
+            # cluster address; no DNS (a query routed nowhere would stall every lookup for seconds)
+            others = "".join(f"{self.address(k)} {n}\n" for k, n in enumerate(self.names) if k != i)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {name}\n{others}")
+            (etc / "resolv.conf").write_text("# no DNS on namespace test nodes\n")
+            peer = f"p{i}"
+            _sh("ip", "-n", name, "link", "set", "lo", "up")
+            if self.network == BRIDGED:  # created first: it is listed (and tried) before eth0
+                _sh("ip", "-n", name, "link", "add", "ib0", "type", "veth", "peer", "name", "ib0p")
+                _sh("ip", "-n", name, "addr", "add", f"10.70.0.{i + 2}/24", "dev", "ib0")
+                _sh("ip", "-n", name, "link", "set", "ib0", "up")
+                _sh("ip", "-n", name, "link", "set", "ib0p", "up")
+            _sh("ip", "link", "add", "eth0", "netns", name, "type", "veth", "peer", "name", peer, "netns", sw)
+            if self.network == BRIDGED:
+                _sh("ip", "-n", sw, "link", "set", peer, "master", "br0")
+                _sh("ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            else:
+                _sh("ip", "-n", sw, "addr", "add", f"10.{81 + i}.0.1/24", "dev", peer)
+                _sh("ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _sh("ip", "-n", sw, "link", "set", peer, "up")
+            _sh("ip", "-n", name, "link", "set", "eth0", "up")
+            if self.network == ROUTED:
+                _sh("ip", "-n", name, "route", "add", "default", "via", f"10.{81 + i}.0.1")
+            # a node-local bridge with the same address on every node (no `dummy` links here)
+            _sh("ip", "-n", name, "link", "add", "docker0", "type", "veth", "peer", "name", "dk0p")
+            _sh("ip", "-n", name, "addr", "add", DOCKER0, "dev", "docker0")
+            _sh("ip", "-n", name, "link", "set", "docker0", "up")
+            _sh("ip", "-n", name, "link", "set", "dk0p", "up")
+
+    def _wait_links_up(self, timeout: float = 10) -> None:
+        """veth carriers come up asynchronously: a node used at once may see its eth0 still down."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        for name in self.names:
+            while True:
+                out = subprocess.run(["ip", "-n", name, "-o", "link", "show", "eth0"], capture_output=True,
+                                     text=True).stdout
+                if "state UP" in out:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: eth0 did not come up: {out.strip()}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        for ns in reversed(self._started):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (OSError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        self._started.clear()
+
+    def on_node(self, node: int, *cmd: str) -> List[str]:
+        """argv that runs ``cmd`` inside node ``node`` (its namespaces, hostname, node-local dir)."""
+        return [self.agent, self.names[node], shlex.join(cmd)]
+
+    # -- launchers ------------------------------------------------------------------------------
+
+    def hosts(self, per_node: Sequence[int]) -> List[str]:
+        return [f"{self.names[i]}:{k}" for i, k in enumerate(per_node) if k]
+
+    def openmpi(self, per_node: Sequence[int], placement: str = "block") -> "ClusterLauncher":
+        exe = shutil.which("mpirun.openmpi")
+        if not exe:
+            pytest.fail("Open MPI (mpirun.openmpi) is not installed: run `bash tests/run.sh`")
+        argv = [exe, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                "--host", ",".join(self.hosts(per_node)), "--map-by", "node" if placement == "round-robin" else "slot",
+                "--mca", "plm_rsh_agent", self.agent, "--mca", "oob_tcp_if_include", "eth0",
+                "--mca", "btl", "self,vader,tcp", "--mca", "btl_tcp_if_include", "eth0"]
+        return ClusterLauncher("openmpi", argv, {"MPI4PY_MPIABI": "openmpi"}, self, forward_flag="-x")
+
+    def mpich(self, per_node: Sequence[int], placement: str = "block") -> "ClusterLauncher":
+        exe = VENV_BIN / "mpiexec"
+        if not exe.exists():
+            pytest.fail(f"MPICH's mpiexec is not in {VENV_BIN}: run `bash tests/run.sh`")
+        hosts = ",".join(self.hosts([1 if k else 0 for k in per_node]) if placement == "round-robin"
+                         else self.hosts(per_node))
+        argv = [str(exe), "-launcher", "ssh", "-launcher-exec", self.agent, "-hosts", hosts, "-iface", "eth0"]
+        return ClusterLauncher("mpich", argv, {}, self)
+
+
+class ClusterLauncher(Launcher):
+    """A launcher whose command starts inside node 0 and reaches the other nodes via the agent."""
+
+    def __init__(self, name: str, argv: List[str], env: Dict[str, str], cluster: Cluster,
+                 forward_flag: Optional[str] = None) -> None:
+        super().__init__(name, argv, env)
+        self.cluster = cluster
+        self.forward_flag = forward_flag
+
+    def command(self, n: int, env: Optional[Dict[str, str]] = None) -> List[str]:
+        forward: List[str] = []
+        if self.forward_flag:
+            for key in sorted(env or {}):
+                if key.startswith(_FORWARD):
+                    forward += [self.forward_flag, key]
+        return [self.cluster.agent, self.cluster.names[0], *self.argv, *forward, "-n", str(n)]

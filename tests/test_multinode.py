@@ -1,0 +1,160 @@
+"""Multi-node, for real: namespace nodes with their own hostnames and networks, MPI across them.
+
+See ``tests/netns_cluster.py`` for the nodes. Bridged and routed cluster networks, both with a
+docker0 = 172.17.0.1 on every node and hostnames that resolve to 127.0.1.1; block and
+round-robin placement; Open MPI (mpirun + rsh agent) and MPICH (hydra + ssh launcher).
+"""
+import csv
+import subprocess
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from launch import PY, clean_env, openmpi, run
+from netns_cluster import BRIDGED, ROUTED, Cluster
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory):
+    made = {}
+
+    def get(network, nodes=2):
+        if (network, nodes) not in made:
+            made[network, nodes] = Cluster(tmp_path_factory.mktemp("nodes"), nodes, network).start()
+        return made[network, nodes]
+
+    yield get
+    for c in made.values():
+        c.stop()
+
+
+def expected_nodes(placement, n, nodes):
+    """node of each rank: block fills node 0 first, round-robin deals ranks out like cards."""
+    per = n // nodes
+    return [r // per if placement == "block" else r % nodes for r in range(n)]
+
+
+_reference = {}
+
+
+def one_node_weights(backend, n, tmp_path):
+    """The same program on one node (no namespaces): the weights a multi-node run must reproduce."""
+    if (backend, n) not in _reference:
+        work = tmp_path / f"ref-{backend}"
+        (work / "local").mkdir(parents=True)
+        res = run(openmpi(), n, "multinode.py", backend, str(work), str(work / "local"), tmp_path=work)
+        _reference[backend, n] = res.ranks[0]["weights"]
+    return _reference[backend, n]
+
+
+CASES = [  # network, launcher, placement, backend, nodes, ranks
+    (BRIDGED, "openmpi", "block", "gloo", 2, 4),
+    (BRIDGED, "openmpi", "round-robin", "hpcsync", 2, 4),
+    (ROUTED, "openmpi", "block", "hpcsync", 2, 4),
+    (ROUTED, "openmpi", "round-robin", "gloo", 2, 4),
+    (ROUTED, "mpich", "block", "gloo", 2, 4),
+    (BRIDGED, "mpich", "round-robin", "hpcsync", 2, 4),
+    (ROUTED, "openmpi", "round-robin", "gloo", 3, 6),
+]
+
+
+@pytest.mark.parametrize("network,launcher,placement,backend,nodes,n", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_job_across_nodes(clusters, network, launcher, placement, backend, nodes, n, tmp_path):
+    cluster = clusters(network, nodes)
+    lau = getattr(cluster, launcher)([n // nodes] * nodes, placement)
+    work = tmp_path / "work"
+    work.mkdir()
+    res = run(lau, n, "multinode.py", backend, str(work), cluster.node_local, tmp_path=tmp_path, timeout=300)
+    where = expected_nodes(placement, n, nodes)
+    for r, d in enumerate(res.ranks):
+        t = d["topology"]
+        # topology: real nodes, from MPI
+        assert (t["rank"], t["node_rank"], t["num_nodes"]) == (r, where[r], nodes), d
+        assert t["local_size"] == n // nodes and t["local_rank"] == where[:r].count(where[r])
+        assert d["hostname"] == t["hostname"] == cluster.names[where[r]]
+        # address: the cluster network, never docker0 / loopback / link-local, reachable from all nodes
+        rank0_node = 0
+        assert d["master"]["address"] == cluster.address(rank0_node), d["master"]
+        assert d["master"]["ifname"] == "eth0"
+        assert ("routed" in d["master"]["reason"]) == (network == ROUTED)
+        assert "reached from every node" in d["master"]["reason"]
+        assert d["backend"] == backend and d["allreduce"] == n * (n + 1) / 2
+        assert d["env_master"] == (None if backend == "hpcsync" else cluster.address(0))
+        assert d["gathered_hosts"] == [cluster.names[k] for k in where]
+        assert d["sync_gather"] == "gather" and d["sync_mpiio"] == "mpiio" and d["sync_nodelocal"] == "gather"
+        # node-local parts: each node's folder holds only its own ranks' parts
+        mine = sorted(f"rank{k:05d}.csv" for k in range(n) if where[k] == where[r])
+        assert d["nodelocal_visible_here"] == mine
+        assert d["h5_parallel"] == (launcher == "openmpi")  # MPICH job: h5py links Open MPI -> fallback
+    # DDP: identical on every rank and equal to a one-node run with the same ranks
+    weights = np.array(res.ranks[0]["weights"])
+    assert all(np.array_equal(weights, np.array(d["weights"])) for d in res.ranks)
+    np.testing.assert_allclose(weights, one_node_weights(backend, n, tmp_path), rtol=1e-5, atol=1e-6)
+    # merged outputs: every rank's rows in rank order, one header, whatever the method
+    want = [["rank", "i", "host"]] + [[str(r), str(i), cluster.names[where[r]]] for r in range(n) for i in range(r + 1)]
+    for name in ("gather", "mpiio", "nodelocal"):
+        with open(work / f"metrics-{name}.csv", newline="") as f:
+            assert list(csv.reader(f)) == want, name
+    with h5py.File(work / "rows.h5") as f:
+        assert f["x"][:, 0].tolist() == [r for r in range(n) for _ in range(r + 1)]
+
+
+def _cli(cluster, lau, n, *args, env=None, timeout=180):
+    full = clean_env({**lau.env, **(env or {})})
+    cmd = [*lau.command(n, full), PY, "-m", "hpcsync.cli", *args]
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("network", [BRIDGED, ROUTED])
+def test_doctor_and_info_across_nodes(clusters, network):
+    cluster = clusters(network)
+    lau = cluster.openmpi([2, 2], "round-robin")
+    p = _cli(cluster, lau, 4, "doctor")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "FAIL" not in p.stdout
+    assert f"master address  {cluster.address(0)} (eth0)" in p.stdout, p.stdout
+    assert "every rank connected to" in p.stdout
+    # hostnames resolve to 127.0.1.1 on these nodes: the doctor says so, and it does not matter
+    assert "127.0.1.1 (loopback)" in p.stdout
+    # the node-local bridge would be wrong: forcing it makes the doctor fail reachability
+    p = _cli(cluster, lau, 4, "doctor", env={"HPCSYNC_MASTER_ADDR": "172.17.0.1"})
+    assert p.returncode == 1 and "FAIL  reachability" in p.stdout, p.stdout + p.stderr
+
+
+def test_ifname_override_on_routed_racks_skips_link_local(clusters):
+    cluster = clusters(ROUTED)
+    p = _cli(cluster, cluster.openmpi([1, 1]), 2, "info", env={"HPCSYNC_IFNAME": "eth0"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"# master address: {cluster.address(0)} " in p.stdout, p.stdout
+    assert "fe80" not in p.stdout
+
+
+def test_unreachable_candidates_are_one_clear_error(clusters, tmp_path):
+    """ib0 shares a subnet on paper but is dead; docker0 is node-local. Forced onto either, every
+    rank raises the same AddressError, within the connect timeout, instead of hanging in gloo."""
+    cluster = clusters(BRIDGED)
+    lau = cluster.openmpi([1, 1])
+    for ifname, says in (("ib0", "no candidate master address was reachable from every node"),
+                         ("docker0", "node-local bridges: 172.17.0.1")):
+        res = run(lau, 2, "address.py", "gloo", tmp_path=tmp_path, env={"HPCSYNC_IFNAME": ifname})
+        errors = [d.get("error", "") for d in res.ranks]
+        assert errors[0] == errors[1] and errors[0].startswith("AddressError") and says in errors[0], errors
+        assert cluster.names[1] in errors[0]  # the error lists every node's interfaces
+        assert max(d["seconds"] for d in res.ranks) < 20
+    # left to itself, init skips the dead ib0 and lands on eth0
+    res = run(lau, 2, "address.py", "gloo", tmp_path=tmp_path)
+    assert [d.get("master") for d in res.ranks] == [cluster.address(0)] * 2, res.ranks
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_rank_raising_on_second_node_ends_the_job(clusters, launcher, tmp_path):
+    cluster = clusters(BRIDGED)
+    lau = getattr(cluster, launcher)([1, 1])  # rank 1 is alone on the second node
+    t0 = time.monotonic()
+    res = run(lau, 2, "fail.py", tmp_path=tmp_path, expect_ok=False, timeout=120)
+    assert res.returncode != 0
+    assert time.monotonic() - t0 < 60
+    assert "deliberate failure on rank 1" in res.stderr and "MPI_Abort" in res.stderr, res
