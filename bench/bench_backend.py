@@ -132,13 +132,37 @@ def worker(quick: bool) -> None:
                                   nn.Linear(32 * 8 * 8, 10)),
             lambda: (torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)))),
     }
+    # What the safety nets cost per call (4 KiB all_reduce), side by side: groups made with the
+    # desync check off, the default (flight record + 16-byte fingerprint Iallreduce) and debug mode
+    # (full all-gathered agreement before each call); plus the flight record alone, in-process.
+    checks = {}
+    x4k, x4n = torch.ones(1024), np.ones(1024, dtype=np.float32)
+    for mode, var in (("check off", ("HPCSYNC_DESYNC_CHECK", "0")), ("default", None), ("debug", ("HPCSYNC_DEBUG", "1"))):
+        if var:
+            os.environ[var[0]] = var[1]
+        g = dist.new_group(list(range(W)), backend="hpcsync")
+        if var:
+            del os.environ[var[0]]
+        checks[mode] = timed(lambda g=g: dist.all_reduce(x4k, group=g), 4096 * 20)
+    checks["mpi4py (raw)"] = timed(lambda: comm.Allreduce(MPI.IN_PLACE, x4n), 4096 * 20)
+    from hpcsync import watchdog
+    from hpcsync.backend import _describe
+
+    glog = watchdog.GroupLog("bench", list(range(W)))
+    t0 = time.perf_counter()
+    for _ in range(100000):
+        _describe(glog.start("all_reduce", str(x4k.dtype), tuple(x4k.shape), -1), x4k)
+    checks["flight record alone"] = (time.perf_counter() - t0) / 100000
+    if R == 0:
+        print("  4 KiB all_reduce: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in checks.items()), flush=True)
+
     ddp = []
     for name, (mk, batch) in models.items():
         steps = 5 if quick else 20
         row = {"model": name, "hpcsync": ddp_steps(mk, batch, ours, steps), "gloo": ddp_steps(mk, batch, gloo, steps)}
         ddp.append(row)
     if R == 0:
-        print(json.dumps({"world_size": W, "collectives": rows, "ddp": ddp}))
+        print(json.dumps({"world_size": W, "collectives": rows, "ddp": ddp, "checks": checks}))
     hpcsync.shutdown()
 
 
@@ -165,6 +189,10 @@ def report(results, out_json, out_png):
         for d in res["ddp"]:
             lines.append(f"| {d['model']} | {fmt_time(d['hpcsync'])} | {fmt_time(d['gloo'])} | "
                          f"{d['hpcsync'] / d['gloo']:.2f} |")
+        if res.get("checks"):
+            lines.append("\n| 4 KiB all_reduce, hpcsync | " + " | ".join(res["checks"]) + " |")
+            lines.append("|---|" + "---|" * len(res["checks"]))
+            lines.append("| time per call | " + " | ".join(fmt_time(v) for v in res["checks"].values()) + " |")
     print("\n".join(lines))
     os.makedirs(os.path.dirname(out_json), exist_ok=True)
     with open(out_json, "w") as f:

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
+import time
 import zlib
+from array import array
 from collections import deque
 from datetime import timedelta
 from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
@@ -34,13 +37,14 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from . import _mpi
+from . import _mpi, watchdog
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "hpcsync"
 INIT_METHOD = "hpcsync://"
 _CHUNK_ELEMS = 1 << 30  # elements per MPI call: counts are C ints
+_INLINE_BYTES = 64 << 10  # blocking calls up to this size run in the caller's thread
 
 RedOp = dist.ReduceOp.RedOpType
 _HALF = (torch.float16, torch.bfloat16)
@@ -173,6 +177,8 @@ class MPIWork(dist.Work):
         self._outputs = outputs
         self._future: Optional[Future] = None  # made on demand: most callers only wait()
         self._source = -1
+        self._group: Optional["ProcessGroupHpcsync"] = None
+        self._started: Optional[Tuple[Any, float]] = None  # (record, deadline) once running
 
     def _complete(self, exc: Optional[BaseException] = None) -> None:
         """Called with ``self._cv`` held."""
@@ -188,11 +194,24 @@ class MPIWork(dist.Work):
             fut.set_exception(self._exc)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Wait for completion; past the group's timeout (from when the operation started) raise
+        torch's ``DistBackendError`` ("timed out"), break the group and report the hang."""
         if not self._done:
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+            mine = time.monotonic() + seconds if seconds > 0 else None
             with self._cv:
-                if not self._cv.wait_for(lambda: self._done, seconds if seconds > 0 else None):
-                    raise RuntimeError(f"hpcsync backend: operation did not complete within {seconds}s")
+                while not self._done:
+                    started = self._started  # set by the worker when it begins this operation
+                    limit = min(x for x in (mine, started and started[1]) if x) if (mine or started) else None
+                    now = time.monotonic()
+                    if limit is not None and now >= limit:
+                        break
+                    self._cv.wait(min(1.0, limit - now) if limit is not None else 1.0)
+            if not self._done:
+                pg, rec = self._group, self._started and self._started[0]
+                if pg is not None and rec is not None and (mine is None or mine >= self._started[1]):
+                    pg._timed_out(rec)  # raises
+                raise dist.DistBackendError(f"hpcsync backend: wait() timed out after {seconds}s")
         if self._exc is not None:
             raise self._exc
         return True
@@ -229,11 +248,21 @@ class MPIWork(dist.Work):
 class ProcessGroupHpcsync(dist.ProcessGroup):
     """A torch ProcessGroup over an mpi4py communicator."""
 
-    def __init__(self, comm: Any, timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(self, comm: Any, timeout: timedelta = timedelta(minutes=30), name: str = "0",
+                 global_ranks: Optional[Sequence[int]] = None) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._coll = comm.Dup()
         self._p2p_comm = comm.Dup()
+        self._check = comm.Dup()  # fingerprints and desync agreement, never mixed with the data
         self._timeout = timeout
+        self._timeout_s = timeout.total_seconds() if timeout.total_seconds() > 0 else float("inf")
+        self._log = watchdog.group_log(id(self), name, list(global_ranks or range(comm.Get_size())))
+        self._broken: Optional[str] = None
+        self._debug = debug_mode()
+        self._fingerprints = os.environ.get("HPCSYNC_DESYNC_CHECK", "1") != "0"
+        self._worker_ident = -1
+        self._deadline = float("inf")
+        self._rec: Any = None
         self._cv = threading.Condition()
         self._queue: Deque[Tuple[Callable[[], None], MPIWork]] = deque()
         self._pending = 0
@@ -242,7 +271,12 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         self._p2p_cv = threading.Condition()
         self._p2p_queue: Deque[Tuple[Any, MPIWork, Callable[[Any], None]]] = deque()
         self._p2p_thread: Optional[threading.Thread] = None
+        self._fp = array("q", [0, 0])
+        self._fp_req: Any = None
+        self._vec: List[int] = []
         MPI = _mpi.MPI()
+        self._int64 = MPI.INT64_T
+        self._max = MPI.MAX
         self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         if not self._threads_ok:
             log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
@@ -280,17 +314,27 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         return self.getGroupDesc()
 
     # -- execution --------------------------------------------------------------------------
-    def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any = None) -> MPIWork:
+    def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any, what: Tuple[str, Any, int]
+             ) -> MPIWork:
         async_op = getattr(opts, "asyncOp", True)
         cv = self._cv
         with cv:
             if self._closed:
                 raise RuntimeError("hpcsync backend: process group was shut down")
-            inline = not self._threads_ok or (not async_op and self._pending == 0)
+            if self._broken:
+                raise dist.DistBackendError(self._broken)
+            # A blocking call with nothing queued runs here (no thread hand-off) as a non-blocking MPI
+            # call polled against the deadline -- unless it is large: Open MPI's non-blocking
+            # collectives (libnbc) are several times slower than the blocking ones for big
+            # buffers, so those go to the worker (blocking MPI) and the caller waits with the deadline.
+            t = what[1]
+            inline = not self._threads_ok or (not async_op and self._pending == 0 and (
+                t is None or t.numel() * t.element_size() <= _INLINE_BYTES))
             self._pending += 1
             if not inline:
                 work = MPIWork(outputs, cv)
-                self._queue.append((fn, work))
+                work._group = self
+                self._queue.append((fn, what, work))
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._work_loop, name="hpcsync-pg", daemon=True)
                     self._worker.start()
@@ -299,7 +343,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         # blocking call with nothing queued: run here, no thread hand-off
         exc = None
         try:
-            fn()
+            self._execute(fn, what, None)
         except BaseException as e:  # surfaced by wait()
             exc = e
         with cv:
@@ -309,6 +353,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         return MPIWork(outputs, cv, done=True, exc=exc)
 
     def _work_loop(self) -> None:
+        self._worker_ident = threading.get_ident()
         cv = self._cv
         while True:
             with cv:
@@ -316,10 +361,10 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                     cv.wait()
                 if not self._queue:
                     return
-                fn, work = self._queue.popleft()
+                fn, what, work = self._queue.popleft()
             exc = None
             try:
-                fn()
+                self._execute(fn, what, work)
             except BaseException as e:
                 log.debug("hpcsync backend: operation failed: %s", e)
                 exc = e
@@ -327,6 +372,112 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                 work._complete(exc)
                 self._pending -= 1
                 cv.notify_all()
+
+    # -- one operation: record, fingerprint, run, check ------------------------------------
+    def _execute(self, fn: Callable[[], None], what: Tuple[str, Any, int], work: Optional[MPIWork]) -> None:
+        """Run one collective with its flight record, deadline and desync check.
+
+        Default mode: a 16-byte ``Iallreduce(MAX)`` of ``[fp, -fp]`` (fp = hash of sequence number,
+        op, dtype, count, root) on a private communicator travels alongside the operation; if
+        max != -min the ranks disagree, and every rank raises the same error instead of returning
+        what MPI made of mismatched buffers. ``HPCSYNC_DEBUG=1`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``:
+        the full descriptions are all-gathered and compared *before* the operation starts.
+        """
+        if self._broken:
+            raise dist.DistBackendError(self._broken)
+        op, t, root = what
+        rec = self._log.start(op, str(t.dtype).replace("torch.", "") if t is not None else "-",
+                              tuple(t.shape) if t is not None else (), root)
+        self._rec, self._deadline = rec, time.monotonic() + self._timeout_s
+        if work is not None:
+            work._started = (rec, self._deadline)
+        vec = _describe(rec, t)
+        fp_req = None
+        if self._debug:
+            self._agree(rec, vec)
+        elif self._fingerprints:
+            fp = hash(tuple(vec)) & 0x3FFFFFFFFFFFFFFF
+            buf = self._fp
+            buf[0], buf[1] = fp, -fp
+            fp_req = self._check.Iallreduce(_mpi.MPI().IN_PLACE, [buf, self._int64], op=self._max)
+        self._fp_req, self._vec = fp_req, vec
+        try:
+            fn()
+        except BaseException as exc:
+            if fp_req is not None and not isinstance(exc, dist.DistBackendError):
+                self._wait(fp_req)
+                if self._fp[0] != -self._fp[1]:
+                    self._agree(rec, vec, from_exc=exc)
+            rec.error = f"{type(exc).__name__}: {exc}"
+            raise
+        if fp_req is not None:
+            self._wait(fp_req)
+            if self._fp[0] != -self._fp[1]:
+                self._agree(rec, vec)
+        rec.finished = time.time()
+
+    def _agree(self, rec: Any, vec: List[int], from_exc: Optional[BaseException] = None) -> None:
+        """All-gather every rank's description of this operation; raise the same error on all if they differ."""
+        self._fp_req = None
+        size = self._check.Get_size()
+        mine = array("q", vec)
+        every = array("q", bytes(8 * len(vec) * size))
+        self._wait(self._check.Iallgather([mine, self._int64], [every, self._int64]))
+        rows = [tuple(every[r * len(vec):(r + 1) * len(vec)]) for r in range(size)]
+        if len(set(rows)) == 1:
+            return
+        rec.error = "desync"
+        groups: dict = {}
+        for r, row in enumerate(rows):
+            groups.setdefault(row, []).append(self._log.ranks[r])
+        detail = "; ".join(f"rank(s) {rs}: {_explain(row)}" for row, rs in groups.items())
+        raise dist.DistBackendError(
+            f"hpcsync backend: collective mismatch (desync) at operation #{rec.seq} of group "
+            f"{self._log.name!r}: {detail}. Every rank must call the same collectives in the same order "
+            "with matching dtype, size and root.") from from_exc
+
+    def _c(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """One MPI collective: blocking on the worker thread (its waiter enforces the deadline),
+        else non-blocking and polled against the deadline."""
+        if threading.get_ident() == self._worker_ident:
+            return getattr(self._coll, name)(*args, **kwargs)
+        self._wait(getattr(self._coll, "I" + name[0].lower() + name[1:])(*args, **kwargs))
+
+    def _wait(self, req: Any) -> None:
+        if threading.get_ident() == self._worker_ident:
+            req.Wait()
+            return
+        if req.Test():
+            return
+        # Spin first (as a blocking MPI call would), then poll each millisecond: a long wait is
+        # either a huge message or a stuck rank, and should not burn a core for minutes.
+        spin_until = time.monotonic() + 1.0
+        fp_req = self._fp_req if req is not self._fp_req else None
+        while not req.Test():
+            now = time.monotonic()
+            if fp_req is not None and fp_req.Test():
+                fp_req = self._fp_req = None
+                if self._fp[0] != -self._fp[1]:  # mismatched operations may never complete: say so now
+                    self._broken = (f"hpcsync backend: group {self._log.name!r} is broken after a collective "
+                                    "mismatch (desync)")
+                    self._agree(self._rec, self._vec)
+            if now > self._deadline:
+                self._timed_out(self._rec)
+            if now > spin_until:
+                time.sleep(0.001)
+
+    def _timed_out(self, rec: Any) -> None:
+        """Break the group, report the hang (and abort, unless turned off), raise DistBackendError."""
+        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after "
+               f"{self._timeout_s:g}s")
+        self._broken = (msg + "; the group is broken (MPI cannot cancel a collective): destroy it and end "
+                        "the job")
+        rec.error = "timed out"
+        try:
+            watchdog.report_timeout(self._log, rec, self._timeout_s)
+        except Exception as exc:  # the report is best effort; the timeout error is not
+            log.warning("hpcsync: hang report failed: %s", exc)
+        raise dist.DistBackendError(msg)
 
     # -- reductions -------------------------------------------------------------------------
     def _reduce_into(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
@@ -342,11 +493,11 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                 continue
             buf = s.spec(start, n)
             if root is None:
-                self._coll.Allreduce(MPI.IN_PLACE, buf, op=mop)
+                self._c("Allreduce", MPI.IN_PLACE, buf, op=mop)
             elif self._coll.Get_rank() == root:
-                self._coll.Reduce(MPI.IN_PLACE, buf, op=mop, root=root)
+                self._c("Reduce", MPI.IN_PLACE, buf, op=mop, root=root)
             else:
-                self._coll.Reduce(buf, None, op=mop, root=root)
+                self._c("Reduce", buf, None, op=mop, root=root)
         if kind == RedOp.AVG and (root is None or self._coll.Get_rank() == root):
             _divide(s.t, self._coll.Get_size())
         if root is None or self._coll.Get_rank() == root:
@@ -359,14 +510,15 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             if (t.device.type == "cpu" and t.is_contiguous() and t.dtype not in _HALF
                     and 0 < t.numel() <= _CHUNK_ELEMS and _kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM)):
                 buf = [_bytes(t), t.numel(), _mpi_type(t.dtype)]
-                mop, coll, in_place = _mpi_op(op, t.dtype), self._coll, _mpi.MPI().IN_PLACE
-                return self._run(lambda: coll.Allreduce(in_place, buf, op=mop), tensors, opts)
+                mop, in_place = _mpi_op(op, t.dtype), _mpi.MPI().IN_PLACE
+                return self._run(lambda: self._c("Allreduce", in_place, buf, op=mop), tensors, opts,
+                                 ("all_reduce", t, -1))
 
         def fn() -> None:
             for t in tensors:
                 self._reduce_into(t, op, None)
 
-        return self._run(fn, tensors, opts)
+        return self._run(fn, tensors, opts, ("all_reduce", tensors[0] if tensors else None, -1))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -383,14 +535,14 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                         t.copy_(flat[pos:pos + t.numel()].view_as(t))
                         pos += t.numel()
 
-        return self._run(fn, tensors, opts)
+        return self._run(fn, tensors, opts, ("all_reduce_coalesced", tensors[0] if tensors else None, -1))
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
         def fn() -> None:
             for t in tensors:
                 self._reduce_into(t, opts.reduceOp, opts.rootRank)
 
-        return self._run(fn, tensors, opts)
+        return self._run(fn, tensors, opts, ("reduce", tensors[0], opts.rootRank))
 
     # -- data movement ----------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
@@ -402,11 +554,11 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                 s = _Staged(t, read=me == root)
                 for start, n in _chunks(s.t.numel()):
                     if n:
-                        self._coll.Bcast(s.spec(start, n), root=root)
+                        self._c("Bcast", s.spec(start, n), root=root)
                 if me != root:
                     s.finish()
 
-        return self._run(fn, tensors, opts)
+        return self._run(fn, tensors, opts, ("broadcast", tensors[0], root))
 
     def _allgather_flat(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         size = self._coll.Get_size()
@@ -422,17 +574,17 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             else:
                 si.t = si.t.clone()
         if n and n * size <= 2**31 - 1:
-            self._coll.Allgather(_mpi.MPI().IN_PLACE if si is None else si.spec(), so.whole())
+            self._c("Allgather", _mpi.MPI().IN_PLACE if si is None else si.spec(), so.whole())
         elif n:  # big counts: one broadcast per rank, in chunks
             for r in range(size):
                 if r == me and si is not None:
                     so.t.reshape(-1)[r * n:(r + 1) * n].copy_(si.t.reshape(-1))
                 for start, k in _chunks(n):
-                    self._coll.Bcast(so.spec(r * n + start, k), root=r)
+                    self._c("Bcast", so.spec(r * n + start, k), root=r)
         so.finish()
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
-        return self._run(lambda: self._allgather_flat(output, input), [output], opts)
+        return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
 
     _allgather_base = all_gather_single
 
@@ -445,7 +597,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                     for o, src in zip(outs, flat):
                         o.copy_(src)
 
-        return self._run(fn, [t for outs in output_lists for t in outs], opts)
+        return self._run(fn, [t for outs in output_lists for t in outs], opts, ("all_gather", inputs[0], -1))
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                             opts: Any = None) -> MPIWork:
@@ -458,7 +610,8 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                     for r, outs in enumerate(output_lists):
                         outs[i].copy_(flat[r])
 
-        return self._run(fn, [t for outs in output_lists for t in outs], opts)
+        return self._run(fn, [t for outs in output_lists for t in outs], opts,
+                         ("all_gather_coalesced", inputs[0] if inputs else None, -1))
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> MPIWork:
@@ -466,7 +619,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             for o, i in zip(outputs, inputs):
                 self._allgather_flat(o, i)
 
-        return self._run(fn, outputs, opts)
+        return self._run(fn, outputs, opts, ("all_gather_coalesced", inputs[0] if inputs else None, -1))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -478,14 +631,14 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             inp = _Staged(inputs[0])
             if me == root:
                 flat = torch.empty((size, *inputs[0].shape), dtype=inputs[0].dtype)
-                self._coll.Gather(inp.spec(), _Staged(flat, read=False).whole(), root=root)
+                self._c("Gather", inp.spec(), _Staged(flat, read=False).whole(), root=root)
                 with torch.no_grad():
                     for o, src in zip(output_lists[0], flat):
                         o.copy_(src)
             else:
-                self._coll.Gather(inp.spec(), None, root=root)
+                self._c("Gather", inp.spec(), None, root=root)
 
-        return self._run(fn, [t for outs in output_lists for t in outs], opts)
+        return self._run(fn, [t for outs in output_lists for t in outs], opts, ("gather", inputs[0], root))
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any) -> MPIWork:
         root = opts.rootRank
@@ -494,12 +647,12 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             out = _Staged(outputs[0], read=False)
             if self._coll.Get_rank() == root:
                 flat = torch.stack([t.detach().cpu() for t in input_lists[0]]).contiguous()
-                self._coll.Scatter(_Staged(flat).whole(), out.spec(), root=root)
+                self._c("Scatter", _Staged(flat).whole(), out.spec(), root=root)
             else:
-                self._coll.Scatter(None, out.spec(), root=root)
+                self._c("Scatter", None, out.spec(), root=root)
             out.finish()
 
-        return self._run(fn, outputs, opts)
+        return self._run(fn, outputs, opts, ("scatter", outputs[0], root))
 
     def _reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
         size = self._coll.Get_size()
@@ -515,14 +668,15 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         if so.t.dtype != si.t.dtype:
             so.t = torch.empty(out.shape, dtype=si.t.dtype)
         if out.numel():
-            self._coll.Reduce_scatter_block(si.whole(), so.spec(), op=_mpi_op(op, si.t.dtype))
+            self._c("Reduce_scatter_block", si.whole(), so.spec(), op=_mpi_op(op, si.t.dtype))
         if kind == RedOp.AVG:
             _divide(so.t, size)
         so.finish()
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts)
+        return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts,
+                         ("reduce_scatter", input, -1))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -535,7 +689,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                 flat = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
                 self._reduce_scatter_flat(out, flat, op)
 
-        return self._run(fn, outputs, opts)
+        return self._run(fn, outputs, opts, ("reduce_scatter", outputs[0], -1))
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> MPIWork:
@@ -545,7 +699,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             for o, i in zip(outputs, inputs):
                 self._reduce_scatter_flat(o, i, op)
 
-        return self._run(fn, outputs, opts)
+        return self._run(fn, outputs, opts, ("reduce_scatter_coalesced", inputs[0] if inputs else None, -1))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -558,7 +712,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         sd = [sum(send_counts[:r]) for r in range(len(send_counts))]
         rd = [sum(recv_counts[:r]) for r in range(len(recv_counts))]
         t = _mpi_type(si.t.dtype)
-        self._coll.Alltoallv([_bytes(si.t), (send_counts, sd), t], [_bytes(so.t), (recv_counts, rd), t])
+        self._c("Alltoallv", [_bytes(si.t), (send_counts, sd), t], [_bytes(so.t), (recv_counts, rd), t])
         so.finish()
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
@@ -575,7 +729,8 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             return [s * row for s in splits]
 
         return self._run(lambda: self._alltoallv(output, input, counts(input, input_split_sizes),
-                                                 counts(output, output_split_sizes)), [output], opts)
+                                                 counts(output, output_split_sizes)), [output], opts,
+                         ("all_to_all", input, -1))
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
                       input_split_sizes: List[int], opts: Any = None) -> MPIWork:
@@ -593,10 +748,10 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                     o.copy_(recv[pos:pos + o.numel()].view_as(o))
                     pos += o.numel()
 
-        return self._run(fn, outputs, opts)
+        return self._run(fn, outputs, opts, ("all_to_all", inputs[0] if inputs else None, -1))
 
     def barrier(self, opts: Any = None) -> MPIWork:
-        return self._run(self._coll.Barrier, [], opts)
+        return self._run(lambda: self._c("Barrier"), [], opts, ("barrier", None, -1))
 
     # -- point to point ---------------------------------------------------------------------
     def _track(self, request: Any, outputs: List[torch.Tensor], after: Callable[[Any], None]) -> MPIWork:
@@ -662,15 +817,44 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             self._p2p_cv.notify_all()
         for t in (self._worker, self._p2p_thread):
             if t is not None:
-                t.join(timeout=self._timeout.total_seconds())
+                t.join(timeout=0.1 if self._broken else min(self._timeout_s, 3600))
+        watchdog.drop_group_log(id(self))
         MPI = _mpi.MPI()
-        if not MPI.Is_finalized():
-            for c in (self._coll, self._p2p_comm):
+        if not MPI.Is_finalized() and not self._broken:  # a broken group may still be inside MPI
+            for c in (self._coll, self._p2p_comm, self._check):
                 if c != MPI.COMM_NULL:
                     c.Free()
 
     def abort(self) -> None:
         _mpi.MPI().COMM_WORLD.Abort(1)
+
+
+_OP_IDS = {name: k for k, name in enumerate((
+    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced", "gather",
+    "scatter", "reduce_scatter", "reduce_scatter_coalesced", "all_to_all", "barrier"))}
+_OP_NAMES = {k: name for name, k in _OP_IDS.items()}
+_DTYPE_IDS = {name: zlib.crc32(name.encode()) for name in sorted(
+    {str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, torch.dtype)})}
+
+
+def _describe(rec: Any, t: Optional[torch.Tensor]) -> List[int]:
+    """What every rank must agree on, as integers: seq, op, dtype, count, root (all-to-all: counts may differ)."""
+    dtype = _DTYPE_IDS.get(rec.dtype, 0) if t is not None else -1
+    count = t.numel() if t is not None and rec.op != "all_to_all" else -1
+    return [rec.seq, _OP_IDS[rec.op], dtype, count, rec.root]
+
+
+def _explain(row: Tuple[int, ...]) -> str:
+    seq, op, dtype, count, root = row
+    names = {v: k for k, v in _DTYPE_IDS.items()}
+    return (f"#{seq} {_OP_NAMES.get(op, op)} dtype={names.get(dtype, '-')} count={count if count >= 0 else '-'}"
+            + (f" root={root}" if root >= 0 else ""))
+
+
+def debug_mode() -> bool:
+    """Full pre-agreement of every collective: ``HPCSYNC_DEBUG=1`` or torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
+    return (os.environ.get("HPCSYNC_DEBUG", "0") not in ("", "0")
+            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
 
 
 def _divide(t: torch.Tensor, n: int) -> None:
@@ -702,7 +886,9 @@ def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
     if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
         raise RuntimeError(f"hpcsync backend: torch expects rank {opts.group_rank}/{opts.group_size} in group "
                            f"{opts.group_id}, MPI gives {comm.Get_rank()}/{comm.Get_size()}")
-    pg = ProcessGroupHpcsync(comm, opts.timeout)
+    if comm is world and _mpi.MPI().Query_thread() == _mpi.MPI().THREAD_MULTIPLE:
+        watchdog.start()  # collective over the world: the default group is created by every rank
+    pg = ProcessGroupHpcsync(comm, opts.timeout, str(opts.group_id), ranks)
     if comm is not world:
         comm.Free()  # the group keeps its own duplicates
     return pg

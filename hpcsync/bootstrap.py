@@ -227,7 +227,8 @@ def init(
             _export_env(topo, choice.address, port)
             dist.init_process_group(name, store=store, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
-        _state.update(topology=topo, owner=True, store=store, backend=name, master=choice)
+        _state.update(topology=topo, owner=True, store=store, backend=name, master=choice,
+                      abort=abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0")
         # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
         # the process ("terminate called without an active exception"), measured under torchrun.
         atexit.register(shutdown)
