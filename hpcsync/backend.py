@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import zlib
@@ -394,7 +395,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         vec = _describe(rec, t)
         fp_req = None
         if self._debug:
-            self._agree(rec, vec)
+            self._agree(rec, vec, in_flight=False)
         elif self._fingerprints:
             fp = hash(tuple(vec)) & 0x3FFFFFFFFFFFFFFF
             buf = self._fp
@@ -416,8 +417,10 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                 self._agree(rec, vec)
         rec.finished = time.time()
 
-    def _agree(self, rec: Any, vec: List[int], from_exc: Optional[BaseException] = None) -> None:
-        """All-gather every rank's description of this operation; raise the same error on all if they differ."""
+    def _agree(self, rec: Any, vec: List[int], from_exc: Optional[BaseException] = None,
+               in_flight: bool = True) -> None:
+        """All-gather every rank's description of this operation; raise the same error on all if they
+        differ. ``in_flight``: the operation itself was started, so the group is broken afterwards."""
         self._fp_req = None
         size = self._check.Get_size()
         mine = array("q", vec)
@@ -427,6 +430,9 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         if len(set(rows)) == 1:
             return
         rec.error = "desync"
+        if in_flight and not self._broken:
+            self._broken = f"hpcsync backend: group {self._log.name!r} is broken after a collective mismatch (desync)"
+            self._mark_broken()
         groups: dict = {}
         for r, row in enumerate(rows):
             groups.setdefault(row, []).append(self._log.ranks[r])
@@ -435,6 +441,17 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             f"hpcsync backend: collective mismatch (desync) at operation #{rec.seq} of group "
             f"{self._log.name!r}: {detail}. Every rank must call the same collectives in the same order "
             "with matching dtype, size and root.") from from_exc
+
+    def _mark_broken(self) -> None:
+        """Remember a broken group for good. Its MPI operations are still in flight and may complete
+        later (when a late rank arrives) by writing into their buffers: keep the group, the
+        operation and the frames holding its staged tensors alive, so MPI never writes into freed
+        memory."""
+        frames, f = [], sys._getframe(1)
+        while f is not None:
+            frames.append(f)
+            f = f.f_back
+        _broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
 
     def _c(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """One MPI collective: blocking on the worker thread (its waiter enforces the deadline),
@@ -458,8 +475,6 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             if fp_req is not None and fp_req.Test():
                 fp_req = self._fp_req = None
                 if self._fp[0] != -self._fp[1]:  # mismatched operations may never complete: say so now
-                    self._broken = (f"hpcsync backend: group {self._log.name!r} is broken after a collective "
-                                    "mismatch (desync)")
                     self._agree(self._rec, self._vec)
             if now > self._deadline:
                 self._timed_out(self._rec)
@@ -472,6 +487,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                f"{self._timeout_s:g}s")
         self._broken = (msg + "; the group is broken (MPI cannot cancel a collective): destroy it and end "
                         "the job")
+        self._mark_broken()
         rec.error = "timed out"
         try:
             watchdog.report_timeout(self._log, rec, self._timeout_s)
@@ -902,6 +918,37 @@ def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: 
     yield dist.HashStore(), topo.rank, topo.world_size
 
 
+_broken_groups: List[Tuple[str, float, Any]] = []
+
+
+def _at_exit() -> None:
+    """Stop the watchdog before MPI_Finalize; end the job if a group is broken.
+
+    A group that timed out or desynchronised still has MPI operations in flight, and MPI_Finalize
+    would hang or crash on them. Every rank first meets the others in a bounded exit barrier (its
+    watchdog still answering): a broken rank waits up to that group's timeout + 20 s, so every
+    rank can finish handling its own error and report, then ends the job with MPI_Abort, saying
+    why; a healthy rank waits up to 30 s (MPI_Finalize would wait for the others anyway).
+    """
+    MPI = _mpi.MPI()
+    if MPI.Is_finalized():
+        return
+    resp = watchdog._responder
+    if resp is not None:
+        req = resp.comm.Ibarrier()
+        deadline = time.monotonic() + (max(t for _, t, _ in _broken_groups) + 20 if _broken_groups else 30)
+        while not req.Test() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if resp is not None:
+        resp.stop()
+    if _broken_groups:
+        sys.stdout.flush()
+        sys.stderr.write(f"[hpcsync] rank {MPI.COMM_WORLD.Get_rank()}: exiting with a broken process group "
+                         f"({_broken_groups[0][0]}); MPI cannot finalize with collectives in flight: MPI_Abort\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
 def register() -> None:
     """Register the backend and the ``hpcsync://`` rendezvous with torch (idempotent)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
@@ -915,3 +962,4 @@ def register() -> None:
 
 
 register()
+__import__("atexit").register(_at_exit)

@@ -140,10 +140,7 @@ def start() -> Responder:
     """Start the responder once per process (collective over COMM_WORLD the first time)."""
     global _responder
     if _responder is None:
-        import atexit
-
-        _responder = Responder()
-        atexit.register(_responder.stop)  # before mpi4py finalizes MPI (its handler runs later)
+        _responder = Responder()  # stopped at exit by hpcsync.backend, before MPI_Finalize
     return _responder
 
 
@@ -279,6 +276,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
         sys.stderr.flush()
+        time.sleep(1.0)  # let the launcher forward the report before the abort tears its pipes down
         _mpi.MPI().COMM_WORLD.Abort(1)
     return text
 

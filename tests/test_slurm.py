@@ -13,17 +13,6 @@ from launch import PROGRAMS, PY, ROOT, clean_env
 pytestmark = pytest.mark.slurm
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    d = tmp_path_factory.mktemp("slurm")
-    try:
-        env = slurm_cluster.start(d)
-    except RuntimeError as exc:
-        pytest.fail(f"could not start the test Slurm cluster: {exc}")
-    yield env
-    slurm_cluster.stop(d)
-
-
 OPENMPI_ENV = {"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader"}
 
 

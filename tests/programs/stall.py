@@ -1,0 +1,51 @@
+"""A rank that stops without an exception, or ranks that call different collectives.
+
+    stall.py BACKEND CASE TIMEOUT
+
+CASE: ``stuck`` -- the last rank sleeps before its third all_reduce (line marked STUCK HERE);
+``barrier`` -- only rank 0 enters a barrier of ``new_group(timeout=1s)`` (torch's
+test_barrier_timeout_full_group); ``count`` / ``dtype`` -- rank 1's all_reduce has one more
+element / float64. Ranks report what happened (with the abort hook off they raise and go on).
+"""
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import hpcsync
+from _report import report
+
+backend, case, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+topo = hpcsync.init(backend=backend, timeout=timeout)
+R, W = topo.rank, topo.world_size
+out = {"rank": R, "world_size": W, "results": [], "errors": []}
+t = torch.ones(4)
+t0 = time.monotonic()
+try:
+    if case == "stuck":
+        for i in range(5):
+            if i == 2 and R == W - 1:
+                time.sleep(timeout + 8)  # STUCK HERE
+            dist.all_reduce(t)
+            out["results"].append(t.tolist())
+    elif case == "barrier":
+        group = dist.new_group(list(range(W)), timeout=__import__("datetime").timedelta(seconds=1))
+        if R == 0:
+            dist.barrier(group=group)
+        else:
+            time.sleep(timeout + 5)
+    else:
+        n = 5 if case == "count" and R == 1 else 4
+        dtype = torch.float64 if case == "dtype" and R == 1 else torch.float32
+        x = torch.ones(n, dtype=dtype)
+        dist.all_reduce(x)
+        out["results"].append(x.tolist())
+except Exception as exc:  # noqa: BLE001 - reported to the test
+    out["errors"].append(f"{type(exc).__name__}: {exc}")
+    try:  # the group is broken now: it must say so
+        dist.all_reduce(torch.ones(1))
+    except Exception as again:  # noqa: BLE001
+        out["errors"].append(f"{type(again).__name__}: {again}")
+out["seconds"] = time.monotonic() - t0
+report(R, out)

@@ -1,0 +1,135 @@
+"""When a rank stops without an exception: timeouts, hang reports, desync detection, killed ranks."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from launch import LAUNCHERS, PY, clean_env, mpich, openmpi, run
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "stall.py")
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_stuck_rank_ends_the_job_with_a_report(launcher, tmp_path):
+    """4 ranks, the last sleeps before its 3rd all_reduce: the job ends within timeout + 15 s and
+    the report names rank 3, all_reduce #3 and the line where rank 3 sleeps."""
+    timeout = 5
+    reports = tmp_path / "reports"
+    t0 = time.monotonic()
+    res = run(LAUNCHERS[launcher](), 4, "stall.py", "hpcsync", "stuck", str(timeout), tmp_path=tmp_path,
+              expect_ok=False, env={"HPCSYNC_REPORT_DIR": str(reports)}, timeout=120)
+    took = time.monotonic() - t0
+    assert res.returncode != 0
+    assert took < timeout + 15, took
+    err = res.stderr
+    assert "HANG REPORT: all_reduce #3 (float32[4])" in err, res
+    assert "never entered #3: rank(s) 3" in err and "inside #3: rank(s) 0, 1, 2" in err
+    assert "rank 3 (" in err and "last operation all_reduce #2 (finished" in err
+    assert "STUCK HERE" in err and "time.sleep(timeout + 8)" in err  # rank 3's own line
+    assert err.count("HANG REPORT") == 1  # one rank prints it
+    files = list(reports.glob("hpcsync-hang-*.json"))
+    assert len(files) == 1
+    rep = json.loads(files[0].read_text())
+    assert rep["never_entered"] == [3] and rep["inside"] == [0, 1, 2] and rep["operation"]["op"] == "all_reduce"
+    assert any("STUCK HERE" in line for line in rep["ranks"]["3"]["main_stack"])
+
+
+def reports_of_all(res, n):
+    """With the abort hook off the ranks raise and report; the job still ends non-zero at exit
+    (MPI cannot finalize with a collective in flight), and says so."""
+    assert all(d is not None for d in res.ranks), res
+    assert res.returncode != 0 and "exiting with a broken process group" in res.stderr, res
+    assert {d["world_size"] for d in res.ranks} == {n}
+
+
+def test_timeout_raises_when_the_abort_hook_is_off(tmp_path):
+    timeout = 3
+    res = run(openmpi(), 3, "stall.py", "hpcsync", "stuck", str(timeout), tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    reports_of_all(res, 3)
+    for d in res.ranks[:2]:
+        assert d["results"] == [[3.0] * 4, [9.0] * 4], d  # two good all_reduces, then the stall
+        first, again = d["errors"]
+        assert first.startswith("DistBackendError") and "all_reduce #3" in first and "timed out after 3s" in first
+        assert again.startswith("DistBackendError") and "group is broken" in again
+        assert timeout <= d["seconds"] < timeout + 12
+    # the stuck rank wakes after the others gave up: it completes #3 with the requests they left
+    # posted (right data: every rank contributed), then times out alone in #4 -- never wrong data
+    late = res.ranks[2]
+    assert late["errors"] and "all_reduce #4" in late["errors"][0] and "timed out" in late["errors"][0]
+    assert late["results"] == [[3.0] * 4, [9.0] * 4, [27.0] * 4]
+
+
+def test_barrier_timeout_full_group(tmp_path):
+    """torch's test_barrier_timeout_full_group: new_group(timeout=1s), only rank 0 enters the barrier."""
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "barrier", "5", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    reports_of_all(res, 2)
+    err = res.ranks[0]["errors"][0]
+    assert err.startswith("DistBackendError") and "barrier #1" in err and "timed out after 1s" in err
+    assert res.ranks[0]["seconds"] < 8
+    assert res.ranks[1]["errors"] == []
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+@pytest.mark.parametrize("case,differs", [("count", "count=5"), ("dtype", "dtype=float64")])
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_mismatched_collectives_raise_on_every_rank(launcher, case, differs, debug, tmp_path):
+    """Rank 1 all_reduces 5 elements (or float64) where rank 0 has 4 float32: never wrong data."""
+    res = run(LAUNCHERS[launcher](), 2, "stall.py", "hpcsync", case, "30", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_DEBUG": debug, "HPCSYNC_ABORT_ON_EXCEPTION": "0"}, timeout=120)
+    assert all(d is not None for d in res.ranks), res
+    for d in res.ranks:
+        assert d["results"] == [], d  # no rank returned data
+        first = d["errors"][0]
+        assert first.startswith("DistBackendError") and "collective mismatch (desync) at operation #1" in first
+        assert "rank(s) [0]: #1 all_reduce dtype=float32 count=4" in first and differs in first
+        assert d["seconds"] < 10  # found at once, not at the timeout
+    assert res.ranks[0]["errors"][0] == res.ranks[1]["errors"][0]  # the same error everywhere
+
+
+def _kill_one_rank(cmd, env, marker, victim_pid_file, timeout=90):
+    """Start ``cmd``; when ``victim_pid_file`` exists, SIGKILL that pid; return (rc, seconds after kill)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(victim_pid_file):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the victim never got ready"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(int(open(victim_pid_file).read()), signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, time.monotonic() - t0, out + err
+
+
+def _victim_cmd(launcher, slurm, n, mode, work):
+    prog = [PY, os.path.join(os.path.dirname(__file__), "programs", "victim.py"), mode, str(work)]
+    if launcher == "srun":
+        return ["srun", "--mpi=pmix", "-n", str(n), *prog], clean_env({**slurm, "MPI4PY_MPIABI": "openmpi",
+                                                                        "OMPI_MCA_btl": "self,vader"})
+    lau = LAUNCHERS[launcher]()
+    return [*lau.command(n), *prog], clean_env(lau.env)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("mode", ["collective", "sync"])
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich", "srun"])
+def test_sigkilled_rank_ends_the_job(launcher, mode, tmp_path, request):
+    """SIGKILL one rank inside collectives / during a sync: the job ends non-zero, quickly; a sync
+    leaves no target and every part intact."""
+    slurm = request.getfixturevalue("slurm") if launcher == "srun" else None
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd, env = _victim_cmd(launcher, slurm, 3, mode, work)
+    rc, after_kill, output = _kill_one_rank(cmd, env, mode, str(work / "victim.pid"))
+    assert rc != 0, output
+    assert after_kill < 30, after_kill
+    if mode == "sync":
+        assert not (work / "merged.bin").exists()
+        parts = sorted((work / ".merged.bin.parts").iterdir())
+        assert [p.name for p in parts] == ["rank00000.bin", "rank00001.bin", "rank00002.bin"]
+        assert all(p.stat().st_size == 8 << 20 for p in parts)
