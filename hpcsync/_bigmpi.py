@@ -48,14 +48,40 @@ def _displs(counts: Sequence[int]) -> List[int]:
     return out
 
 
-def allgather_sizes(comm: Any, nbytes: int) -> List[int]:
+def allgather_sizes(comm: Any, nbytes: int, root: Optional[int] = None) -> List[int]:
+    """Every rank's byte count. With ``root``, also check that every rank names the same root
+    (ranks that disagree would each think they are the root: silent wrong data): a ValueError
+    on every rank otherwise, at no extra cost (it travels with the sizes)."""
+    mine = [int(nbytes), -1 if root is None else int(root)]
     if not hasattr(comm, "Allgather"):  # TorchComm: no buffer collectives
-        return [int(n) for n in comm.allgather(int(nbytes))]
+        pairs = [tuple(p) for p in comm.allgather(mine)]
+    else:
+        from mpi4py import MPI
+
+        flat = np.zeros(2 * comm.Get_size(), dtype=np.int64)
+        comm.Allgather([np.array(mine, dtype=np.int64), MPI.INT64_T], [flat, MPI.INT64_T])
+        pairs = [(int(flat[2 * r]), int(flat[2 * r + 1])) for r in range(comm.Get_size())]
+    _same_root([r for _, r in pairs])
+    return [n for n, _ in pairs]
+
+
+def _same_root(roots: Sequence[int]) -> None:
+    if len(set(roots)) > 1:
+        by: dict = {}
+        for rank, r in enumerate(roots):
+            by.setdefault(r, []).append(rank)
+        raise ValueError("ranks disagree on the root of a collective (desync): "
+                         + "; ".join(f"rank(s) {ranks} say root {r}" for r, ranks in by.items()))
+
+
+def agree_root(comm: Any, root: int) -> None:
+    """Check (one 16-byte allreduce) that every rank names the same ``root``; ValueError on all if not."""
     from mpi4py import MPI
 
-    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
-    comm.Allgather([np.array([nbytes], dtype=np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
-    return [int(s) for s in sizes]
+    mm = np.array([root, -root], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, [mm, MPI.INT64_T], op=MPI.MAX)
+    if mm[0] != -mm[1]:
+        _same_root(comm.allgather(root))
 
 
 def _from_buffer(data: Any) -> Tuple[int, Fill]:
@@ -178,7 +204,7 @@ def _object_rounds(comm: Any, sizes: Sequence[int], fill: Fill, root: int, round
 def gatherv_bytes(comm: Any, data: Any, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES) -> Optional[List[bytearray]]:
     """Gather one bytes-like object per rank to ``root``; returns the list there, None elsewhere."""
     n, fill = _from_buffer(data)
-    sizes = allgather_sizes(comm, n)
+    sizes = allgather_sizes(comm, n, root=root)
     out = [bytearray(s) for s in sizes] if comm.Get_rank() == root else None
     for r, off, chunk in iter_gatherv(comm, sizes, fill, root, round_bytes, direct=memoryview(data).cast("B")):
         out[r][off: off + len(chunk)] = chunk  # type: ignore[index]
@@ -213,6 +239,7 @@ def bcast_bytes(comm: Any, data: Any = None, root: int = 0, round_bytes: int = 1
     """Broadcast a bytes-like object of any size from ``root``."""
     from mpi4py import MPI
 
+    agree_root(comm, root)
     is_root = comm.Get_rank() == root
     n = np.array([len(memoryview(data).cast("B")) if is_root else 0], dtype=np.int64)
     comm.Bcast([n, MPI.INT64_T], root=root)

@@ -257,8 +257,16 @@ def merge_parts(
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
     target = os.path.abspath(os.fspath(target))
-    if comm is not None:
-        target = comm.bcast(target, root=root)
+    if comm is not None:  # every rank must mean the same merge: a rank that diverges is an error, not ignored
+        settings = {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
+                    "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method}
+        every = comm.allgather(settings)
+        differ = {k: sorted({repr(s[k]) for s in every}) for k in settings if len({repr(s[k]) for s in every}) > 1}
+        if differ:
+            detail = "; ".join(f"{k}: " + ", ".join(f"rank(s) {[r for r, s in enumerate(every) if repr(s[k]) == v]} "
+                                                      f"{v}" for v in vals) for k, vals in differ.items())
+            raise SyncError(f"sync_file: ranks called it with different arguments (desync), nothing merged or "
+                            f"deleted: {detail}")
 
     src, err = _Source(), None
     for p in my_parts:

@@ -53,3 +53,12 @@ def test_object_gather_past_2gib(mode, tmp_path):
             continue
         assert [list(x) for x in d["received"]] == [list(x) for x in d["expected"]]
         assert d["received"][1][0] == per_rank
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_ranks_disagreeing_on_the_root_raise_everywhere(launcher, tmp_path):
+    res = run(LAUNCHERS[launcher](), 3, "comm_desync.py", tmp_path=tmp_path)
+    for d in res.ranks:
+        for name in ("gather", "broadcast_object"):
+            assert d[name] == res.ranks[0][name], (name, [x[name] for x in res.ranks])
+            assert d[name].startswith("ValueError: ranks disagree on the root") and "rank(s) [0, 2] say root 0" in d[name]

@@ -269,3 +269,19 @@ def test_repeated_sync_of_one_target_is_race_free(n, tmp_path):
         assert all(d["bad"] is None for d in res.ranks), res.ranks[0]["bad"]
         assert res.ranks[0]["left"] == ["a", "b", "f.csv", "parts"]  # no stray parts folder
         assert os.listdir(work / "parts") == []
+
+
+@pytest.mark.parametrize("how,words", [
+    ({"_rank1": {"strip_header": False}}, ["different arguments (desync)", "strip_header", "rank(s) [1] False"]),
+    ({"_target_per_rank": True}, ["different arguments (desync)", "target", "t.1.csv"]),
+    ({"_rank1": {"method": "mpiio"}}, ["different arguments (desync)", "method"]),
+])
+def test_ranks_that_diverge_get_the_same_error(how, words, tmp_path):
+    """A rank calling sync_file with other arguments (or another target) than the rest: before,
+    the root's target silently won; now every rank raises the same SyncError, nothing is touched."""
+    target = tmp_path / "t.csv"
+    parts = [b"h\n1\n", b"h\n2\n", b"h\n3\n"]
+    write_parts(target, parts)
+    res = sync(openmpi(), 3, target, tmp_path, expect_ok=False, strip_header=True, **how)
+    check_failed(res, target, parts, words)
+    assert all(open(part_path(str(target), r), "rb").read() == p for r, p in enumerate(parts))

@@ -14,6 +14,10 @@ mode = opts.pop("_mode", "sync_file")
 if opts.pop("_init", False):
     hpcsync.init(backend="gloo", timeout=60)
 rank, size = comm.get_rank(), comm.get_world_size()
+opts.update(opts.pop("_rank1", {}) if rank == 1 else {})  # a rank that diverges
+opts.pop("_rank1", None)
+if opts.pop("_target_per_rank", False):
+    target = target.replace(".csv", f".{rank}.csv")
 out = {"rank": rank, "world_size": size}
 try:
     if mode == "synced_file":
