@@ -35,6 +35,7 @@ _EXPORTS = {
     "broadcast_object": "comm",
     "shared_random_seed": "comm",
     "reduce_dict": "comm",
+    "monitored_barrier": "comm",
     "sync_file": "filesync",
     "SyncedFile": "filesync",
     "HpcsyncError": "errors",

@@ -202,3 +202,68 @@ def _like(orig: Any, values: np.ndarray) -> Any:
     if isinstance(orig, np.ndarray):
         return values.astype(orig.dtype)
     return type(orig)(values.item()) if values.size == 1 and isinstance(orig, (int, float)) else values
+
+
+_MB_TAG = 31200  # point-to-point tags reserved for monitored_barrier (31200..32199)
+_mb_seq = 0
+
+
+def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_all_ranks: bool = False) -> None:
+    """A barrier that names the ranks that did not arrive, like torch's gloo-only ``monitored_barrier``.
+
+    Every rank reports to rank 0 over MPI point-to-point; rank 0 waits at most ``timeout`` seconds
+    (default ``HPCSYNC_TIMEOUT`` or 1800) and raises ``RuntimeError`` naming the first missing rank
+    (all of them with ``wait_all_ranks=True``); the ranks that did arrive get the same error. Works
+    without torch.distributed and with any backend; ``group`` is an mpi4py communicator.
+    """
+    global _mb_seq
+    import os
+    import time
+
+    comm = _mpi_comm(group)
+    if comm is None:
+        if _torch_dist_ready():
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.monitored_barrier(group=group, wait_all_ranks=wait_all_ranks,
+                                   timeout=None if timeout is None else datetime.timedelta(seconds=timeout))
+        return
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    limit = float(timeout if timeout is not None else os.environ.get("HPCSYNC_TIMEOUT", 1800))
+    tag = _MB_TAG + _mb_seq % 1000
+    _mb_seq += 1
+    MPI = _mpi.MPI()
+    deadline = time.monotonic() + limit
+    if rank == 0:
+        bufs = {r: bytearray(1) for r in range(1, size)}
+        reqs = {r: comm.Irecv([bufs[r], MPI.BYTE], source=r, tag=tag) for r in range(1, size)}
+        while reqs and time.monotonic() < deadline:
+            reqs = {r: q for r, q in reqs.items() if not q.Test()}
+            time.sleep(0.001)
+        missing = sorted(reqs)
+        verdict = (b"\x00" if not missing else b"\x01")
+        msg = "" if not missing else (
+            f"monitored_barrier: rank(s) {missing if wait_all_ranks else missing[:1]} did not reach the barrier "
+            f"within {limit:g}s")
+        for r in range(1, size):
+            if r not in reqs:
+                comm.Send([verdict + msg.encode(), MPI.BYTE], dest=r, tag=tag)
+        if missing:
+            for q in reqs.values():
+                q.Cancel()
+            raise RuntimeError(msg)
+        return
+    comm.Send([b"\x00", MPI.BYTE], dest=0, tag=tag)
+    status = MPI.Status()
+    while not comm.Iprobe(source=0, tag=tag, status=status):
+        if time.monotonic() > deadline + 5:
+            raise RuntimeError(f"monitored_barrier: no answer from rank 0 within {limit:g}s")
+        time.sleep(0.001)
+    answer = bytearray(status.Get_count(MPI.BYTE))
+    comm.Recv([answer, MPI.BYTE], source=0, tag=tag)
+    if answer[:1] != b"\x00":
+        raise RuntimeError(bytes(answer[1:]).decode())

@@ -62,3 +62,15 @@ def test_ranks_disagreeing_on_the_root_raise_everywhere(launcher, tmp_path):
         for name in ("gather", "broadcast_object"):
             assert d[name] == res.ranks[0][name], (name, [x[name] for x in res.ranks])
             assert d[name].startswith("ValueError: ranks disagree on the root") and "rank(s) [0, 2] say root 0" in d[name]
+
+
+@pytest.mark.parametrize("wait_all", [False, True])
+def test_monitored_barrier_names_missing_ranks(wait_all, tmp_path):
+    """torch allows monitored_barrier on gloo only; ours works over MPI with any backend."""
+    res = run(openmpi(), 4, "monitored.py", "all" if wait_all else "first", "2,3", tmp_path=tmp_path)
+    want = "rank(s) [2, 3]" if wait_all else "rank(s) [2]"
+    for r in (0, 1):
+        assert want in res.ranks[r]["error"] and "did not reach the barrier within 1.5s" in res.ranks[r]["error"]
+        assert res.ranks[r]["seconds"] < 4
+    for r in (2, 3):  # the late ranks find nobody answering them
+        assert "no answer from rank 0" in res.ranks[r]["error"]

@@ -158,3 +158,18 @@ def test_rank_raising_on_second_node_ends_the_job(clusters, launcher, tmp_path):
     assert res.returncode != 0
     assert time.monotonic() - t0 < 60
     assert "deliberate failure on rank 1" in res.stderr and "MPI_Abort" in res.stderr, res
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_stuck_rank_on_second_node_is_reported(clusters, launcher, tmp_path):
+    """Rank 3 (second node) stops before its 3rd all_reduce: the job ends within timeout + 15 s
+    and the report, gathered over MPI across the nodes, names rank 3, its node and its line."""
+    cluster = clusters(ROUTED)
+    timeout = 5
+    t0 = time.monotonic()
+    res = run(getattr(cluster, launcher)([2, 2]), 4, "stall.py", "hpcsync", "stuck", str(timeout),
+              tmp_path=tmp_path, expect_ok=False, env={"HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert res.returncode != 0 and time.monotonic() - t0 < timeout + 15
+    assert "never entered #3: rank(s) 3" in res.stderr, res
+    assert f"rank 3 ({cluster.names[1]}): last operation all_reduce #2" in res.stderr
+    assert "STUCK HERE" in res.stderr
