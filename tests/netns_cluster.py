@@ -75,7 +75,7 @@ class Cluster:
             if not shutil.which(tool):
                 pytest.fail(f"the multi-node tests need `{tool}` (iproute2 / util-linux)")
         (self.dir / "nodelocal").mkdir(parents=True)
-        Path(self.agent).write_text(_AGENT.replace("{dir}", str(self.dir)).replace("{cwd}", str(self.dir)))
+        Path(self.agent).write_text(_AGENT.replace("{dir}", str(self.dir)).replace("{cwd}", os.getcwd()))
         os.chmod(self.agent, 0o755)
         try:
             self._build()
@@ -202,3 +202,41 @@ class ClusterLauncher(Launcher):
                 if key.startswith(_FORWARD):
                     forward += [self.forward_flag, key]
         return [self.cluster.agent, self.cluster.names[0], *self.argv, *forward, "-n", str(n)]
+
+
+def main() -> int:
+    """By hand: build the nodes, run one MPI job across them, tear them down.
+
+        sudo .venv/bin/python tests/netns_cluster.py --network routed --nodes 2 -n 4 -- \\
+            .venv/bin/python -m hpcsync.cli info
+    """
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--network", choices=[BRIDGED, ROUTED], default=ROUTED)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--launcher", choices=["openmpi", "mpich"], default="openmpi")
+    ap.add_argument("--placement", choices=["block", "round-robin"], default="block")
+    ap.add_argument("-n", type=int, default=4, help="ranks (spread evenly over the nodes)")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
+    args = ap.parse_args()
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd or args.n % args.nodes:
+        ap.error("give a command after --, and -n divisible by --nodes")
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="hpcsync-nodes-")), args.nodes, args.network)
+    cluster.start()
+    try:
+        for i, name in enumerate(cluster.names):
+            print(f"# node {name}: eth0={cluster.address(i)} docker0={DOCKER0} (hostname -> 127.0.1.1)", flush=True)
+        lau = getattr(cluster, args.launcher)([args.n // args.nodes] * args.nodes, args.placement)
+        env = {**os.environ, **lau.env}
+        return subprocess.run([*lau.command(args.n, env), *cmd], env=env).returncode
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
