@@ -208,7 +208,7 @@ def main() -> int:
     """By hand: build the nodes, run one MPI job across them, tear them down.
 
         sudo .venv/bin/python tests/netns_cluster.py --network routed --nodes 2 -n 4 -- \\
-            .venv/bin/python -m hpcsync.cli info
+            .venv/bin/python -m hpcsync info
     """
     import argparse
     import tempfile

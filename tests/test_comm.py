@@ -74,3 +74,30 @@ def test_monitored_barrier_names_missing_ranks(wait_all, tmp_path):
         assert res.ranks[r]["seconds"] < 4
     for r in (2, 3):  # the late ranks find nobody answering them
         assert "no answer from rank 0" in res.ranks[r]["error"]
+
+
+@pytest.mark.parametrize("launcher,backend", [("openmpi", "gloo"), ("openmpi", "hpcsync"), ("mpich", "hpcsync"),
+                                              ("torchrun", "gloo")])
+def test_detectron2_semantics_with_groups(launcher, backend, tmp_path):
+    """One program through detectron2's semantics, under MPI and under torchrun: a torch group
+    passed as ``group=`` is honoured (it used to be ignored under MPI: 4 items instead of 2)."""
+    n = 4
+    res = run(LAUNCHERS[launcher](), n, "d2_parity.py", backend, tmp_path=tmp_path)
+    for r, d in enumerate(res.ranks):
+        half = list(range(0, 2)) if r < 2 else list(range(2, 4))
+        assert d["all_gather_world"] == list(range(n))
+        assert d["all_gather_half"] == half
+        assert d["gather_half"] == ([10 * x for x in half] if r == half[1] else [])  # dst = group rank 1
+        assert d["bcast_half"] == f"from {half[1]}"
+        assert d["all_gather_local"] == list(range(n))  # one machine: every rank is local
+        assert d["local_pg_is_module_attr"] and d["gloo_group_is_world"] and d["seed_same"]
+        assert d["reduced"] == sum(range(n)) and d["main"] == (r == 0)
+        assert "already called" in d["second_create"]
+
+
+def test_torchrun_without_init_is_a_clear_error(tmp_path):
+    res = run(LAUNCHERS["torchrun"](), 2, "d2_parity.py", "noinit", tmp_path=tmp_path)
+    for d in res.ranks:
+        assert d["world_size"] == 2
+        for name in ("all_gather", "gather", "shared_random_seed", "synchronize"):
+            assert d[name].startswith("LaunchError") and "hpcsync.init()" in d[name], (name, d[name])

@@ -5,7 +5,7 @@ from launch import PY, clean_env, mpich, openmpi
 
 
 def doctor(launcher, n, env=None, args=()):
-    cmd = [*launcher.command(n), PY, "-m", "hpcsync.cli", "doctor", *args]
+    cmd = [*launcher.command(n), PY, "-m", "hpcsync", "doctor", *args]  # python -m, as users type it
     return subprocess.run(cmd, env=clean_env({**launcher.env, **(env or {})}), capture_output=True, text=True,
                           timeout=120)
 
@@ -41,3 +41,15 @@ def test_hdf5_mismatch_fails_with_the_fix():
     assert "FAIL  HDF5            serial fallback: h5py and mpi4py use different MPI libraries" in p.stdout
     assert "rebuild h5py against this one" in p.stdout
     assert "reachability" not in p.stdout
+
+
+def test_python_dash_m_is_the_console_script():
+    """`python -m hpcsync` (what users type after mpirun) equals the `hpcsync` script."""
+    from launch import VENV_BIN
+
+    for args in (["--help"], ["info"]):
+        a = subprocess.run([PY, "-m", "hpcsync", *args], env=clean_env(), capture_output=True, text=True, timeout=120)
+        b = subprocess.run([str(VENV_BIN / "hpcsync"), *args], env=clean_env(), capture_output=True, text=True,
+                           timeout=120)
+        assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+        assert a.stdout == b.stdout and a.stdout

@@ -104,7 +104,7 @@ def test_job_across_nodes(clusters, network, launcher, placement, backend, nodes
 
 def _cli(cluster, lau, n, *args, env=None, timeout=180):
     full = clean_env({**lau.env, **(env or {})})
-    cmd = [*lau.command(n, full), PY, "-m", "hpcsync.cli", *args]
+    cmd = [*lau.command(n, full), PY, "-m", "hpcsync", *args]
     return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
