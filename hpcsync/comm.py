@@ -1,39 +1,81 @@
 """detectron2-style communication helpers, over MPI.
 
-Same names and meaning as ``detectron2.utils.comm`` so users can switch imports. They talk MPI
-when it is in use (no torch.distributed needed), fall back to torch.distributed when only that is
-initialised (torchrun without mpi4py), and are no-ops in one process. Object gathers pickle to
-bytes and move them with big-count-safe rounds, so any size works (past 2 GiB too).
+Same names and behaviour as ``detectron2.utils.comm`` so users can switch imports. One transport
+underneath, shared with file sync and HDF5 (:func:`hpcsync._torchcomm.world`): MPI when it is in
+use (no torch.distributed needed), else torch.distributed when it is initialised (torchrun without
+mpi4py), else -- one process -- nothing. A multi-rank job with neither gets a clear error naming
+``hpcsync.init()``, never N one-rank answers. Object gathers pickle to bytes and move them with
+big-count-safe rounds under MPI, so any size works (past 2 GiB too).
 
-``group`` may be an mpi4py communicator (default ``COMM_WORLD``); with the torch fallback it is a
-torch ProcessGroup.
+``group`` may be an mpi4py communicator or a torch ``ProcessGroup`` (``dist.new_group``); under
+MPI a torch group maps to the MPI sub-communicator of its ranks. Ranks (``dst``, ``src``) are
+ranks *within* the group. Differences from detectron2, on purpose: ``get_local_rank`` /
+``get_local_size`` come from MPI's node-local communicator and need no
+:func:`create_local_process_group`; :func:`reduce_dict` returns the reduced values on every rank.
 """
 from __future__ import annotations
 
+import functools
 import pickle
+import sys
+import weakref
+import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
 from . import _bigmpi, _mpi
-from .topology import topology
+from ._torchcomm import TorchComm, world
+from .topology import local_comm, topology
 
-
-def _mpi_comm(group: Any = None) -> Any:
-    if group is not None and hasattr(group, "Get_rank"):
-        return group
-    if _mpi.use_mpi():
-        topology()  # runs the silent-singleton check once
-        return _mpi.MPI().COMM_WORLD
-    return None
+_LOCAL_PROCESS_GROUP: Any = None
+_MISSING_LOCAL_PG_ERROR = (
+    "Local process group is not yet created! Please use hpcsync.comm.create_local_process_group() "
+    "(detectron2's launch() does this); hpcsync's get_local_rank()/get_local_size() do not need it")
+_subcomms: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _torch_dist_ready() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    if "torch.distributed" not in sys.modules:  # never import torch just to ask
         return False
+    import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized()
+
+
+def _is_mpi_comm(comm: Any) -> bool:
+    return hasattr(comm, "Allgatherv")
+
+
+def _comm(group: Any = None) -> Any:
+    """The transport for ``group``: an MPI communicator, a TorchComm, or None (one process)."""
+    if group is None:
+        return world()
+    if hasattr(group, "Get_rank"):  # an mpi4py communicator
+        return group
+    if _mpi.use_mpi():
+        return _mpi_subcomm(group)
+    return TorchComm(group)
+
+
+def _mpi_subcomm(group: Any) -> Any:
+    """The MPI communicator of a torch group's ranks (created once per group, by its members)."""
+    import torch.distributed as dist
+
+    comm = _subcomms.get(group)
+    if comm is None:
+        world_comm = _mpi.MPI().COMM_WORLD
+        ranks = dist.get_process_group_ranks(group)
+        if world_comm.Get_rank() not in ranks:
+            raise ValueError(f"this rank ({world_comm.Get_rank()}) is not a member of the group {ranks}")
+        if ranks == list(range(world_comm.Get_size())):
+            comm = world_comm
+        else:
+            mpi_group = world_comm.Get_group().Incl(ranks)
+            comm = world_comm.Create_group(mpi_group, tag=zlib.crc32(str(ranks).encode()) % 32768)
+            mpi_group.Free()
+        _subcomms[group] = comm
+    return comm
 
 
 def get_world_size() -> int:
@@ -52,6 +94,50 @@ def get_rank() -> int:
     return topology().rank
 
 
+def create_local_process_group(num_workers_per_machine: Optional[int] = None) -> None:
+    """Create the group of this node's ranks (collective): ``get_local_process_group()`` returns it.
+
+    With torch.distributed initialised it is a torch group (``dist.new_group`` for every node, as
+    detectron2 does); under MPI alone, the node-local MPI communicator. Under MPI the real nodes
+    are used (``COMM_TYPE_SHARED``, right for any placement); ``num_workers_per_machine``, if
+    given, must match them. Without MPI the ranks are split in blocks of that size, like detectron2.
+    """
+    global _LOCAL_PROCESS_GROUP
+    if _LOCAL_PROCESS_GROUP is not None:
+        raise RuntimeError("create_local_process_group() was already called")
+    topo = topology()
+    if num_workers_per_machine is not None and num_workers_per_machine != topo.local_size and topo.uses_mpi:
+        raise ValueError(f"num_workers_per_machine={num_workers_per_machine}, but MPI places {topo.local_size} "
+                         f"rank(s) on this node ({topo.hostname})")
+    if not _torch_dist_ready():
+        if topo.world_size > 1 and not topo.uses_mpi:
+            world()  # raises: a multi-rank job needs MPI or hpcsync.init()
+        _LOCAL_PROCESS_GROUP = local_comm()
+        return
+    import torch.distributed as dist
+
+    size = dist.get_world_size()
+    if topo.uses_mpi:
+        nodes = _mpi.MPI().COMM_WORLD.allgather(topo.node_rank)
+        members = [[r for r in range(size) if nodes[r] == n] for n in sorted(set(nodes))]
+    else:
+        per = num_workers_per_machine or topo.local_size
+        if size % per:
+            raise ValueError(f"world size {size} is not a multiple of num_workers_per_machine={per}")
+        members = [list(range(i * per, (i + 1) * per)) for i in range(size // per)]
+    for ranks in members:  # every rank creates every group, in the same order
+        pg = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            _LOCAL_PROCESS_GROUP = pg
+
+
+def get_local_process_group() -> Any:
+    """The group made by :func:`create_local_process_group`."""
+    if _LOCAL_PROCESS_GROUP is None:
+        raise RuntimeError(_MISSING_LOCAL_PG_ERROR)
+    return _LOCAL_PROCESS_GROUP
+
+
 def get_local_rank() -> int:
     """Rank within this node (from ``COMM_TYPE_SHARED`` under MPI)."""
     return topology().local_rank
@@ -66,17 +152,24 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
+@functools.lru_cache()
+def _get_global_gloo_group() -> Any:
+    """detectron2's CPU-side group: a gloo group when the default backend is NCCL, else the world
+    group (under MPI without torch.distributed: ``COMM_WORLD``)."""
+    if not _torch_dist_ready():
+        return world()
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return dist.new_group(backend="gloo")
+    return dist.group.WORLD
+
+
 def synchronize(group: Any = None) -> None:
     """Barrier among all ranks (no-op in one process)."""
-    comm = _mpi_comm(group)
-    if comm is not None:
-        if comm.Get_size() > 1:
-            comm.Barrier()
-    elif _torch_dist_ready():
-        import torch.distributed as dist
-
-        if dist.get_world_size(group) > 1:
-            dist.barrier(group=group)
+    comm = _comm(group)
+    if comm is not None and comm.Get_size() > 1:
+        comm.Barrier()
 
 
 def _dumps(obj: Any) -> bytes:
@@ -92,55 +185,36 @@ def _loads_all(parts: List[bytearray]) -> List[Any]:
 
 
 def all_gather(data: Any, group: Any = None) -> List[Any]:
-    """Gather any picklable object from every rank; every rank gets the list in rank order."""
-    comm = _mpi_comm(group)
-    if comm is not None:
-        if comm.Get_size() == 1:
-            return [data]
-        parts = _bigmpi.allgatherv_bytes(comm, _dumps(data))
-        return _loads_all(parts)
-    if _torch_dist_ready():
-        import torch.distributed as dist
-
-        out: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, data, group=group)
-        return out
-    return [data]
+    """Gather any picklable object from every rank of ``group``; each gets the list in rank order."""
+    comm = _comm(group)
+    if comm is None or comm.Get_size() == 1:
+        return [data]
+    if _is_mpi_comm(comm):
+        return _loads_all(_bigmpi.allgatherv_bytes(comm, _dumps(data)))
+    return comm.allgather(data)
 
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
-    """Gather any picklable object to rank ``dst``; it gets the list, the others ``[]``."""
-    comm = _mpi_comm(group)
-    if comm is not None:
-        if comm.Get_size() == 1:
-            return [data]
+    """Gather any picklable object to rank ``dst`` of ``group``; it gets the list, the others ``[]``."""
+    comm = _comm(group)
+    if comm is None or comm.Get_size() == 1:
+        return [data]
+    if _is_mpi_comm(comm):
         parts = _bigmpi.gatherv_bytes(comm, _dumps(data), root=dst)
         return [] if parts is None else _loads_all(parts)
-    if _torch_dist_ready():
-        import torch.distributed as dist
-
-        rank = dist.get_rank(group)
-        objs: Optional[List[Any]] = [None] * dist.get_world_size(group) if rank == dst else None
-        dist.gather_object(data, objs, dst=dst, group=group)
-        return objs if objs is not None else []
-    return [data]
+    out = comm.gather(data, root=dst)
+    return out if out is not None else []
 
 
 def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
-    """Return rank ``src``'s ``obj`` on every rank (any size)."""
-    comm = _mpi_comm(group)
-    if comm is not None:
-        if comm.Get_size() == 1:
-            return obj
+    """Return rank ``src``'s ``obj`` on every rank of ``group`` (any size)."""
+    comm = _comm(group)
+    if comm is None or comm.Get_size() == 1:
+        return obj
+    if _is_mpi_comm(comm):
         is_src = comm.Get_rank() == src
         return pickle.loads(_bigmpi.bcast_bytes(comm, _dumps(obj) if is_src else None, root=src))
-    if _torch_dist_ready():
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=group)
-        return box[0]
-    return obj
+    return comm.bcast(obj, root=src)
 
 
 def shared_random_seed() -> int:
@@ -156,9 +230,9 @@ def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str
     ``ValueError`` on every rank. Tensors come back as tensors on their device and dtype.
     """
     keys = sorted(input_dict.keys())
-    comm = _mpi_comm()
-    world = comm.Get_size() if comm is not None else get_world_size()
-    if world == 1:
+    comm = _comm()
+    size = comm.Get_size() if comm is not None else 1
+    if size == 1:
         return dict(input_dict)
     every = all_gather(keys)
     if any(k != keys for k in every):
@@ -167,7 +241,7 @@ def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str
                          f"{every[0]} vs {every[diff[0]]})")
     values = [_to_numpy(input_dict[k]) for k in keys]
     flat = np.concatenate([v.astype(np.float64).ravel() for v in values]) if values else np.zeros(0)
-    if comm is not None:
+    if _is_mpi_comm(comm):
         total = np.empty_like(flat)
         comm.Allreduce(flat, total, op=_mpi.MPI().SUM)
     else:
@@ -178,7 +252,7 @@ def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str
         dist.all_reduce(t)
         total = t.numpy()
     if average:
-        total /= world
+        total /= size
     out: Dict[str, Any] = {}
     pos = 0
     for k, v in zip(keys, values):
@@ -214,21 +288,22 @@ def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_a
     Every rank reports to rank 0 over MPI point-to-point; rank 0 waits at most ``timeout`` seconds
     (default ``HPCSYNC_TIMEOUT`` or 1800) and raises ``RuntimeError`` naming the first missing rank
     (all of them with ``wait_all_ranks=True``); the ranks that did arrive get the same error. Works
-    without torch.distributed and with any backend; ``group`` is an mpi4py communicator.
+    without torch.distributed and with any backend; ``group`` as for the other helpers.
     """
     global _mb_seq
     import os
     import time
 
-    comm = _mpi_comm(group)
+    comm = _comm(group)
+    if comm is not None and not _is_mpi_comm(comm):  # torch.distributed without MPI: torch's own (gloo)
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.monitored_barrier(group=group, wait_all_ranks=wait_all_ranks,
+                               timeout=None if timeout is None else datetime.timedelta(seconds=timeout))
+        return
     if comm is None:
-        if _torch_dist_ready():
-            import datetime
-
-            import torch.distributed as dist
-
-            dist.monitored_barrier(group=group, wait_all_ranks=wait_all_ranks,
-                                   timeout=None if timeout is None else datetime.timedelta(seconds=timeout))
         return
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:

@@ -84,6 +84,7 @@ def test_job_across_nodes(clusters, network, launcher, placement, backend, nodes
         assert d["backend"] == backend and d["allreduce"] == n * (n + 1) / 2
         assert d["env_master"] == (None if backend == "hpcsync" else cluster.address(0))
         assert d["gathered_hosts"] == [cluster.names[k] for k in where]
+        assert d["local_group_ranks"] == [k for k in range(n) if where[k] == where[r]]
         assert d["sync_gather"] == "gather" and d["sync_mpiio"] == "mpiio" and d["sync_nodelocal"] == "gather"
         # node-local parts: each node's folder holds only its own ranks' parts
         mine = sorted(f"rank{k:05d}.csv" for k in range(n) if where[k] == where[r])

@@ -67,5 +67,7 @@ with h5.CollectiveWriter(os.path.join(work, "rows.h5")) as w:
     out["h5_parallel"] = w.parallel
 
 out["gathered_hosts"] = comm.all_gather(topo.hostname)
+comm.create_local_process_group()  # detectron2's per-machine group, from MPI's real nodes
+out["local_group_ranks"] = comm.all_gather(topo.rank, group=comm.get_local_process_group())
 hpcsync.shutdown()
 report(topo.rank, out)
