@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import sys
 import threading
@@ -521,6 +522,12 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if any(t.is_sparse for t in tensors):
+            def sparse() -> None:
+                for t in tensors:
+                    self._allreduce_sparse(t, op)
+
+            return self._run(sparse, tensors, opts, ("all_reduce", tensors[0], -1))
         if len(tensors) == 1:  # the common case, with as little Python as possible
             t = tensors[0]
             if (t.device.type == "cpu" and t.is_contiguous() and t.dtype not in _HALF
@@ -535,6 +542,32 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                 self._reduce_into(t, op, None)
 
         return self._run(fn, tensors, opts, ("all_reduce", tensors[0] if tensors else None, -1))
+
+    def _allreduce_sparse(self, t: torch.Tensor, op: Any) -> None:
+        """SUM of sparse COO tensors (what gloo supports): all-gather every rank's (index, value)
+        rows with Allgatherv, add duplicates by coalescing, write the result into ``t``."""
+        if _kind(op) != RedOp.SUM:
+            raise ValueError("hpcsync backend: sparse all_reduce supports ReduceOp.SUM only (as gloo)")
+        if not t.is_sparse or t.layout != torch.sparse_coo:
+            raise ValueError("hpcsync backend: all_reduce of a mix of sparse and dense tensors")
+        c = t.detach().coalesce().cpu()
+        rows = c.indices().t().contiguous()  # (nnz, sparse_dim) int64: one row per entry
+        vals = c.values().contiguous()  # (nnz, *dense dims)
+        size, sd, per = self._coll.Get_size(), rows.shape[1], math.prod(vals.shape[1:])  # per: elements per row
+        mine, counts = array("q", [rows.shape[0]]), array("q", bytes(8 * size))
+        self._c("Allgather", [mine, self._int64], [counts, self._int64])
+        total = sum(counts)
+        all_rows = torch.empty((total, sd), dtype=torch.int64)
+        all_vals = torch.empty((total, *vals.shape[1:]), dtype=vals.dtype)
+        offsets = [sum(counts[:r]) for r in range(size)]
+        vtype = _mpi_type(vals.dtype)
+        self._c("Allgatherv", [_bytes(rows), rows.numel(), self._int64],
+                [_bytes(all_rows), ([n * sd for n in counts], [o * sd for o in offsets]), self._int64])
+        self._c("Allgatherv", [_bytes(vals), vals.numel(), vtype],
+                [_bytes(all_vals), ([n * per for n in counts], [o * per for o in offsets]), vtype])
+        summed = torch.sparse_coo_tensor(all_rows.t(), all_vals, t.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(summed.to(t.device))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM

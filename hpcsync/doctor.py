@@ -121,6 +121,26 @@ def _torch_checks(topo: Any, checks: List[Check]) -> None:
                                           "NCCL needs one GPU per rank; request --gpus-per-task=1 or fewer tasks per node"))
     else:
         checks.append(Check("GPUs", OK, f"{gpus} GPU(s) for {topo.local_size} local rank(s)"))
+    _binding_check(torch.get_num_threads(), checks)
+
+
+def _binding_check(torch_threads: int, checks: List[Check]) -> None:
+    """Ranks bound to fewer cores than they run threads on (torch's intra-op threads + the hpcsync
+    backend's worker): ``mpirun --bind-to core`` (Open MPI's default for <= 2 ranks) gives one core."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    need = torch_threads + 1
+    if cores < need:
+        checks.append(Check("CPU binding", WARN, f"this rank may run on {cores} core(s) but uses {torch_threads} torch "
+                            f"thread(s) + 1 communication thread: they share cores and communication cannot overlap "
+                            f"compute. Bind each rank to {need} cores (Open MPI: --map-by slot:PE={need}; Slurm: "
+                            f"--cpus-per-task={need}) or use --bind-to none; or set OMP_NUM_THREADS"))
+    else:
+        checks.append(Check("CPU binding", OK, f"{cores} core(s) for {torch_threads} torch thread(s) + 1 communication thread"))
 
 
 def _hdf5_check(checks: List[Check]) -> None:

@@ -66,3 +66,11 @@ def test_no_listening_socket_with_hpcsync_but_found_with_gloo(tmp_path):
     r0 = gloo.ranks[0]
     assert int(r0["master_port"]) in r0["during_training"], "the check must see gloo's TCP store listener"
     assert all(d["during_training"] for d in gloo.ranks)
+
+
+def test_sparse_all_reduce_sum(tmp_path):
+    """Sparse COO all_reduce (SUM, as gloo supports): equal to the dense sum, still sparse."""
+    res = run(openmpi(), 3, "sparse.py", tmp_path=tmp_path)
+    for d in res.ranks:
+        assert d["ok"] == [True, True, True]
+        assert "supports ReduceOp.SUM only" in d["max"]

@@ -53,3 +53,14 @@ def test_python_dash_m_is_the_console_script():
                            timeout=120)
         assert a.returncode == b.returncode == 0, a.stderr + b.stderr
         assert a.stdout == b.stdout and a.stdout
+
+
+def test_doctor_warns_about_ranks_bound_to_one_core():
+    """mpirun --bind-to core gives each rank one core, shared by torch's threads and the backend's."""
+    exe = openmpi().argv[0]
+    cmd = [exe, "--allow-run-as-root", "--bind-to", "core", "-n", "2", PY, "-m", "hpcsync", "doctor", "--no-connect"]
+    p = subprocess.run(cmd, env=clean_env({**openmpi().env, "OMP_NUM_THREADS": "2"}), capture_output=True, text=True,
+                       timeout=120)
+    assert "warn  CPU binding     this rank may run on 1 core(s) but uses 2 torch thread(s)" in p.stdout, p.stdout
+    assert "--map-by slot:PE=3" in p.stdout
+    assert "ok  CPU binding" in doctor(openmpi(), 2, env={"OMP_NUM_THREADS": "1"}, args=("--no-connect",)).stdout
