@@ -167,6 +167,7 @@ def init(
     master_port: Optional[int] = None,
     set_device: bool = True,
     abort_on_exception: bool = True,
+    store: Optional[str] = None,
 ) -> Topology:
     """Initialise torch.distributed from MPI (or the launcher) and return the topology.
 
@@ -175,8 +176,13 @@ def init(
     init_method: ``None``/``"tcp"`` -- rank 0 binds a TCPStore (port ``master_port`` or 0, i.e.
     any free port) and broadcasts the bound port over MPI; ``"env://"`` -- MASTER_ADDR/PORT;
     ``"file:///shared/path"`` -- a file on a shared filesystem. ``mpi``/``hpcsync`` need none.
+    store: ``"tcp"`` (default; ``HPCSYNC_STORE``) or ``"mpi"`` -- gloo/nccl rendezvous through
+    :class:`hpcsync.store.MPIStore` (MPI messages to rank 0, no listening port for the store).
     Calling it again returns the same topology; :func:`shutdown` undoes it.
     """
+    store_kind = (store or os.environ.get("HPCSYNC_STORE") or "tcp").lower()
+    if store_kind not in ("tcp", "mpi"):
+        raise ValueError(f"store must be 'tcp' or 'mpi', got {store_kind!r}")
     with _lock:
         if _state.get("topology") is not None:
             return _state["topology"]
@@ -223,9 +229,15 @@ def init(
                                     world_size=topo.world_size, timeout=td)
         else:
             assert choice is not None
-            store, port = _tcp_store(topo, choice.address, master_port, td)
+            if store_kind == "mpi" and topo.uses_mpi:
+                from .store import MPIStore
+
+                the_store: Any = MPIStore(timeout=td)
+            else:
+                the_store, port = _tcp_store(topo, choice.address, master_port, td)
             _export_env(topo, choice.address, port)
-            dist.init_process_group(name, store=store, rank=topo.rank, world_size=topo.world_size, timeout=td)
+            dist.init_process_group(name, store=the_store, rank=topo.rank, world_size=topo.world_size, timeout=td)
+            store = the_store
         _check_ranks(topo)
         _state.update(topology=topo, owner=True, store=store, backend=name, master=choice,
                       abort=abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0")
@@ -289,6 +301,9 @@ def shutdown() -> None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+            close = getattr(_state.get("store"), "close", None)  # an MPIStore's server thread
+            if close is not None:
+                close()
         uninstall_abort_hook()
         _state.clear()
 

@@ -2,6 +2,7 @@
 
     import hpcsync.lightning as hl
     trainer = lightning.Trainer(max_epochs=3, **hl.trainer_kwargs())   # under mpirun / srun
+    fabric = lightning.Fabric(**hl.fabric_kwargs()); fabric.launch()    # or Fabric
 
 ``trainer_kwargs(backend="hpcsync")`` initialises torch.distributed through :func:`hpcsync.init`
 (so Lightning finds it ready and opens no TCP store of its own) and returns ``strategy`` (a
@@ -79,16 +80,27 @@ class HpcsyncEnvironment(ClusterEnvironment):
                              f"{self._topo.world_size} ranks the launcher started; use hpcsync.lightning.trainer_kwargs()")
 
 
-def trainer_kwargs(backend: str = "hpcsync", **ddp_kwargs: Any) -> Dict[str, Any]:
-    """Keyword arguments for ``lightning.Trainer`` / ``Fabric`` under mpirun or srun."""
+def _kwargs(strategy_cls: Any, backend: str, ddp_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     import torch
-    from lightning.pytorch.strategies import DDPStrategy
-
-    topo = init(backend=backend)
     import torch.distributed as dist
 
+    topo = init(backend=backend)
     gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
-    strategy = DDPStrategy(cluster_environment=HpcsyncEnvironment(), process_group_backend=dist.get_backend(),
-                           **ddp_kwargs)
+    strategy = strategy_cls(cluster_environment=HpcsyncEnvironment(), process_group_backend=dist.get_backend(),
+                            **ddp_kwargs)
     return {"strategy": strategy, "accelerator": "gpu" if gpu else "cpu", "devices": topo.local_size,
             "num_nodes": topo.num_nodes}
+
+
+def trainer_kwargs(backend: str = "hpcsync", **ddp_kwargs: Any) -> Dict[str, Any]:
+    """Keyword arguments for ``lightning.Trainer`` under mpirun or srun."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return _kwargs(DDPStrategy, backend, ddp_kwargs)
+
+
+def fabric_kwargs(backend: str = "hpcsync", **ddp_kwargs: Any) -> Dict[str, Any]:
+    """Keyword arguments for ``lightning.Fabric`` under mpirun or srun (then ``fabric.launch()``)."""
+    from lightning.fabric.strategies import DDPStrategy
+
+    return _kwargs(DDPStrategy, backend, ddp_kwargs)

@@ -68,6 +68,20 @@ def test_no_listening_socket_with_hpcsync_but_found_with_gloo(tmp_path):
     assert all(d["during_training"] for d in gloo.ranks)
 
 
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_gloo_with_the_mpi_store_has_no_store_listener(launcher, tmp_path):
+    """hpcsync.init(backend="gloo", store="mpi"): the rendezvous goes over MPI to rank 0's table;
+    rank 0 listens only on gloo's own data port (one fewer than with the TCP store)."""
+    lau = openmpi() if launcher == "openmpi" else mpich()
+    tcp = run(lau, 3, "sockets.py", "gloo", "tcp", tmp_path=tmp_path)
+    mpi = run(lau, 3, "sockets.py", "gloo", "mpi", tmp_path=tmp_path)
+    assert all(d["backend"] == "gloo" for d in mpi.ranks)
+    r0_tcp, r0_mpi = tcp.ranks[0], mpi.ranks[0]
+    assert int(r0_tcp["master_port"]) in r0_tcp["during_training"]
+    assert r0_mpi["master_port"] is None
+    assert len(r0_mpi["during_training"]) == len(r0_tcp["during_training"]) - 1, (r0_mpi, r0_tcp)
+
+
 def test_sparse_all_reduce_sum(tmp_path):
     """Sparse COO all_reduce (SUM, as gloo supports): equal to the dense sum, still sparse."""
     res = run(openmpi(), 3, "sparse.py", tmp_path=tmp_path)

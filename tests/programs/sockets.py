@@ -35,7 +35,11 @@ from torch import nn  # noqa: E402
 
 import hpcsync  # noqa: E402
 
-topo = hpcsync.init(backend=sys.argv[1], timeout=60)
+import time  # noqa: E402
+
+t0 = time.perf_counter()
+topo = hpcsync.init(backend=sys.argv[1], timeout=60, store=sys.argv[2] if len(sys.argv) > 2 else None)
+init_s = time.perf_counter() - t0
 model = nn.parallel.DistributedDataParallel(nn.Linear(32, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 during = []
@@ -44,7 +48,7 @@ for _ in range(5):
     model(torch.randn(8, 32)).sum().backward()
     opt.step()
     during.extend(listening_ports())
-report(topo.rank, {"rank": topo.rank, "world_size": topo.world_size, "backend": dist.get_backend(),
+report(topo.rank, {"rank": topo.rank, "world_size": topo.world_size, "backend": dist.get_backend(), "init_s": init_s,
                    "mpi_runtime": after_mpi, "during_training": sorted(set(during)),
                    "master_port": os.environ.get("MASTER_PORT")})
 hpcsync.shutdown()
