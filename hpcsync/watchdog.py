@@ -66,6 +66,7 @@ class GroupLog:
 _logs: Dict[int, GroupLog] = {}
 _lock = threading.Lock()
 _responder: Optional["Responder"] = None
+_inflight: List[Any] = []  # sends that may still be in flight when their caller returns: kept alive
 
 
 def group_log(key: int, name: str, ranks: List[int]) -> GroupLog:
@@ -147,10 +148,12 @@ def start() -> Responder:
 def collect(wait_s: float = 5.0) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
     """Ask every rank for its snapshot; return the answers and the ranks that did not answer."""
     MPI = _mpi.MPI()
-    resp = start()
-    comm = resp.comm
-    me, size = comm.Get_rank(), comm.Get_size()
+    me = MPI.COMM_WORLD.Get_rank()
     states = {me: snapshot()}
+    if _responder is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
+        return states, sorted(set(range(MPI.COMM_WORLD.Get_size())) - {me})
+    comm = _responder.comm
+    size = comm.Get_size()
     sends = [comm.isend(me, dest=r, tag=_TAG_ASK) for r in range(size) if r != me]
     deadline = time.monotonic() + wait_s
     while len(states) < size and time.monotonic() < deadline:
@@ -161,9 +164,7 @@ def collect(wait_s: float = 5.0) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
         status = MPI.Status()
         data = msg.recv(status=status)
         states[status.Get_source()] = data
-    for s in sends:
-        if not s.Test():
-            s.Cancel()
+    _inflight.extend(s for s in sends if not s.Test())  # their buffers must outlive them
     return states, sorted(set(range(size)) - set(states))
 
 
@@ -254,8 +255,8 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     rep = build_report(group, rec, timeout_s, states, silent)
     me = _mpi.MPI().COMM_WORLD.Get_rank()
     printer = min(rep["timed_out_ranks"] or [me])
-    comm = start().comm
-    if printer != me:
+    comm = _responder.comm if _responder is not None else None
+    if printer != me and comm is not None:
         # let the printing rank finish before this one raises (an uncaught error here aborts the job)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and comm.iprobe(source=printer, tag=_TAG_DONE) is False:
@@ -269,9 +270,10 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
-    for r in rep["timed_out_ranks"]:
-        if r != me:
-            comm.isend(None, dest=r, tag=_TAG_DONE)
+    if comm is not None:  # every rank that may be waiting for this report (some time out just after)
+        for r in group.ranks:
+            if r != me:
+                _inflight.append(comm.isend(None, dest=r, tag=_TAG_DONE))
     if _abort_enabled():
         sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
