@@ -484,8 +484,8 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
 
     def _timed_out(self, rec: Any) -> None:
         """Break the group, report the hang (and abort, unless turned off), raise DistBackendError."""
-        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after "
-               f"{self._timeout_s:g}s")
+        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after {self._timeout_s:g}s "
+               f"(the group's timeout is {self._timeout_s:g}s)")  # torch's tests match " timeout "
         self._broken = (msg + "; the group is broken (MPI cannot cancel a collective): destroy it and end "
                         "the job")
         self._mark_broken()

@@ -43,7 +43,8 @@ class OpRecord:
 
     def describe(self) -> str:
         root = f" root={self.root}" if self.root >= 0 else ""
-        return f"{self.op} #{self.seq} ({self.dtype}{list(self.shape)}{root})"
+        what = f"{self.dtype}{list(self.shape)}" if self.dtype != "-" else ""
+        return f"{self.op} #{self.seq}" + (f" ({what}{root})".replace("( ", "(") if what or root else "")
 
 
 @dataclass

@@ -41,9 +41,9 @@ if ! { "$PY" -c "import torch, mpi4py, numpy, psutil, pytest, yaml, h5py" 2>/dev
 fi
 pip install --no-deps -e .
 
-if [ "$full" = 1 ] && ! "$PY" -c "import lightning, matplotlib" 2>/dev/null; then
-  log "pip install lightning matplotlib (Lightning integration tests, benchmark plots)"
-  pip install lightning matplotlib   # torch 2.13.0 already satisfies lightning: no CUDA download
+if [ "$full" = 1 ] && ! "$PY" -c "import lightning, matplotlib, expecttest" 2>/dev/null; then
+  log "pip install lightning matplotlib expecttest (Lightning tests, benchmark plots, torch's own test suite)"
+  pip install lightning matplotlib expecttest   # torch 2.13.0 already satisfies lightning: no CUDA download
 fi
 # Parallel h5py must be compiled with the headers of the MPI it links (Debian's Open MPI). The
 # mpich wheel puts MPICH's mpi.h into $VENV/include, which setuptools adds to every compile of a
