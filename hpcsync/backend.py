@@ -203,6 +203,8 @@ class MPIWork(dist.Work):
             mine = time.monotonic() + seconds if seconds > 0 else None
             with self._cv:
                 while not self._done:
+                    if self._group is not None and self._group._broken and self._started is None:
+                        raise dist.DistBackendError(self._group._broken)  # queued behind a stuck operation
                     started = self._started  # set by the worker when it begins this operation
                     limit = min(x for x in (mine, started and started[1]) if x) if (mine or started) else None
                     now = time.monotonic()

@@ -63,6 +63,19 @@ def test_timeout_raises_when_the_abort_hook_is_off(tmp_path):
     assert late["results"] == [[3.0] * 4, [9.0] * 4, [27.0] * 4]
 
 
+def test_queued_async_work_fails_fast_after_a_timeout(tmp_path):
+    """Two async 1 MiB all_reduces (the worker thread's path, like DDP buckets), one rank absent:
+    the first wait times out at the deadline, the queued second one fails at once (broken group)."""
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "async", "3", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    reports_of_all(res, 2)
+    d = res.ranks[0]
+    assert len(d["errors"]) >= 2, d
+    assert "all_reduce #1" in d["errors"][0] and "timed out after 3s" in d["errors"][0]
+    assert "group is broken" in d["errors"][1]
+    assert d["seconds"] < 3 + 8
+
+
 def test_barrier_timeout_full_group(tmp_path):
     """torch's test_barrier_timeout_full_group: new_group(timeout=1s), only rank 0 enters the barrier."""
     res = run(openmpi(), 2, "stall.py", "hpcsync", "barrier", "5", tmp_path=tmp_path, expect_ok=False,

@@ -29,6 +29,17 @@ try:
                 time.sleep(timeout + 8)  # STUCK HERE
             dist.all_reduce(t)
             out["results"].append(t.tolist())
+    elif case == "async":  # DDP-style: queued async operations behind one that never completes
+        big = [torch.ones(1 << 18) for _ in range(2)]  # 1 MiB each: run by the group's worker thread
+        if R == W - 1:
+            time.sleep(timeout + 8)  # STUCK HERE
+        works = [dist.all_reduce(b, async_op=True) for b in big]
+        for w in works:
+            try:
+                w.wait()
+                out["results"].append("done")
+            except Exception as exc:  # noqa: BLE001
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
     elif case == "barrier":
         group = dist.new_group(list(range(W)), timeout=__import__("datetime").timedelta(seconds=1))
         if R == 0:
