@@ -17,8 +17,11 @@ so sends and receives never block each other.
 Types: every torch dtype. MPI has no float16/bfloat16: reductions on them are computed in
 float32 and rounded once (at least as accurate as reducing in 16 bits). CUDA tensors are staged
 through host memory (a CUDA-aware MPI could take them directly; not detected yet).
-Errors: an exception inside an operation fails its work (``wait()`` raises); MPI collectives
-cannot be cancelled, so a rank that never arrives is handled by hpcsync's abort hook / the launcher.
+Errors: an exception inside an operation fails its work (``wait()`` raises). Every operation is
+bounded by the group's timeout: past it the waiting ranks raise ``DistBackendError``, the group is
+broken for good (MPI cannot cancel a collective) and :mod:`hpcsync.watchdog` reports who is
+stuck where. Mismatched collectives are detected (a fingerprint travels beside each one) and
+raise on every rank instead of returning wrong data.
 """
 from __future__ import annotations
 
