@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import hpcsync
 import hpcsync.lightning as hl
 from _report import report
 
@@ -31,3 +32,5 @@ weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist
 report(fabric.global_rank, {"rank": fabric.global_rank, "world_size": fabric.world_size,
                             "backend": dist.get_backend(), "first": sum(losses[:8]) / 8, "last": sum(losses[-8:]) / 8,
                             "weights": weights, "steps": len(losses), "steps_all_ranks": total.item()})
+del model, opt, loader, fabric
+hpcsync.shutdown()  # what a user's script should end with (atexit does it too)
