@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .errors import ranks_by_value
+
 INT_MAX = 2**31 - 1
 DEFAULT_ROUND_BYTES = 256 * 2**20
 
@@ -66,10 +68,8 @@ def allgather_sizes(comm: Any, nbytes: int, root: Optional[int] = None) -> List[
 
 
 def _same_root(roots: Sequence[int]) -> None:
-    if len(set(roots)) > 1:
-        by: dict = {}
-        for rank, r in enumerate(roots):
-            by.setdefault(r, []).append(rank)
+    by = ranks_by_value(roots)
+    if len(by) > 1:
         raise ValueError("ranks disagree on the root of a collective (desync): "
                          + "; ".join(f"rank(s) {ranks} say root {r}" for r, ranks in by.items()))
 

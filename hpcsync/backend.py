@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from . import _mpi, watchdog
+from .errors import ranks_by_value
 
 log = logging.getLogger(__name__)
 
@@ -413,15 +414,20 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         except BaseException as exc:
             if fp_req is not None and not isinstance(exc, dist.DistBackendError):
                 self._wait(fp_req)
-                if self._fp[0] != -self._fp[1]:
+                if self._fp_differs:
                     self._agree(rec, vec, from_exc=exc)
             rec.error = f"{type(exc).__name__}: {exc}"
             raise
         if fp_req is not None:
             self._wait(fp_req)
-            if self._fp[0] != -self._fp[1]:
+            if self._fp_differs:
                 self._agree(rec, vec)
         rec.finished = time.time()
+
+    @property
+    def _fp_differs(self) -> bool:
+        """After the fingerprint Iallreduce(MAX) of [fp, -fp]: max != min means the ranks disagree."""
+        return self._fp[0] != -self._fp[1]
 
     def _agree(self, rec: Any, vec: List[int], from_exc: Optional[BaseException] = None,
                in_flight: bool = True) -> None:
@@ -439,9 +445,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         if in_flight and not self._broken:
             self._broken = f"hpcsync backend: group {self._log.name!r} is broken after a collective mismatch (desync)"
             self._mark_broken()
-        groups: dict = {}
-        for r, row in enumerate(rows):
-            groups.setdefault(row, []).append(self._log.ranks[r])
+        groups = ranks_by_value(rows, self._log.ranks)
         detail = "; ".join(f"rank(s) {rs}: {_explain(row)}" for row, rs in groups.items())
         raise dist.DistBackendError(
             f"hpcsync backend: collective mismatch (desync) at operation #{rec.seq} of group "
@@ -480,7 +484,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             now = time.monotonic()
             if fp_req is not None and fp_req.Test():
                 fp_req = self._fp_req = None
-                if self._fp[0] != -self._fp[1]:  # mismatched operations may never complete: say so now
+                if self._fp_differs:  # mismatched operations may never complete: say so now
                     self._agree(self._rec, self._vec)
             if now > self._deadline:
                 self._timed_out(self._rec)

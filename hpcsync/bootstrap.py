@@ -207,7 +207,8 @@ def init(
                 os.environ[var] = choice.ifname
         if name == "nccl" and set_device:
             torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
-        store, port = None, None
+        kv: Any = None  # the rendezvous store (TCPStore or MPIStore); `store` names its kind
+        port = None
         if init_method is None and not topo.uses_mpi:
             init_method = "env://"  # torchrun's agent store, or MASTER_ADDR/PORT from the launcher
         if name == "mpi":
@@ -232,14 +233,13 @@ def init(
             if store_kind == "mpi" and topo.uses_mpi:
                 from .store import MPIStore
 
-                the_store: Any = MPIStore(timeout=td)
+                kv = MPIStore(timeout=td)
             else:
-                the_store, port = _tcp_store(topo, choice.address, master_port, td)
+                kv, port = _tcp_store(topo, choice.address, master_port, td)
             _export_env(topo, choice.address, port)
-            dist.init_process_group(name, store=the_store, rank=topo.rank, world_size=topo.world_size, timeout=td)
-            store = the_store
+            dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
-        _state.update(topology=topo, owner=True, store=store, backend=name, master=choice,
+        _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice,
                       abort=abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0")
         # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
         # the process ("terminate called without an active exception"), measured under torchrun.

@@ -1,7 +1,7 @@
 """Exceptions raised by hpcsync. Collective failures raise the same error on every rank."""
 from __future__ import annotations
 
-from typing import Any, Optional, Type
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Type
 
 
 class HpcsyncError(RuntimeError):
@@ -35,3 +35,12 @@ def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], wha
     if bad:
         lines = "; ".join(f"rank {r}: {e}" for r, e in bad[:8]) + (f"; ... {len(bad) - 8} more" if len(bad) > 8 else "")
         raise exc_type(f"{what}{lines}")
+
+
+def ranks_by_value(values: Sequence[Hashable], ranks: Optional[Sequence[int]] = None) -> Dict[Any, List[int]]:
+    """Group ranks by what each said (first-seen order): ``{value: [ranks...]}``, for errors that
+    name which ranks disagree. ``ranks`` maps positions to rank numbers (default 0, 1, ...)."""
+    out: Dict[Any, List[int]] = {}
+    for pos, v in enumerate(values):
+        out.setdefault(v, []).append(ranks[pos] if ranks is not None else pos)
+    return out

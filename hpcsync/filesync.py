@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _bigmpi, _mpi
-from .errors import SyncError, raise_if_any
+from .errors import SyncError, raise_if_any, ranks_by_value
 from .progress import Progress
 
 log = logging.getLogger(__name__)
@@ -261,10 +261,10 @@ def merge_parts(
         settings = {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
                     "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method}
         every = comm.allgather(settings)
-        differ = {k: sorted({repr(s[k]) for s in every}) for k in settings if len({repr(s[k]) for s in every}) > 1}
+        differ = {k: by for k in settings if len(by := ranks_by_value([repr(s[k]) for s in every])) > 1}
         if differ:
-            detail = "; ".join(f"{k}: " + ", ".join(f"rank(s) {[r for r, s in enumerate(every) if repr(s[k]) == v]} "
-                                                      f"{v}" for v in vals) for k, vals in differ.items())
+            detail = "; ".join(f"{k}: " + ", ".join(f"rank(s) {ranks} {v}" for v, ranks in by.items())
+                               for k, by in differ.items())
             raise SyncError(f"sync_file: ranks called it with different arguments (desync), nothing merged or "
                             f"deleted: {detail}")
 
