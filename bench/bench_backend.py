@@ -25,7 +25,30 @@ QUICK_SIZES = [4, 4 << 10, 1 << 20, 16 << 20]
 OPS = ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
 
 
-def worker(quick: bool) -> None:
+def _noop_backend() -> None:
+    """A ProcessGroup that does nothing: what torch's dispatcher + a Python backend cost per call."""
+    import torch.distributed as dist
+
+    class Done(dist.Work):
+        def wait(self, timeout=None):
+            return True
+
+        def is_completed(self):
+            return True
+
+    class Noop(dist.ProcessGroup):
+        def allreduce(self, tensors, opts=None):
+            return Done()
+
+        def getBackendName(self):
+            return "noop"
+
+    if "noop" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("noop", lambda o, _b=None: Noop(o.group_rank, o.group_size),
+                                      extended_api=True, devices=["cpu"])
+
+
+def worker(quick: bool, parts: str) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -41,6 +64,7 @@ def worker(quick: bool) -> None:
     gloo = dist.new_group(list(range(W)), backend="gloo")
     comm = MPI.COMM_WORLD.Dup()
     rows = []
+    ddp_only = parts == "ddp"
 
     def timed(fn, nbytes):
         iters = max(3, min(300, int((2e8 if not quick else 3e7) / max(nbytes, 1))))
@@ -53,7 +77,9 @@ def worker(quick: bool) -> None:
         comm.Barrier()
         return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
 
-    for nbytes in (QUICK_SIZES if quick else SIZES):
+    sizes = [int(b) for b in os.environ["BENCH_SIZES"].split(",")] if os.environ.get("BENCH_SIZES") else (
+        QUICK_SIZES if quick else SIZES)
+    for nbytes in ([] if ddp_only else sizes):
         n = max(1, nbytes // 4)
         x = torch.ones(n)
         xn = np.ones(n, dtype=np.float32)
@@ -105,21 +131,28 @@ def worker(quick: bool) -> None:
                     flush=True)
 
     # DDP steps: same model, same data, each backend
-    def ddp_steps(make_model, make_batch, group, steps):
+    def ddp_steps(make_model, make_batch, group, steps, sync=True):
+        """Mean step time (slowest rank); sync=False: the same steps under no_sync() -- DDP's hooks
+        run but no gradient is communicated: the floor that overlap can reach."""
+        import contextlib
+
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(make_model(), process_group=group)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = make_batch()
-        for _ in range(3):
+
+        def step():
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            with contextlib.nullcontext() if sync else model.no_sync():
+                nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+
+        for _ in range(3):
+            step()
         comm.Barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+            step()
         comm.Barrier()
         return comm.allreduce((time.perf_counter() - t0) / steps, op=MPI.MAX)
 
@@ -131,12 +164,20 @@ def worker(quick: bool) -> None:
                                   nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                                   nn.Linear(32 * 8 * 8, 10)),
             lambda: (torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)))),
+        "CNN conv64-conv128-conv128-fc, 32x32, batch 64 (compute-heavy)": (
+            lambda: nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(),
+                                  nn.MaxPool2d(2), nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                  nn.Flatten(), nn.Linear(128 * 8 * 8, 10)),
+            lambda: (torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))),
     }
     # What the safety nets cost per call (4 KiB all_reduce), side by side: groups made with the
     # desync check off, the default (flight record + 16-byte fingerprint Iallreduce) and debug mode
     # (full all-gathered agreement before each call); plus the flight record alone, in-process.
     checks = {}
     x4k, x4n = torch.ones(1024), np.ones(1024, dtype=np.float32)
+    _noop_backend()
+    noop = dist.new_group(list(range(W)), backend="noop")
+    checks["no-op ProcessGroup (floor)"] = timed(lambda: dist.all_reduce(x4k, group=noop), 4096 * 20)
     for mode, var in (("check off", ("HPCSYNC_DESYNC_CHECK", "0")), ("default", None), ("debug", ("HPCSYNC_DEBUG", "1"))):
         if var:
             os.environ[var[0]] = var[1]
@@ -145,6 +186,8 @@ def worker(quick: bool) -> None:
             del os.environ[var[0]]
         checks[mode] = timed(lambda g=g: dist.all_reduce(x4k, group=g), 4096 * 20)
     checks["mpi4py (raw)"] = timed(lambda: comm.Allreduce(MPI.IN_PLACE, x4n), 4096 * 20)
+    if ddp_only:
+        checks = {}
     from hpcsync import watchdog
     from hpcsync.backend import _describe
 
@@ -153,16 +196,22 @@ def worker(quick: bool) -> None:
     for _ in range(100000):
         _describe(glog.start("all_reduce", str(x4k.dtype), tuple(x4k.shape), -1), x4k)
     checks["flight record alone"] = (time.perf_counter() - t0) / 100000
-    if R == 0:
+    if R == 0 and checks:
         print("  4 KiB all_reduce: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in checks.items()), flush=True)
 
     ddp = []
     for name, (mk, batch) in models.items():
-        steps = 5 if quick else 20
-        row = {"model": name, "hpcsync": ddp_steps(mk, batch, ours, steps), "gloo": ddp_steps(mk, batch, gloo, steps)}
+        steps = 3 if quick else 20 if "heavy" not in name else 8
+        row = {"model": name}
+        for label, group in (("hpcsync", ours), ("gloo", gloo)):
+            row[label] = ddp_steps(mk, batch, group, steps)
+            row[f"{label} no_sync"] = ddp_steps(mk, batch, group, steps, sync=False)
         ddp.append(row)
+        if R == 0:
+            print(f"  DDP {name}: " + "  ".join(f"{k}={fmt_time(v)}" for k, v in row.items() if k != "model"), flush=True)
     if R == 0:
-        print(json.dumps({"world_size": W, "collectives": rows, "ddp": ddp, "checks": checks}))
+        print(json.dumps({"world_size": W, "binding": os.environ.get("BENCH_BINDING", "none"), "collectives": rows,
+                          "ddp": ddp, "checks": checks}))
     hpcsync.shutdown()
 
 
@@ -174,7 +223,7 @@ def report(results, out_json, out_png):
     lines = []
     for res in results:
         W = res["world_size"]
-        lines.append(f"\n### {W} ranks\n")
+        lines.append(f"\n### {W} ranks, mpirun --bind-to {res.get('binding', 'none')}\n")
         lines.append("| op | size | hpcsync | gloo | mpi4py | np.add | hpcsync GB/s | × gloo | × mpi4py |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in res["collectives"]:
@@ -184,11 +233,13 @@ def report(results, out_json, out_png):
                          f"{fmt_time(r['np.add'])} | {bw} | {g / o:.2f} | {m / o:.2f} |" if o and g and m else
                          f"| {r['op']} | {human(r['bytes'])} | {fmt_time(o)} | {fmt_time(g)} | {fmt_time(m)} | "
                          f"{fmt_time(r['np.add'])} | {bw} | - | - |")
-        lines.append("\n| DDP step | hpcsync | gloo | hpcsync / gloo |")
-        lines.append("|---|---|---|---|")
+        lines.append("\n| DDP step | hpcsync | no_sync (floor) | hpcsync / floor | gloo | gloo no_sync | gloo / floor "
+                     "| hpcsync / gloo |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for d in res["ddp"]:
-            lines.append(f"| {d['model']} | {fmt_time(d['hpcsync'])} | {fmt_time(d['gloo'])} | "
-                         f"{d['hpcsync'] / d['gloo']:.2f} |")
+            o, of, g, gf = d["hpcsync"], d["hpcsync no_sync"], d["gloo"], d["gloo no_sync"]
+            lines.append(f"| {d['model']} | {fmt_time(o)} | {fmt_time(of)} | {o / of:.2f} | {fmt_time(g)} | "
+                         f"{fmt_time(gf)} | {g / gf:.2f} | {o / g:.2f} |")
         if res.get("checks"):
             lines.append("\n| 4 KiB all_reduce, hpcsync | " + " | ".join(res["checks"]) + " |")
             lines.append("|---|" + "---|" * len(res["checks"]))
@@ -218,6 +269,7 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if r["collectives"]]
     fig, axes = plt.subplots(len(results), len(OPS), figsize=(4.2 * len(OPS), 3.4 * len(results)), squeeze=False)
     for i, res in enumerate(results):
         for j, op in enumerate(OPS):
@@ -245,20 +297,29 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 ranks, sizes up to 16 MiB")
+    ap.add_argument("--bind-core", action="store_true",
+                    help="also run the DDP part under mpirun --bind-to core (ranks that fit the cores)")
+    ap.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default: 4 B - 256 MiB)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backend.json"))
     args = ap.parse_args()
     if args.worker:
-        worker(bool(os.environ.get("BENCH_QUICK")))
+        worker(bool(os.environ.get("BENCH_QUICK")), os.environ.get("BENCH_PARTS", "all"))
         return
     if args.quick:
         args.ranks = [2]
     env = {**os.environ, "MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1", **({"BENCH_QUICK": "1"} if args.quick else {})}
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1", **({"BENCH_QUICK": "1"} if args.quick else {}),
+           **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {})}
+    runs = [(n, "none") for n in args.ranks]
+    if args.bind_core:
+        runs += [(n, "core") for n in args.ranks if n <= (os.cpu_count() or 1)]
     results = []
-    for n in args.ranks:
-        print(f"{n} ranks:", flush=True)
-        proc = subprocess.run(["mpirun.openmpi", "--oversubscribe", "--bind-to", "none", "-n", str(n), sys.executable,
-                               __file__, "--worker"], env=env, stdout=subprocess.PIPE, text=True, timeout=3000)
+    for n, binding in runs:
+        print(f"{n} ranks, --bind-to {binding}:", flush=True)
+        run_env = {**env, "BENCH_BINDING": binding, **({"BENCH_PARTS": "ddp"} if binding != "none" else {})}
+        proc = subprocess.run(["mpirun.openmpi", *(["--oversubscribe"] if binding == "none" else []), "--bind-to",
+                               binding, "-n", str(n), sys.executable, __file__, "--worker"], env=run_env,
+                              stdout=subprocess.PIPE, text=True, timeout=3000)
         if proc.returncode != 0:
             raise SystemExit(f"benchmark job with {n} ranks failed (rc={proc.returncode})")
         lines = proc.stdout.strip().splitlines()

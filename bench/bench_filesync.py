@@ -2,7 +2,8 @@
 
     python bench/bench_filesync.py [--ranks 2 4] [--sizes-mb 1 10 100 1000] [--big] [--quick]
 
-Compares, on the same parts in one run: hpcsync's gather path and MPI-IO path, the approach of
+Compares, on the same parts in one run: hpcsync's root-side in-kernel copy (what ``auto`` picks
+on one node), its gather path and MPI-IO path, the approach of
 detectron2's ``comm.gather`` (pickle, pad to the largest, ``all_gather`` over gloo), mpi4py's
 lowercase object ``gather``, and ``cat parts > target`` as the limit. Each measurement is one
 ``mpirun`` job (so root peak memory is per method), started after ``sync`` (no dirty pages left
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)", "mpi4py-gather", "cat"]
+METHODS = ["hpcsync-copy", "hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)", "mpi4py-gather", "cat"]
 
 
 def status_kib(field: str) -> int:
@@ -76,8 +77,10 @@ def worker(method: str, folder: str, total: int) -> None:
     base = status_kib("VmRSS")
     reset_peak()
     t0 = time.perf_counter()
-    if method == "hpcsync-gather":
-        hpcsync.sync_file(target, part=part, method="gather", text=False, keep_parts=True, progress=False)
+    if method.startswith("hpcsync-") and method != "hpcsync-mpiio":
+        res = hpcsync.sync_file(target, part=part, method=method.split("-")[1], text=False, keep_parts=True,
+                                progress=False)
+        assert res.method == method.split("-")[1], res
     elif method == "hpcsync-mpiio":
         hpcsync.sync_file(target, part=part, method="mpiio", text=False, keep_parts=True, progress=False)
     elif method == "mpi4py-gather":
@@ -161,7 +164,7 @@ def main() -> None:
         args.ranks, args.sizes_mb = [2], [1, 8]
     runs = [(r, int(mb * 1e6), m) for r in args.ranks for mb in args.sizes_mb for m in METHODS]
     if args.big:
-        runs += [(2, int(2.2 * 2**30), m) for m in ("hpcsync-gather", "hpcsync-mpiio", "cat")]
+        runs += [(2, int(2.2 * 2**30), m) for m in ("hpcsync-copy", "hpcsync-gather", "hpcsync-mpiio", "cat")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpcsync-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
         for ranks, total, method in runs:

@@ -1,18 +1,28 @@
 """hpcsync: MPI-first helpers for PyTorch training on clusters.
 
 Importing hpcsync initialises nothing: MPI starts on the first call that needs it, and torch,
-mpi4py and h5py are imported only by the features that use them.
+mpi4py and h5py are imported only by the features that use them. The one thing an import does is
+ask torch for huge pages (below), because that must happen before torch's first CPU allocation.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+# Huge pages for torch's large CPU tensors (torch's own switch, read once, at its first CPU
+# allocation). MPI moves 2 MiB-page memory much faster than 4 KiB pages: a 16 MiB all_reduce on
+# 2 ranks took 2.6 ms on a torch tensor and 1.5 ms on a numpy array (numpy madvises huge pages
+# itself); with huge pages the torch tensor took 1.5 ms too. HPCSYNC_HUGEPAGES=0 opts out;
+# `hpcsync doctor` says whether it took effect (import hpcsync before torch allocates anything).
+if os.environ.get("HPCSYNC_HUGEPAGES", "1") != "0":
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # public name -> module that defines it (resolved lazily, PEP 562)
 _EXPORTS = {

@@ -36,7 +36,7 @@ import zlib
 from array import array
 from collections import deque
 from datetime import timedelta
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,22 @@ BACKEND_NAME = "hpcsync"
 INIT_METHOD = "hpcsync://"
 _CHUNK_ELEMS = 1 << 30  # elements per MPI call: counts are C ints
 _INLINE_BYTES = 64 << 10  # blocking calls up to this size run in the caller's thread
+
+# Collectives whose non-blocking form is as fast as (or faster than) the blocking one at every
+# size, per MPI library (measured, 2 and 4 ranks, 64 KiB-16 MiB; bench/bench_backend.py). Those
+# run inline at any size (no thread hand-off) and non-blocking on the worker too. Open MPI 4.1's
+# blocking Reduce_scatter_block is 3-4x slower than its Ireduce_scatter_block from 1 MiB on, its
+# Iallreduce 1.7-2x slower than Allreduce; MPICH's Ireduce_scatter_block is 10x slower at 1 MiB.
+_NONBLOCKING_FAST = {"Open MPI": {"Bcast", "Reduce_scatter_block"}, "MPICH": {"Bcast", "Allgather"}}
+_NB_OPS = {"Bcast": "broadcast", "Reduce_scatter_block": "reduce_scatter", "Allgather": "all_gather"}
+
+
+def _nonblocking_fast() -> Set[str]:
+    version = _mpi.MPI().Get_library_version()
+    for name, calls in _NONBLOCKING_FAST.items():
+        if name in version:
+            return set(calls)
+    return set()
 
 RedOp = dist.ReduceOp.RedOpType
 _HALF = (torch.float16, torch.bfloat16)
@@ -286,6 +302,8 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         self._int64 = MPI.INT64_T
         self._max = MPI.MAX
         self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._nb_calls = _nonblocking_fast()  # MPI calls made non-blocking everywhere
+        self._nb_any_size = {_NB_OPS[c] for c in self._nb_calls}  # torch ops run inline at any size
         if not self._threads_ok:
             log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
 
@@ -332,12 +350,12 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             if self._broken:
                 raise dist.DistBackendError(self._broken)
             # A blocking call with nothing queued runs here (no thread hand-off) as a non-blocking MPI
-            # call polled against the deadline -- unless it is large: Open MPI's non-blocking
-            # collectives (libnbc) are several times slower than the blocking ones for big
-            # buffers, so those go to the worker (blocking MPI) and the caller waits with the deadline.
+            # call polled against the deadline -- unless it is large and its non-blocking form is
+            # slow in this MPI (_NONBLOCKING_FAST): those go to the worker (blocking MPI) and the
+            # caller waits with the deadline.
             t = what[1]
             inline = not self._threads_ok or (not async_op and self._pending == 0 and (
-                t is None or t.numel() * t.element_size() <= _INLINE_BYTES))
+                t is None or t.numel() * t.element_size() <= _INLINE_BYTES or what[0] in self._nb_any_size))
             self._pending += 1
             if not inline:
                 work = MPIWork(outputs, cv)
@@ -466,7 +484,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
     def _c(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """One MPI collective: blocking on the worker thread (its waiter enforces the deadline),
         else non-blocking and polled against the deadline."""
-        if threading.get_ident() == self._worker_ident:
+        if threading.get_ident() == self._worker_ident and name not in self._nb_calls:
             return getattr(self._coll, name)(*args, **kwargs)
         self._wait(getattr(self._coll, "I" + name[0].lower() + name[1:])(*args, **kwargs))
 

@@ -6,7 +6,7 @@ the ranks it concerns) and the command exits non-zero when any check failed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 _ORDER = {OK: 0, WARN: 1, FAIL: 2}
@@ -122,6 +122,47 @@ def _torch_checks(topo: Any, checks: List[Check]) -> None:
     else:
         checks.append(Check("GPUs", OK, f"{gpus} GPU(s) for {topo.local_size} local rank(s)"))
     _binding_check(torch.get_num_threads(), checks)
+    _hugepage_check(torch, checks)
+
+
+def tensor_hugepages(t: Any) -> Optional[int]:
+    """Kilobytes of transparent huge pages backing the mapping that holds CPU tensor ``t``
+    (None where /proc/self/smaps cannot tell)."""
+    ptr, inside = t.data_ptr(), False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= ptr < hi
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _hugepage_check(torch: Any, checks: List[Check]) -> None:
+    """Large torch CPU tensors on huge pages: MPI moves them ~1.7x faster (see hpcsync/__init__.py)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return
+    if mode == "never":
+        checks.append(Check("huge pages", OK, "transparent huge pages are off on this kernel (never): "
+                                              "large MPI messages move at 4 KiB-page speed"))
+        return
+    kb = tensor_hugepages(torch.empty(4 << 20, dtype=torch.uint8).fill_(1))
+    if kb is None:
+        return
+    if kb > 0:
+        checks.append(Check("huge pages", OK, f"torch CPU tensors >= 2 MiB use transparent huge pages (THP {mode})"))
+    else:
+        checks.append(Check("huge pages", WARN, "torch CPU tensors use 4 KiB pages: large MPI messages move up to "
+                            "~1.7x slower. Import hpcsync before torch allocates its first tensor, or export "
+                            "THP_MEM_ALLOC_ENABLE=1 (unset HPCSYNC_HUGEPAGES=0)"))
 
 
 def _binding_check(torch_threads: int, checks: List[Check]) -> None:

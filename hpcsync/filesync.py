@@ -6,12 +6,16 @@ node-local temp dir is fine for the gather method: each rank reads only its own 
 ``sync_file(path)`` looks for each rank's part there, or at ``part=`` (a path, or a pattern with
 ``{rank}``).
 
-Methods: ``gather`` -- parts travel to the root in rounds of MPI ``Gatherv`` on variable-length
+Methods: ``copy`` -- the root opens every part itself and concatenates them in the kernel
+(``copy_file_range``): no byte passes through MPI or user memory. Used when the root really sees
+the very files the ranks wrote (each rank reports device, inode and size of its parts; the root
+checks them with its own ``stat``): one node, or a shared filesystem. ``gather`` -- parts travel to the root in rounds of MPI ``Gatherv`` on variable-length
 byte buffers (no padding) and the root writes them at their offsets: root memory stays below
 ``round_bytes`` (default 256 MiB) whatever the size. ``mpiio`` -- every rank writes its own bytes
 into the target with collective ``File.Write_at_all`` at ``Exscan`` offsets (target on a shared
-filesystem). ``auto`` uses ``mpiio`` when several nodes see the target's directory (Lustre,
-GPFS; not NFS) and the merge is 256 MiB or more, else ``gather``. The gather path is pipelined:
+filesystem). ``auto`` uses ``copy`` when the root sees every part (on several nodes only below
+256 MiB), else ``mpiio`` when several nodes see the target's directory (Lustre, GPFS; not NFS)
+and the merge is 256 MiB or more, else ``gather``. The gather path is pipelined:
 senders read round k+1 while round k travels, the root writes round k while k+1 arrives. The root's own part is
 copied file-to-file in the kernel (``copy_file_range``), never through Python memory.
 
@@ -37,7 +41,7 @@ from .progress import Progress
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
-METHODS = ("auto", "gather", "mpiio")
+METHODS = ("auto", "copy", "gather", "mpiio")
 AUTO_MPIIO_BYTES = 256 * 2**20
 _HEADER_SCAN = 1 << 20
 
@@ -84,6 +88,7 @@ class _Part:
     ends_newline: bool = True
     skip: int = 0  # bytes dropped from the front (a stripped header)
     newline_after: bool = False
+    ident: Tuple[int, int] = (0, 0)  # (st_dev, st_ino): the root checks it sees this very file
 
 
 @dataclass
@@ -148,7 +153,7 @@ def _inspect(path: str, allow_missing: bool, need_header: bool) -> Tuple[Optiona
         return None, f"cannot stat part {path}: {exc}"
     if not os.path.isfile(path):
         return None, f"part {path} is not a regular file"
-    part = _Part(path, st.st_size)
+    part = _Part(path, st.st_size, ident=(st.st_dev, st.st_ino))
     try:
         with open(path, "rb") as f:
             if part.size:
@@ -284,10 +289,13 @@ def merge_parts(
     if comm is not None:
         tmp = comm.bcast(tmp, root=root)
     _agree(comm, err, f"sync of {target}")
-    chosen = _choose_method(comm, method, tmp, total)
     bar = Progress(f"merging {os.path.basename(target)}", total, enabled=progress) if me == root else None
+    chosen = "gather"
     try:
-        if chosen == "mpiio":
+        chosen, everything = _choose_method(comm, method, tmp, total, src, root)
+        if chosen == "copy":
+            err = _write_copy(tmp, everything, bar) if me == root else None  # type: ignore[arg-type]
+        elif chosen == "mpiio":
             err = _write_mpiio(comm, tmp, src, sizes, round_bytes, bar)
         else:
             err = _write_gather(comm, tmp, src, sizes, root, round_bytes, bar)
@@ -318,25 +326,81 @@ def merge_parts(
     return comm.bcast(result, root=root) if comm is not None else result
 
 
-def _choose_method(comm: Any, method: str, tmp: Optional[str], total: int) -> str:
+def _choose_method(comm: Any, method: str, tmp: Optional[str], total: int, src: _Source, root: int
+                   ) -> Tuple[str, Optional[_Source]]:
+    """The method every rank uses, and for ``copy`` the root's view of every rank's pieces."""
     if comm is None or comm.Get_size() == 1:
-        return "gather"
+        return ("copy" if method == "copy" else "gather"), src
+    if method in ("auto", "copy"):
+        everything, why = _root_sees_parts(comm, src, root)
+        if method == "copy" and everything is None:
+            raise SyncError(f"method='copy' needs the root to open every rank's part files itself: {why}. "
+                            "Use method='gather' (parts on node-local storage) or 'auto'.")
+        if everything is not None and (method == "copy" or total < AUTO_MPIIO_BYTES or _nodes() == 1):
+            return "copy", everything
     if not hasattr(comm, "Gatherv"):  # torch.distributed without MPI
         if method == "mpiio":
             raise SyncError("method='mpiio' needs MPI (mpi4py); this job runs without it")
-        return "gather"
+        return "gather", None
     if method != "auto":
         if method == "mpiio" and not all(comm.allgather(os.path.exists(tmp or ""))):
             raise SyncError(f"method='mpiio' needs the target directory on a filesystem every rank "
                             f"sees; {os.path.dirname(tmp or '')} is not shared. Use method='gather'.")
-        return method
+        return method, None
     # MPI-IO when several nodes see the target directory (Lustre, GPFS, ...) and the merge is
-    # large: it spares the root's network link. On one node the pipelined gather measured as fast
-    # or faster. NFS without special mount options can corrupt concurrent writes: gather there.
+    # large: it spares the root's network link. NFS without special mount options can corrupt
+    # concurrent writes: gather there.
+    shared = all(comm.allgather(os.path.exists(tmp or "") and not _on_nfs(tmp or "")))
+    return ("mpiio" if shared and _nodes() > 1 and total >= AUTO_MPIIO_BYTES else "gather"), None
+
+
+def _nodes() -> int:
     from .topology import topology
 
-    shared = all(comm.allgather(os.path.exists(tmp or "") and not _on_nfs(tmp or "")))
-    return "mpiio" if shared and topology().num_nodes > 1 and total >= AUTO_MPIIO_BYTES else "gather"
+    return topology().num_nodes
+
+
+def _root_sees_parts(comm: Any, src: _Source, root: int) -> Tuple[Optional[_Source], str]:
+    """Whether the root can open the very files every rank merges (same device, inode, size):
+    then it gets every rank's parts (with their header cuts and newlines) as one source."""
+    mine = [(p.path, p.ident, p.size, p.skip, p.newline_after) for p in src.parts]
+    every = comm.gather(mine, root=root)
+    verdict: Tuple[bool, str] = (True, "")
+    if comm.Get_rank() == root:
+        for r, parts in enumerate(every):
+            for path, ident, size, _, _ in parts:
+                try:
+                    st = os.stat(path)
+                except OSError as exc:
+                    verdict = (False, f"rank {r}'s part {path} is not visible on the root ({exc.strerror})")
+                    break
+                if (st.st_dev, st.st_ino) != tuple(ident) or st.st_size != size:
+                    verdict = (False, f"rank {r}'s part {path} is another file on the root (node-local storage)")
+                    break
+            if not verdict[0]:
+                break
+    ok, why = comm.bcast(verdict, root=root)
+    if not ok:
+        return None, why
+    if comm.Get_rank() != root:
+        return _Source(), ""
+    everything = _Source([_Part(path, size, skip=skip, newline_after=nl, ident=tuple(ident))
+                          for parts in every for path, ident, size, skip, nl in parts])
+    return everything, ""
+
+
+def _write_copy(tmp: str, everything: _Source, bar: Optional[Progress]) -> Optional[str]:
+    """The root concatenates every rank's part into ``tmp`` in the kernel."""
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        err = _copy_own(everything, fd, 0, tmp, bar)
+        if err is None:
+            os.fsync(fd)
+        return err
+    except OSError as exc:
+        return f"writing {tmp}: {exc}"
+    finally:
+        os.close(fd)
 
 
 def _on_nfs(path: str) -> bool:
@@ -361,9 +425,7 @@ def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
     try:
         if me == root:
-            err = _copy_own(src, fd, starts[root], tmp)
-            if bar is not None:
-                bar.update(sizes[root])
+            err = _copy_own(src, fd, starts[root], tmp, bar)
         if comm is not None:
             others = [0 if r == root else n for r, n in enumerate(sizes)]  # same schedule on every rank
             err = _receive_and_write(comm, others, src, root, round_bytes, fd, starts, tmp, bar) or err
@@ -409,8 +471,8 @@ def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, rou
     return errors[0] if errors else None
 
 
-def _copy_own(src: _Source, fd: int, offset: int, tmp: str) -> Optional[str]:
-    """Write the root's own contribution at ``offset`` without passing it through user memory."""
+def _copy_own(src: _Source, fd: int, offset: int, tmp: str, bar: Optional[Progress] = None) -> Optional[str]:
+    """Write ``src``'s bytes at ``offset`` without passing them through user memory."""
     for path, skip, n in src.pieces:
         try:
             if path is None:
@@ -423,6 +485,8 @@ def _copy_own(src: _Source, fd: int, offset: int, tmp: str) -> Optional[str]:
                         if k == 0:
                             raise OSError(f"{path} shrank while being merged")
                         done += k
+                        if bar is not None:
+                            bar.update(k)
         except OSError as exc:
             return f"copying {path or 'newline'} into {tmp}: {exc}"
         offset += n
@@ -482,7 +546,7 @@ def sync_file(
     default :func:`part_path`. Options: ``root``, ``strip_header`` (drop the first line of every
     part but the first non-empty one), ``check_headers``, ``text`` (add a newline after a part
     that lacks one; ``False`` for byte-exact binary), ``allow_missing``, ``keep_parts``,
-    ``method`` (``auto``/``gather``/``mpiio``), ``round_bytes``, ``progress``.
+    ``method`` (``auto``/``copy``/``gather``/``mpiio``), ``round_bytes``, ``progress``.
     """
     comm = _world()
     rank = comm.Get_rank() if comm is not None else 0

@@ -16,9 +16,11 @@ def test_backend_benchmark_quick(tmp_path):
     assert ops == {"all_reduce", "all_gather", "broadcast", "reduce_scatter"}
     for r in data["collectives"]:
         assert r["hpcsync"] > 0 and r["mpi4py"] > 0 and r["np.add"] > 0
-    assert set(data["checks"]) == {"check off", "default", "debug", "mpi4py (raw)", "flight record alone"}
+    assert set(data["checks"]) == {"no-op ProcessGroup (floor)", "check off", "default", "debug", "mpi4py (raw)",
+                                   "flight record alone"}
     assert all(v > 0 for v in data["checks"].values())
-    assert {d["model"].split()[0] for d in data["ddp"]} == {"MLP", "CNN"}
+    assert [d["model"].split()[0] for d in data["ddp"]] == ["MLP", "CNN", "CNN"]
+    assert all(d[k] > 0 for d in data["ddp"] for k in ("hpcsync", "hpcsync no_sync", "gloo", "gloo no_sync"))
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert "| all_reduce |" in p.stdout
 
@@ -29,7 +31,7 @@ def test_filesync_benchmark_quick(tmp_path):
                        env=clean_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["method"] for r in rows} == {"hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)", "mpi4py-gather", "cat"}
+    assert {r["method"] for r in rows} == {"hpcsync-copy", "hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)", "mpi4py-gather", "cat"}
     assert all("error" not in r and r["mb_per_s"] > 0 for r in rows), rows
 
 

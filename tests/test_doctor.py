@@ -64,3 +64,18 @@ def test_doctor_warns_about_ranks_bound_to_one_core():
     assert "warn  CPU binding     this rank may run on 1 core(s) but uses 2 torch thread(s)" in p.stdout, p.stdout
     assert "--map-by slot:PE=3" in p.stdout
     assert "ok  CPU binding" in doctor(openmpi(), 2, env={"OMP_NUM_THREADS": "1"}, args=("--no-connect",)).stdout
+
+
+def test_doctor_reports_huge_pages_for_torch_tensors():
+    """import hpcsync asks torch for huge pages (MPI moves them faster); opting out is reported."""
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+    env = clean_env(openmpi().env)
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # this pytest process imported hpcsync, which set it
+    cmd = [*openmpi().command(1), PY, "-m", "hpcsync", "doctor", "--no-connect"]
+    on = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120).stdout
+    off = subprocess.run(cmd, env={**env, "HPCSYNC_HUGEPAGES": "0"}, capture_output=True, text=True, timeout=120).stdout
+    if mode == "never":
+        assert "transparent huge pages are off on this kernel" in on and "off on this kernel" in off
+    else:
+        assert "ok  huge pages      torch CPU tensors >= 2 MiB use transparent huge pages" in on, on
+        assert "warn  huge pages      torch CPU tensors use 4 KiB pages" in off, off

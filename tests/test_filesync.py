@@ -55,7 +55,7 @@ def sync(launcher, n, target, tmp_path, expect_ok=True, **opts):
 
 
 @pytest.mark.parametrize("launcher,n", [(None, 1), ("openmpi", 2), ("mpich", 4), ("openmpi", 16)])
-@pytest.mark.parametrize("method", ["gather", "mpiio"])
+@pytest.mark.parametrize("method", ["copy", "gather", "mpiio"])
 def test_csv_with_headers(launcher, n, method, tmp_path):
     target = tmp_path / "merged.csv"
     parts = csv_parts(n)
@@ -63,12 +63,12 @@ def test_csv_with_headers(launcher, n, method, tmp_path):
     res = sync(LAUNCHERS[launcher]() if launcher else None, n, target, tmp_path, strip_header=True, method=method)
     assert target.read_bytes() == expected_merge(parts, strip_header=True)
     assert target.read_bytes().count(b"rank,i,text") == 1
-    assert all(d["result"]["method"] == (method if n > 1 else "gather") for d in res.ranks)
+    assert all(d["result"]["method"] == (method if n > 1 or method == "copy" else "gather") for d in res.ranks)
     assert not any(os.path.exists(part_path(str(target), r)) for r in range(n)), "parts deleted after success"
     assert not os.path.exists(os.path.dirname(part_path(str(target), 0))), "empty parts folder removed"
 
 
-@pytest.mark.parametrize("method", ["gather", "mpiio"])
+@pytest.mark.parametrize("method", ["copy", "gather", "mpiio"])
 def test_binary_parts_byte_exact(method, tmp_path):
     target = tmp_path / "blob.bin"
     parts = [os.urandom(r * 7919 % 50000) for r in range(5)] + [b"", os.urandom(3)]
@@ -285,3 +285,33 @@ def test_ranks_that_diverge_get_the_same_error(how, words, tmp_path):
     res = sync(openmpi(), 3, target, tmp_path, expect_ok=False, strip_header=True, **how)
     check_failed(res, target, parts, words)
     assert all(open(part_path(str(target), r), "rb").read() == p for r, p in enumerate(parts))
+
+
+def test_auto_copies_in_the_kernel_when_the_root_sees_every_part(tmp_path):
+    """One node: the root concatenates the parts itself (copy_file_range), headers and newlines kept right."""
+    target = tmp_path / "merged.csv"
+    parts = csv_parts(5)
+    write_parts(target, parts)
+    res = sync(mpich(), 5, target, tmp_path, strip_header=True)
+    assert {d["result"]["method"] for d in res.ranks} == {"copy"}
+    assert target.read_bytes() == expected_merge(parts, strip_header=True)
+
+
+def test_root_that_sees_other_files_at_the_same_path_does_not_copy(tmp_path):
+    """Same path, another file on the root (node-local storage): auto gathers; copy is refused on every rank.
+    "/proc/self/cwd/part.csv" with a cwd per rank names a different file in each process."""
+    target = tmp_path / "m.csv"
+    parts = [f"h\n{r}\n".encode() for r in range(3)]
+    for r, data in enumerate(parts):
+        (tmp_path / f"cwd{r}").mkdir()
+        (tmp_path / f"cwd{r}" / "part.csv").write_bytes(data)
+    common = {"part": "/proc/self/cwd/part.csv", "strip_header": True, "keep_parts": True, "_chdir_per_rank": True}
+    res = run(openmpi(), 3, "sync.py", str(target), json.dumps({**common, "_mode": "sync_part"}), tmp_path=tmp_path)
+    assert {d["result"]["method"] for d in res.ranks} == {"gather"}
+    assert target.read_bytes() == b"h\n0\n1\n2\n"
+    target.unlink()
+    res = run(openmpi(), 3, "sync.py", str(target), json.dumps({**common, "_mode": "sync_part", "method": "copy"}),
+              tmp_path=tmp_path, expect_ok=False)
+    errors = {d["error"] for d in res.ranks}
+    assert len(errors) == 1 and "method='copy' needs the root to open every rank's part" in errors.pop(), errors
+    assert "another file on the root" in res.ranks[0]["error"] and not target.exists()

@@ -85,7 +85,10 @@ def test_job_across_nodes(clusters, network, launcher, placement, backend, nodes
         assert d["env_master"] == (None if backend == "hpcsync" else cluster.address(0))
         assert d["gathered_hosts"] == [cluster.names[k] for k in where]
         assert d["local_group_ranks"] == [k for k in range(n) if where[k] == where[r]]
-        assert d["sync_gather"] == "gather" and d["sync_mpiio"] == "mpiio" and d["sync_nodelocal"] == "gather"
+        assert d["sync_gather"] == "gather" and d["sync_mpiio"] == "mpiio" and d["sync_copy"] == "copy"
+        # shared folder, small merge: the root copies; node-local parts (same path, another file on
+        # each node): the root must not copy its own files for the other nodes' -> gather
+        assert d["sync_auto"] == "copy" and d["sync_nodelocal"] == "gather"
         # node-local parts: each node's folder holds only its own ranks' parts
         mine = sorted(f"rank{k:05d}.csv" for k in range(n) if where[k] == where[r])
         assert d["nodelocal_visible_here"] == mine
@@ -96,7 +99,7 @@ def test_job_across_nodes(clusters, network, launcher, placement, backend, nodes
     np.testing.assert_allclose(weights, one_node_weights(backend, n, tmp_path), rtol=1e-5, atol=1e-6)
     # merged outputs: every rank's rows in rank order, one header, whatever the method
     want = [["rank", "i", "host"]] + [[str(r), str(i), cluster.names[where[r]]] for r in range(n) for i in range(r + 1)]
-    for name in ("gather", "mpiio", "nodelocal"):
+    for name in ("copy", "gather", "mpiio", "auto", "nodelocal"):
         with open(work / f"metrics-{name}.csv", newline="") as f:
             assert list(csv.reader(f)) == want, name
     with h5py.File(work / "rows.h5") as f:

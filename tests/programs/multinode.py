@@ -46,14 +46,14 @@ out["weights"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 # file sync: parts beside the target (shared filesystem) with both methods, then node-local parts
 rows = "".join(f"{topo.rank},{i},{topo.hostname}\n" for i in range(topo.rank + 1))
-for method in ("gather", "mpiio"):
+for method in ("copy", "gather", "mpiio", "auto"):
     target = os.path.join(work, f"metrics-{method}.csv")
     with hpcsync.SyncedFile(target, strip_header=True, method=method) as part:
         with open(part.path, "w") as f:
             f.write("rank,i,host\n" + rows)
     out[f"sync_{method}"] = part.result.method
 target = os.path.join(work, "metrics-nodelocal.csv")
-with hpcsync.SyncedFile(target, strip_header=True, parts_dir=node_local, method="gather") as part:
+with hpcsync.SyncedFile(target, strip_header=True, parts_dir=node_local) as part:  # auto must not copy
     out["nodelocal_part"] = part.path
     with open(part.path, "w") as f:
         f.write("rank,i,host\n" + rows)

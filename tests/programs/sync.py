@@ -16,6 +16,10 @@ if opts.pop("_init", False):
 rank, size = comm.get_rank(), comm.get_world_size()
 opts.update(opts.pop("_rank1", {}) if rank == 1 else {})  # a rank that diverges
 opts.pop("_rank1", None)
+if opts.pop("_chdir_per_rank", False):  # "/proc/self/cwd/..." then names another file on every rank
+    import os
+
+    os.chdir(os.path.join(os.path.dirname(target), f"cwd{rank}"))
 if opts.pop("_target_per_rank", False):
     target = target.replace(".csv", f".{rank}.csv")
 out = {"rank": rank, "world_size": size}
@@ -32,6 +36,8 @@ try:
             if rank == fail_rank:
                 raise KeyError("boom inside the block")
         res = part.result
+    elif mode == "sync_part":
+        res = hpcsync.sync_file(target, opts.pop("part"), **opts)
     else:
         res = hpcsync.sync_file(target, **opts)
     out.update(ok=True, result=asdict(res))
