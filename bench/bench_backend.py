@@ -65,6 +65,7 @@ def worker(quick: bool, parts: str) -> None:
     comm = MPI.COMM_WORLD.Dup()
     rows = []
     ddp_only = parts == "ddp"
+    coll_only = parts == "collectives"
 
     def timed(fn, nbytes):
         iters = max(3, min(300, int((2e8 if not quick else 3e7) / max(nbytes, 1))))
@@ -174,33 +175,33 @@ def worker(quick: bool, parts: str) -> None:
     # desync check off, the default (flight record + 16-byte fingerprint Iallreduce) and debug mode
     # (full all-gathered agreement before each call); plus the flight record alone, in-process.
     checks = {}
-    x4k, x4n = torch.ones(1024), np.ones(1024, dtype=np.float32)
-    _noop_backend()
-    noop = dist.new_group(list(range(W)), backend="noop")
-    checks["no-op ProcessGroup (floor)"] = timed(lambda: dist.all_reduce(x4k, group=noop), 4096 * 20)
-    for mode, var in (("check off", ("HPCSYNC_DESYNC_CHECK", "0")), ("default", None), ("debug", ("HPCSYNC_DEBUG", "1"))):
-        if var:
-            os.environ[var[0]] = var[1]
-        g = dist.new_group(list(range(W)), backend="hpcsync")
-        if var:
-            del os.environ[var[0]]
-        checks[mode] = timed(lambda g=g: dist.all_reduce(x4k, group=g), 4096 * 20)
-    checks["mpi4py (raw)"] = timed(lambda: comm.Allreduce(MPI.IN_PLACE, x4n), 4096 * 20)
-    if ddp_only:
-        checks = {}
-    from hpcsync import watchdog
-    from hpcsync.backend import _describe
+    if not (ddp_only or coll_only):
+        x4k, x4n = torch.ones(1024), np.ones(1024, dtype=np.float32)
+        _noop_backend()
+        noop = dist.new_group(list(range(W)), backend="noop")
+        checks["no-op ProcessGroup (floor)"] = timed(lambda: dist.all_reduce(x4k, group=noop), 4096 * 20)
+        for mode, var in (("check off", ("HPCSYNC_DESYNC_CHECK", "0")), ("default", None),
+                          ("debug", ("HPCSYNC_DEBUG", "1"))):
+            if var:
+                os.environ[var[0]] = var[1]
+            g = dist.new_group(list(range(W)), backend="hpcsync")
+            if var:
+                del os.environ[var[0]]
+            checks[mode] = timed(lambda g=g: dist.all_reduce(x4k, group=g), 4096 * 20)
+        checks["mpi4py (raw)"] = timed(lambda: comm.Allreduce(MPI.IN_PLACE, x4n), 4096 * 20)
+        from hpcsync import watchdog
+        from hpcsync.backend import _describe
 
-    glog = watchdog.GroupLog("bench", list(range(W)))
-    t0 = time.perf_counter()
-    for _ in range(100000):
-        _describe(glog.start("all_reduce", str(x4k.dtype), tuple(x4k.shape), -1), x4k)
-    checks["flight record alone"] = (time.perf_counter() - t0) / 100000
-    if R == 0 and checks:
-        print("  4 KiB all_reduce: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in checks.items()), flush=True)
+        glog = watchdog.GroupLog("bench", list(range(W)))
+        t0 = time.perf_counter()
+        for _ in range(100000):
+            _describe(glog.start("all_reduce", str(x4k.dtype), tuple(x4k.shape), -1), x4k)
+        checks["flight record alone"] = (time.perf_counter() - t0) / 100000
+        if R == 0 and checks:
+            print("  4 KiB all_reduce: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in checks.items()), flush=True)
 
     ddp = []
-    for name, (mk, batch) in models.items():
+    for name, (mk, batch) in ({} if coll_only else models).items():
         steps = 3 if quick else 20 if "heavy" not in name else 8
         row = {"model": name}
         for label, group in (("hpcsync", ours), ("gloo", gloo)):
@@ -210,7 +211,8 @@ def worker(quick: bool, parts: str) -> None:
         if R == 0:
             print(f"  DDP {name}: " + "  ".join(f"{k}={fmt_time(v)}" for k, v in row.items() if k != "model"), flush=True)
     if R == 0:
-        print(json.dumps({"world_size": W, "binding": os.environ.get("BENCH_BINDING", "none"), "collectives": rows,
+        print(json.dumps({"world_size": W, "binding": os.environ.get("BENCH_BINDING", "none"),
+                          "nodes": int(os.environ.get("BENCH_NODES", "1")), "collectives": rows,
                           "ddp": ddp, "checks": checks}))
     hpcsync.shutdown()
 
@@ -223,7 +225,7 @@ def report(results, out_json, out_png):
     lines = []
     for res in results:
         W = res["world_size"]
-        lines.append(f"\n### {W} ranks, mpirun --bind-to {res.get('binding', 'none')}\n")
+        lines.append(f"\n### {W} ranks on {res.get('nodes', 1)} node(s), mpirun --bind-to {res.get('binding', 'none')}\n")
         lines.append("| op | size | hpcsync | gloo | mpi4py | np.add | hpcsync GB/s | × gloo | × mpi4py |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in res["collectives"]:
@@ -233,6 +235,8 @@ def report(results, out_json, out_png):
                          f"{fmt_time(r['np.add'])} | {bw} | {g / o:.2f} | {m / o:.2f} |" if o and g and m else
                          f"| {r['op']} | {human(r['bytes'])} | {fmt_time(o)} | {fmt_time(g)} | {fmt_time(m)} | "
                          f"{fmt_time(r['np.add'])} | {bw} | - | - |")
+        if not res["ddp"]:
+            continue
         lines.append("\n| DDP step | hpcsync | no_sync (floor) | hpcsync / floor | gloo | gloo no_sync | gloo / floor "
                      "| hpcsync / gloo |")
         lines.append("|---|---|---|---|---|---|---|---|")
@@ -300,6 +304,10 @@ def main() -> None:
     ap.add_argument("--bind-core", action="store_true",
                     help="also run the DDP part under mpirun --bind-to core (ranks that fit the cores)")
     ap.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default: 4 B - 256 MiB)")
+    ap.add_argument("--parts", choices=["all", "collectives"], default="all",
+                    help="collectives: skip the DDP and per-call-check parts (scaling curves)")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="spread the ranks over this many network-namespace nodes (needs root; TCP between them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backend.json"))
     args = ap.parse_args()
     if args.worker:
@@ -313,18 +321,37 @@ def main() -> None:
     runs = [(n, "none") for n in args.ranks]
     if args.bind_core:
         runs += [(n, "core") for n in args.ranks if n <= (os.cpu_count() or 1)]
+    cluster = None
+    if args.nodes > 1:  # namespace nodes on this machine (root): TCP between them, as across racks
+        import tempfile
+
+        sys.path.insert(0, str(ROOT / "tests"))
+        from netns_cluster import BRIDGED, Cluster
+
+        cluster = Cluster(Path(tempfile.mkdtemp(prefix="hpcsync-nodes-")), args.nodes, BRIDGED)
+        cluster.start()
     results = []
-    for n, binding in runs:
-        print(f"{n} ranks, --bind-to {binding}:", flush=True)
-        run_env = {**env, "BENCH_BINDING": binding, **({"BENCH_PARTS": "ddp"} if binding != "none" else {})}
-        proc = subprocess.run(["mpirun.openmpi", *(["--oversubscribe"] if binding == "none" else []), "--bind-to",
-                               binding, "-n", str(n), sys.executable, __file__, "--worker"], env=run_env,
-                              stdout=subprocess.PIPE, text=True, timeout=3000)
-        if proc.returncode != 0:
-            raise SystemExit(f"benchmark job with {n} ranks failed (rc={proc.returncode})")
-        lines = proc.stdout.strip().splitlines()
-        print("\n".join(lines[:-1]))
-        results.append(json.loads(lines[-1]))
+    try:
+        for n, binding in runs:
+            print(f"{n} ranks, {args.nodes} node(s), --bind-to {binding}:", flush=True)
+            run_env = {**env, "BENCH_BINDING": binding, "BENCH_NODES": str(args.nodes),
+                       "BENCH_PARTS": "ddp" if binding != "none" else args.parts}
+            if cluster is not None:
+                lau = cluster.openmpi([n // args.nodes] * args.nodes, "round-robin")
+                run_env.update(lau.env)
+                cmd = [*lau.command(n, run_env), sys.executable, __file__, "--worker"]
+            else:
+                cmd = ["mpirun.openmpi", *(["--oversubscribe"] if binding == "none" else []), "--bind-to", binding,
+                       "-n", str(n), sys.executable, __file__, "--worker"]
+            proc = subprocess.run(cmd, env=run_env, stdout=subprocess.PIPE, text=True, timeout=3000)
+            if proc.returncode != 0:
+                raise SystemExit(f"benchmark job with {n} ranks failed (rc={proc.returncode})")
+            lines = proc.stdout.strip().splitlines()
+            print("\n".join(lines[:-1]))
+            results.append(json.loads(lines[-1]))
+    finally:
+        if cluster is not None:
+            cluster.stop()
     report(results, args.out, str(Path(args.out).with_suffix(".png")))
 
 

@@ -165,13 +165,14 @@ class CollectiveWriter:
     """
 
     def __init__(self, path: str, mode: str = "w", comm: Any = None, root: int = 0,
-                 parallel: Optional[bool] = None) -> None:
+                 parallel: Optional[bool] = None, round_bytes: int = 256 << 20) -> None:
         global _warned
         if mode not in ("w", "a", "r+", "w-", "x"):
             raise ValueError(f"unsupported mode {mode!r}")
         self.h5py = _h5py()
         self.comm = comm if comm is not None else _world()
         self.root = root
+        self.round_bytes = round_bytes  # fallback: bytes per gather round (bounds the root's memory)
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         ok, why = parallel_available(self.comm)
         if parallel and not ok:
@@ -211,6 +212,7 @@ class CollectiveWriter:
                              f"{every[bad[0]][0]}/{every[bad[0]][1]} but rank {ref_rank} gives {ref[0]}/{ref[1]}")
         if ref[3] == "O":
             raise ValueError(f"dataset {name!r}: object arrays cannot be written; use fixed-size dtypes")
+        self._counts = [i[2] for i in every]
         start = sum(i[2] for i in every[: self.rank])
         return np.dtype(ref[0]), tuple(ref[1]), start, sum(i[2] for i in every)
 
@@ -242,14 +244,8 @@ class CollectiveWriter:
             base = self._create_or_grow(name, dtype, trailing, total)
             self._write_collective(self.file[name], rows, base + start)
         else:
-            blocks = self._gather_rows(rows)
-            if self.rank == self.root:
-                base = self._create_or_grow(name, dtype, trailing, total)
-                pos = base
-                for b in blocks:
-                    if len(b):
-                        self.file[name][pos: pos + len(b)] = b
-                    pos += len(b)
+            base = self._create_or_grow(name, dtype, trailing, total) if self.rank == self.root else 0
+            self._write_gathered(self.file[name] if self.rank == self.root else None, rows, base)
             base = self.comm.bcast(base if self.rank == self.root else None, root=self.root) \
                 if self.comm is not None else base
         return base + start, rows.shape[0]
@@ -289,12 +285,47 @@ class CollectiveWriter:
                 buf = np.zeros((1, *trailing), dtype=rows.dtype)
             dset.id.write(mspace, fspace, buf, dxpl=dxpl)
 
-    def _gather_rows(self, rows: np.ndarray) -> Sequence[np.ndarray]:
+    def _write_gathered(self, dset: Any, rows: np.ndarray, base: int) -> None:
+        """Fallback: rows travel to the root in rounds of Gatherv (root memory bounded by the round
+        size, not the total) and the root writes whole rows as they arrive."""
         if self.comm is None:
-            return [rows]
-        from .comm import gather
+            if len(rows):
+                dset[base: base + len(rows)] = rows
+            return
+        from . import _bigmpi
 
-        return gather(rows, dst=self.root, group=self.comm)
+        row_bytes = rows.itemsize * int(np.prod(rows.shape[1:] or (1,)))
+        mine = memoryview(rows.reshape(-1)).cast("B") if rows.size else memoryview(b"")
+
+        def fill(view: memoryview, offset: int) -> None:
+            view[:] = mine[offset: offset + len(view)]
+
+        sizes = [c * row_bytes for c in self._counts]
+        first = [base + sum(self._counts[:r]) for r in range(len(sizes))]
+        carry: Dict[int, bytes] = {}  # the start of a row split between two rounds
+        written = [0] * len(sizes)
+
+        def put(r: int, data: Any) -> None:  # data: whole rows of rank r
+            n = len(data) // row_bytes
+            block = np.frombuffer(data, dtype=rows.dtype).reshape(n, *rows.shape[1:])
+            dset[first[r] + written[r]: first[r] + written[r] + n] = block
+            written[r] += n
+
+        for chunks in _bigmpi.iter_gatherv_rounds(self.comm, sizes, fill, self.root, self.round_bytes):
+            for r, _, chunk in chunks:  # one rank's chunks arrive in order
+                if r in carry:
+                    need = row_bytes - len(carry[r])
+                    head = carry.pop(r) + bytes(chunk[:need])
+                    if len(head) < row_bytes:
+                        carry[r] = head
+                        continue
+                    put(r, head)
+                    chunk = chunk[need:]
+                whole = len(chunk) // row_bytes * row_bytes
+                if whole:
+                    put(r, chunk[:whole])
+                if len(chunk) > whole:
+                    carry[r] = bytes(chunk[whole:])
 
     def attrs(self, values: Mapping[str, Any], dataset: Optional[str] = None) -> None:
         """Set attributes on the file or a dataset (root's values win). Collective."""

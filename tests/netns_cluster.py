@@ -34,7 +34,7 @@ from launch import VENV_BIN, Launcher
 BRIDGED, ROUTED = "bridged", "routed"
 DOCKER0 = "172.17.0.1/16"
 # Variables a remote rank needs from the test (Open MPI forwards only what -x names).
-_FORWARD = ("HPCSYNC_", "MPI4PY_", "PYTHON", "OMP_NUM_THREADS", "TORCH_", "LD_LIBRARY_PATH", "PATH", "HOME")
+_FORWARD = ("HPCSYNC_", "BENCH_", "MPI4PY_", "PYTHON", "OMP_NUM_THREADS", "TORCH_", "LD_LIBRARY_PATH", "PATH", "HOME")
 
 _AGENT = r"""#!/bin/sh
 # rsh/ssh agent for namespace nodes: agent [ssh options] NODE COMMAND...

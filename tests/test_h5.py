@@ -24,7 +24,8 @@ def test_parallel_hdf5_is_really_available():
 
 
 @pytest.mark.parametrize("launcher,n,mode", [(openmpi, 4, "parallel"), (openmpi, 16, "parallel"),
-                                              (openmpi, 4, "fallback"), (mpich, 3, "auto"), (openmpi, 2, "auto")])
+                                              (openmpi, 4, "fallback"), (mpich, 5, "fallback-small-rounds"),
+                                              (mpich, 3, "auto"), (openmpi, 2, "auto")])
 def test_ragged_rows(launcher, n, mode, tmp_path):
     path = tmp_path / "out.h5"
     res = run(launcher(), n, "h5write.py", str(path), mode, tmp_path=tmp_path)
