@@ -1,6 +1,6 @@
 """Benchmark: collective HDF5 output of ragged per-rank rows.
 
-    python bench/bench_h5.py [--ranks 2 4] [--mb 1000] [--quick]
+    python bench/bench_h5.py [--ranks 2 4] [--mb 1000] [--repeat 3] [--quick]
 
 Every rank holds a different number of rows (rank r: proportional to r + 1; rows of 64 float32,
 256 B), in total ``--mb`` MB. Compared on the same rows, one ``mpirun`` job per measurement (so
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--mb", type=float, default=1000)
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 ranks, 16 MB")
+    ap.add_argument("--repeat", type=int, default=1, help="measure each cell this many times, keep the best")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h5.json"))
     args = ap.parse_args()
     if args.worker:
@@ -117,12 +118,15 @@ def main() -> None:
                 path = os.path.join(tmp, f"{method}-{ranks}.h5")
                 cmd = ["mpirun.openmpi", "--oversubscribe", "--bind-to", "none", "-n", str(ranks), sys.executable,
                        __file__, "--worker", method, path, str(total)]
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-                if proc.returncode != 0:
-                    raise SystemExit(f"{method} on {ranks} ranks failed: {proc.stderr[-2000:]}")
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
-                check(path, ranks, total)
-                os.unlink(path)
+                res = None
+                for _ in range(args.repeat):
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+                    if proc.returncode != 0:
+                        raise SystemExit(f"{method} on {ranks} ranks failed: {proc.stderr[-2000:]}")
+                    got = json.loads(proc.stdout.strip().splitlines()[-1])
+                    check(path, ranks, total)
+                    os.unlink(path)
+                    res = got if res is None or got["seconds"] < res["seconds"] else res
                 res.update(ranks=ranks, method=method, bytes=total, mb_per_s=total / 1e6 / res["seconds"])
                 rows.append(res)
                 print(f"  {ranks} ranks {total / 1e6:.0f} MB {method:24s} {res['mb_per_s']:8.1f} MB/s  "

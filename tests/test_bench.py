@@ -43,3 +43,24 @@ def test_store_benchmark_quick(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["ranks"] for r in rows] == [2] and rows[0]["tcp_s"] > 0 and rows[0]["mpi_s"] > 0
     assert "| 2 |" in p.stdout
+
+
+def test_h5_benchmark_quick(tmp_path):
+    out = tmp_path / "h5.json"
+    p = subprocess.run([PY, str(ROOT / "bench" / "bench_h5.py"), "--quick", "--out", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["hpcsync-parallel", "hpcsync-gather-fallback", "h5py-mpio-by-hand"]
+    assert all(r["mb_per_s"] > 0 and r["ranks"] == 2 for r in rows)
+
+
+def test_backend_benchmark_across_namespace_nodes_quick(tmp_path):
+    """The cross-node run: 2 namespace nodes, one rank each, TCP between them."""
+    out = tmp_path / "backend-2nodes.json"
+    p = subprocess.run([PY, str(ROOT / "bench" / "bench_backend.py"), "--quick", "--nodes", "2", "--parts",
+                        "collectives", "--out", str(out)], env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())["results"][0]
+    assert data["nodes"] == 2 and data["world_size"] == 2 and not data["ddp"]
+    assert all(r["hpcsync"] > 0 and r["gloo"] > 0 for r in data["collectives"])
