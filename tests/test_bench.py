@@ -64,3 +64,18 @@ def test_backend_benchmark_across_namespace_nodes_quick(tmp_path):
     data = json.loads(out.read_text())["results"][0]
     assert data["nodes"] == 2 and data["world_size"] == 2 and not data["ddp"]
     assert all(r["hpcsync"] > 0 and r["gloo"] > 0 for r in data["collectives"])
+
+
+def test_all_benchmarks_summary_quick(tmp_path):
+    """bench_all.py: every headline ratio of issue 10 in one run, with its target."""
+    out = tmp_path / "all.json"
+    p = subprocess.run([PY, str(ROOT / "bench" / "bench_all.py"), "--quick", "--ranks", "2", "--out", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    measures = {r["measure"] for r in rows}
+    assert "4 KiB all_reduce, times raw (floor: no-op group)" in measures
+    assert {"sync_file hpcsync-copy vs cat", "HDF5 parallel vs gather fallback"} <= measures
+    assert any(m.startswith("all_reduce 1 MiB vs raw") for m in measures)
+    assert any(m.startswith("DDP MLP") for m in measures) and all(r["ratio"] > 0 for r in rows)
+    assert "| ranks | measure | ratio | target | met |" in p.stdout
