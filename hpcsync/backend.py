@@ -286,6 +286,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         self._fingerprints = os.environ.get("HPCSYNC_DESYNC_CHECK", "1") != "0"
         self._worker_ident = -1
         self._deadline = float("inf")
+        self._spin_s = 1.0
         self._rec: Any = None
         self._cv = threading.Condition()
         self._queue: Deque[Tuple[Callable[[], None], MPIWork]] = deque()
@@ -415,6 +416,9 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         rec = self._log.start(op, str(t.dtype).replace("torch.", "") if t is not None else "-",
                               tuple(t.shape) if t is not None else (), root)
         self._rec, self._deadline = rec, time.monotonic() + self._timeout_s
+        # A large operation polled here spins all along: MPI progresses non-blocking collectives
+        # only inside MPI calls, so sleeping between polls would stall a multi-second broadcast.
+        self._spin_s = 1.0 if t is None or t.numel() * t.element_size() <= _INLINE_BYTES else float("inf")
         if work is not None:
             work._started = (rec, self._deadline)
         vec = _describe(rec, t)
@@ -494,9 +498,10 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             return
         if req.Test():
             return
-        # Spin first (as a blocking MPI call would), then poll each millisecond: a long wait is
-        # either a huge message or a stuck rank, and should not burn a core for minutes.
-        spin_until = time.monotonic() + 1.0
+        # Spin first (as a blocking MPI call would), then poll each millisecond: a long wait on a
+        # small message is a stuck rank and should not burn a core for minutes. Large messages
+        # spin throughout (see _execute), as a blocking MPI call would.
+        spin_until = time.monotonic() + self._spin_s
         fp_req = self._fp_req if req is not self._fp_req else None
         while not req.Test():
             now = time.monotonic()
