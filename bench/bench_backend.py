@@ -51,6 +51,9 @@ def _noop_backend() -> None:
 
 
 def worker(quick: bool, parts: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames *_into_tensor; same op
     import numpy as np
     import torch
     import torch.distributed as dist

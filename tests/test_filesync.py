@@ -78,11 +78,15 @@ def test_binary_parts_byte_exact(method, tmp_path):
     assert target.read_bytes() == b"".join(parts)
 
 
-def test_torchrun_without_mpi(tmp_path):
-    """torchrun, no MPI: SyncedFile joins over torch.distributed once hpcsync.init() ran..."""
+@pytest.mark.parametrize("method,used", [("auto", "copy"), ("gather", "gather")])
+def test_torchrun_without_mpi(method, used, tmp_path):
+    """torchrun, no MPI: SyncedFile joins over torch.distributed once hpcsync.init() ran (auto: the
+    root copies the parts it sees; gather: the bytes travel over torch.distributed)..."""
     target = tmp_path / "metrics.csv"
-    run(LAUNCHERS["torchrun"](), 3, "sync.py", str(target),
-        json.dumps({"_mode": "synced_file", "strip_header": True, "_init": True}), tmp_path=tmp_path)
+    res = run(LAUNCHERS["torchrun"](), 3, "sync.py", str(target),
+              json.dumps({"_mode": "synced_file", "strip_header": True, "_init": True, "method": method}),
+              tmp_path=tmp_path)
+    assert {d["result"]["method"] for d in res.ranks} == {used}
     lines = target.read_text(encoding="utf-8").splitlines()
     assert lines == ["rank,i,text"] + [f"{r},{i},rång {r}·{i}" for r in range(3) for i in range(r + 1)]
 
