@@ -3,7 +3,7 @@ mpi4py and gloo, the 4 KiB floor, DDP vs no_sync), file sync vs ``cat`` and the 
 
     python bench/bench_all.py [--ranks 2 4] [--quick]
 
-Runs bench_backend.py, bench_filesync.py (1 GB, best of 2) and bench_h5.py (1 GB, best of 2) one
+Runs bench_backend.py, bench_filesync.py (1 GB, best of 2) and bench_h5.py (1 GB, best of 3) one
 after another for each rank count (--quick: their quick modes, 2 ranks), prints one summary table of the headline ratios and
 writes ``bench/results/all.json`` (the scripts' own JSON files hold every row).
 """
@@ -42,7 +42,7 @@ def main() -> None:
                  *(["--quick"] if q else ["--ranks", str(n), "--sizes-mb", "1000", "--repeat", "2"]))["rows"]
         fs = [r for r in fs if r["bytes"] == max(x["bytes"] for x in fs)]
         h5 = run("bench_h5.py", out.with_name(f"all-h5-{n}.json"),
-                 *(["--quick"] if q else ["--ranks", str(n), "--mb", "1000", "--repeat", "2"]))["rows"]
+                 *(["--quick"] if q else ["--ranks", str(n), "--mb", "1000", "--repeat", "3"]))["rows"]
         for r in be["collectives"]:
             if r["bytes"] >= 1 << 20 and r.get("hpcsync") and r.get("mpi4py"):
                 rows.append((n, f"{r['op']} {r['bytes'] >> 20} MiB vs raw mpi4py", r["mpi4py"] / r["hpcsync"], 0.9))
