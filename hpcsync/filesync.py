@@ -9,7 +9,10 @@ node-local temp dir is fine for the gather method: each rank reads only its own 
 Methods: ``copy`` -- the root opens every part itself and concatenates them in the kernel
 (``copy_file_range``): no byte passes through MPI or user memory. Used when the root really sees
 the very files the ranks wrote (each rank reports device, inode and size of its parts; the root
-checks them with its own ``stat``): one node, or a shared filesystem. ``gather`` -- parts travel to the root in rounds of MPI ``Gatherv`` on variable-length
+checks them with its own ``stat``). In practice that is one node: device numbers are per mount,
+so a shared NFS/Lustre file seen from two nodes does not match either, which is the conservative
+answer (a node-local file at the same path must never pass for another rank's part).
+``gather`` -- parts travel to the root in rounds of MPI ``Gatherv`` on variable-length
 byte buffers (no padding) and the root writes them at their offsets: root memory stays below
 ``round_bytes`` (default 256 MiB) whatever the size. ``mpiio`` -- every rank writes its own bytes
 into the target with collective ``File.Write_at_all`` at ``Exscan`` offsets (target on a shared
