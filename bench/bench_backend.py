@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import mpirun_env, save_json
+
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [4, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [4, 4 << 10, 1 << 20, 16 << 20]
@@ -264,14 +266,12 @@ def report(results, out_json, out_png):
             lines.append("|---|" + "---|" * len(res["checks"]))
             lines.append("| time per call | " + " | ".join(fmt_time(v) for v in res["checks"].values()) + " |")
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(out_json), exist_ok=True)
-    with open(out_json, "w") as f:
-        json.dump({"results": results, "host_cpus": os.cpu_count()}, f, indent=1)
+    save_json(out_json, "results", results)
     try:
         plot(results, out_png)
     except ImportError:
         print("(matplotlib not installed: no plot)")
-    print(f"\nwrote {out_json} and {out_png}")
+    print(f"wrote {out_png}")
 
 
 def human(n):
@@ -330,9 +330,8 @@ def main() -> None:
         return
     if args.quick:
         args.ranks = [2]
-    env = {**os.environ, "MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1", **({"BENCH_QUICK": "1"} if args.quick else {}),
-           **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {})}
+    env = mpirun_env(OMP_NUM_THREADS="1", **({"BENCH_QUICK": "1"} if args.quick else {}),
+                     **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {}))
     runs = [(n, "none") for n in args.ranks]
     if args.bind_core:
         runs += [(n, "core") for n in args.ranks if n <= (os.cpu_count() or 1)]

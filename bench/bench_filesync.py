@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import mpirun_env, save_json
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["hpcsync-copy", "hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)", "mpi4py-gather", "cat"]
 
@@ -134,8 +136,7 @@ def measure(method: str, ranks: int, total: int, tmp: Path) -> dict:
         subprocess.run(f"cat {' '.join(parts)} > {folder}/merged && sync {folder}/merged", shell=True, check=True)
         out = {"seconds": time.perf_counter() - t0, "root_peak_growth_mib": 0.0}
     else:
-        env = {**os.environ, "MPI4PY_MPIABI": os.environ.get("MPI4PY_MPIABI", "openmpi"), "OMPI_MCA_btl": "self,vader",
-               "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "HPCSYNC_PROGRESS": "0"}
+        env = mpirun_env(HPCSYNC_PROGRESS="0")
         cmd = ["mpirun.openmpi", "--oversubscribe", "--bind-to", "none", "-n", str(ranks), sys.executable, __file__,
                "--worker", method, str(folder), str(total)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -193,10 +194,7 @@ def main() -> None:
         vs_cat = f"{r['mb_per_s'] / cat['mb_per_s']:.2f}" if cat else "-"
         print(f"| {r['ranks']} | {r['bytes'] / 1e6:.1f} | {r['method']} | {r['mb_per_s']:.0f} | {vs_pad} | {vs_cat} | "
               f"{r['root_peak_growth_mib']:.0f} |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "host_cpus": os.cpu_count()}, f, indent=1)
-    print(f"\nwrote {args.out}")
+    save_json(args.out, "rows", rows)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import mpirun_env, save_json
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["hpcsync-parallel", "hpcsync-gather-fallback", "h5py-mpio-by-hand"]
 COLS = 64
@@ -110,8 +112,7 @@ def main() -> None:
     if args.quick:
         args.ranks, args.mb = [2], 16
     total = int(args.mb * 1e6)
-    env = {**os.environ, "MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONWARNINGS": "ignore"}
+    env = mpirun_env(PYTHONWARNINGS="ignore")
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpcsync-h5bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
         for ranks in args.ranks:
@@ -143,10 +144,7 @@ def main() -> None:
         print(f"| {r['ranks']} | {r['bytes'] / 1e6:.0f} | {r['method']} | {r['mb_per_s']:.0f} | "
               f"{r['mb_per_s'] / lim['mb_per_s']:.2f} | {r['mb_per_s'] / fb['mb_per_s']:.2f} | "
               f"{r['root_peak_growth_mib']:.0f} |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "host_cpus": os.cpu_count()}, f, indent=1)
-    print(f"\nwrote {args.out}")
+    save_json(args.out, "rows", rows)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import mpirun_env, save_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,8 +56,7 @@ def main() -> None:
         return
     if args.quick:
         args.ranks, args.repeats = [2], 1
-    env = {**os.environ, "MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1"}
+    env = mpirun_env(OMP_NUM_THREADS="1")
     rows = []
     print("| ranks | TCPStore init (median) | MPIStore init (median) | MPI / TCP |")
     print("|---|---|---|---|")
@@ -69,10 +70,7 @@ def main() -> None:
         tcp, mpi = statistics.median(res["times"]["tcp"]), statistics.median(res["times"]["mpi"])
         rows.append({"ranks": n, "tcp_s": tcp, "mpi_s": mpi, "all": res["times"]})
         print(f"| {n} | {tcp * 1e3:.0f} ms | {mpi * 1e3:.0f} ms | {mpi / tcp:.2f} |", flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "host_cpus": os.cpu_count()}, f, indent=1)
-    print(f"\nwrote {args.out}")
+    save_json(args.out, "rows", rows)
 
 
 if __name__ == "__main__":
