@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -200,8 +200,8 @@ class CollectiveWriter:
     def _agree(self, err: Optional[str]) -> None:
         raise_if_any(self.comm, err, ValueError, "")
 
-    def _layout(self, name: str, rows: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...], int, int]:
-        """Validate collectively; return dtype, trailing shape, my first row, total rows."""
+    def _layout(self, name: str, rows: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...], List[int]]:
+        """Validate collectively; return dtype, trailing shape and every rank's row count."""
         info = (rows.dtype.str, rows.shape[1:], rows.shape[0], rows.dtype.kind)
         every = self.comm.allgather(info) if self.comm is not None else [info]
         with_rows = [(r, i) for r, i in enumerate(every) if i[2] > 0]
@@ -212,9 +212,7 @@ class CollectiveWriter:
                              f"{every[bad[0]][0]}/{every[bad[0]][1]} but rank {ref_rank} gives {ref[0]}/{ref[1]}")
         if ref[3] == "O":
             raise ValueError(f"dataset {name!r}: object arrays cannot be written; use fixed-size dtypes")
-        self._counts = [i[2] for i in every]
-        start = sum(i[2] for i in every[: self.rank])
-        return np.dtype(ref[0]), tuple(ref[1]), start, sum(i[2] for i in every)
+        return np.dtype(ref[0]), tuple(ref[1]), [i[2] for i in every]
 
     def write(self, name: str, rows: Any) -> Tuple[int, int]:
         """Append this rank's ``rows`` (first axis = rows) to dataset ``name``. Collective.
@@ -224,7 +222,8 @@ class CollectiveWriter:
         rows = np.ascontiguousarray(rows)
         if rows.ndim == 0:
             raise ValueError(f"dataset {name!r}: rows need at least one dimension")
-        dtype, trailing, start, total = self._layout(name, rows)
+        dtype, trailing, counts = self._layout(name, rows)
+        start, total = sum(counts[: self.rank]), sum(counts)
         if rows.shape[0] == 0:
             rows = np.zeros((0, *trailing), dtype=dtype)
         if self.parallel or self.rank == self.root:
@@ -245,7 +244,7 @@ class CollectiveWriter:
             self._write_collective(self.file[name], rows, base + start)
         else:
             base = self._create_or_grow(name, dtype, trailing, total) if self.rank == self.root else 0
-            self._write_gathered(self.file[name] if self.rank == self.root else None, rows, base)
+            self._write_gathered(self.file[name] if self.rank == self.root else None, rows, base, counts)
             base = self.comm.bcast(base if self.rank == self.root else None, root=self.root) \
                 if self.comm is not None else base
         return base + start, rows.shape[0]
@@ -285,7 +284,7 @@ class CollectiveWriter:
                 buf = np.zeros((1, *trailing), dtype=rows.dtype)
             dset.id.write(mspace, fspace, buf, dxpl=dxpl)
 
-    def _write_gathered(self, dset: Any, rows: np.ndarray, base: int) -> None:
+    def _write_gathered(self, dset: Any, rows: np.ndarray, base: int, counts: List[int]) -> None:
         """Fallback: rows travel to the root in rounds of Gatherv (root memory bounded by the round
         size, not the total) and the root writes whole rows as they arrive."""
         if self.comm is None:
@@ -300,8 +299,8 @@ class CollectiveWriter:
         def fill(view: memoryview, offset: int) -> None:
             view[:] = mine[offset: offset + len(view)]
 
-        sizes = [c * row_bytes for c in self._counts]
-        first = [base + sum(self._counts[:r]) for r in range(len(sizes))]
+        sizes = [c * row_bytes for c in counts]
+        first = [base + sum(counts[:r]) for r in range(len(sizes))]
         carry: Dict[int, bytes] = {}  # the start of a row split between two rounds
         written = [0] * len(sizes)
 

@@ -5,12 +5,18 @@ import subprocess
 from launch import PY, ROOT, clean_env
 
 
-def test_backend_benchmark_quick(tmp_path):
-    out = tmp_path / "backend.json"
-    p = subprocess.run([PY, str(ROOT / "bench" / "bench_backend.py"), "--quick", "--out", str(out)],
-                       env=clean_env(), capture_output=True, text=True, timeout=900)
+def run_quick(tmp_path, script, *args, timeout=900):
+    """Run ``bench/<script> --quick *args`` into a JSON file; return (its path, its JSON, what it printed)."""
+    out = tmp_path / script.replace(".py", ".json")
+    p = subprocess.run([PY, str(ROOT / "bench" / script), "--quick", *args, "--out", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
-    data = json.loads(out.read_text())["results"][0]
+    return out, json.loads(out.read_text()), p.stdout
+
+
+def test_backend_benchmark_quick(tmp_path):
+    out, data, stdout = run_quick(tmp_path, "bench_backend.py")
+    data = data["results"][0]
     assert data["world_size"] == 2
     ops = {r["op"] for r in data["collectives"]}
     assert ops == {"all_reduce", "all_gather", "broadcast", "reduce_scatter"}
@@ -22,60 +28,45 @@ def test_backend_benchmark_quick(tmp_path):
     assert [d["model"].split()[0] for d in data["ddp"]] == ["MLP", "CNN", "CNN"]
     assert all(d[k] > 0 for d in data["ddp"] for k in ("hpcsync", "hpcsync no_sync", "gloo", "gloo no_sync"))
     assert out.with_suffix(".png").stat().st_size > 10_000
-    assert "| all_reduce |" in p.stdout
+    assert "| all_reduce |" in stdout
 
 
 def test_filesync_benchmark_quick(tmp_path):
-    out = tmp_path / "filesync.json"
-    p = subprocess.run([PY, str(ROOT / "bench" / "bench_filesync.py"), "--quick", "--out", str(out)],
-                       env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["method"] for r in rows} == {"hpcsync-copy", "hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)", "mpi4py-gather", "cat"}
+    _, data, _ = run_quick(tmp_path, "bench_filesync.py")
+    rows = data["rows"]
+    assert {r["method"] for r in rows} == {"hpcsync-copy", "hpcsync-gather", "hpcsync-mpiio", "pad+allgather(gloo)",
+                                           "mpi4py-gather", "cat"}
     assert all("error" not in r and r["mb_per_s"] > 0 for r in rows), rows
 
 
 def test_store_benchmark_quick(tmp_path):
-    out = tmp_path / "store.json"
-    p = subprocess.run([PY, str(ROOT / "bench" / "bench_store.py"), "--quick", "--out", str(out)],
-                       env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    _, data, stdout = run_quick(tmp_path, "bench_store.py", timeout=600)
+    rows = data["rows"]
     assert [r["ranks"] for r in rows] == [2] and rows[0]["tcp_s"] > 0 and rows[0]["mpi_s"] > 0
-    assert "| 2 |" in p.stdout
+    assert "| 2 |" in stdout
 
 
 def test_h5_benchmark_quick(tmp_path):
-    out = tmp_path / "h5.json"
-    p = subprocess.run([PY, str(ROOT / "bench" / "bench_h5.py"), "--quick", "--out", str(out)],
-                       env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    _, data, _ = run_quick(tmp_path, "bench_h5.py", timeout=600)
+    rows = data["rows"]
     assert [r["method"] for r in rows] == ["hpcsync-parallel", "hpcsync-gather-fallback", "h5py-mpio-by-hand"]
     assert all(r["mb_per_s"] > 0 and r["ranks"] == 2 for r in rows)
 
 
 def test_backend_benchmark_across_namespace_nodes_quick(tmp_path):
     """The cross-node run: 2 namespace nodes, one rank each, TCP between them."""
-    out = tmp_path / "backend-2nodes.json"
-    p = subprocess.run([PY, str(ROOT / "bench" / "bench_backend.py"), "--quick", "--nodes", "2", "--parts",
-                        "collectives", "--out", str(out)], env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    data = json.loads(out.read_text())["results"][0]
+    _, data, _ = run_quick(tmp_path, "bench_backend.py", "--nodes", "2", "--parts", "collectives", timeout=600)
+    data = data["results"][0]
     assert data["nodes"] == 2 and data["world_size"] == 2 and not data["ddp"]
     assert all(r["hpcsync"] > 0 and r["gloo"] > 0 for r in data["collectives"])
 
 
 def test_all_benchmarks_summary_quick(tmp_path):
     """bench_all.py: every headline ratio of issue 10 in one run, with its target."""
-    out = tmp_path / "all.json"
-    p = subprocess.run([PY, str(ROOT / "bench" / "bench_all.py"), "--quick", "--ranks", "2", "--out", str(out)],
-                       env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    _, rows, stdout = run_quick(tmp_path, "bench_all.py", "--ranks", "2")
     measures = {r["measure"] for r in rows}
     assert "4 KiB all_reduce, times raw (floor: no-op group)" in measures
     assert {"sync_file hpcsync-copy vs cat", "HDF5 parallel vs gather fallback"} <= measures
     assert any(m.startswith("all_reduce 1 MiB vs raw") for m in measures)
     assert any(m.startswith("DDP MLP") for m in measures) and all(r["ratio"] > 0 for r in rows)
-    assert "| ranks | measure | ratio | target | met |" in p.stdout
+    assert "| ranks | measure | ratio | target | met |" in stdout
