@@ -48,10 +48,13 @@ _EXPORTS = {
     "monitored_barrier": "comm",
     "sync_file": "filesync",
     "SyncedFile": "filesync",
+    "stage": "staging",
+    "StageResult": "staging",
     "HpcsyncError": "errors",
     "LaunchError": "errors",
     "AddressError": "errors",
     "SyncError": "errors",
+    "StageError": "errors",
     "MissingDependencyError": "errors",
 }
 

@@ -1,4 +1,4 @@
-"""Command line: ``hpcsync info``, ``merge`` and ``doctor`` (run them under your launcher)."""
+"""Command line: ``hpcsync info``, ``merge``, ``stage`` and ``doctor`` (run them under your launcher)."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +61,22 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stage(args: argparse.Namespace) -> int:
+    """Copy SRC to DST on every node (one read of the source); a summary from rank 0."""
+    from .staging import stage
+
+    r = stage(args.src, args.dst, chunk_bytes=args.chunk_mib * 2**20, durable=args.durable,
+              progress=False if args.no_progress else None)
+    from .comm import get_rank
+
+    if get_rank() == 0:
+        print(f"staged {r.source} to {r.destination} on {r.nodes} node(s): {r.files} file(s), {r.bytes} bytes; "
+              f"copied {len(r.copied)} ({r.copied_bytes} bytes, read once), {len(r.skipped)} up to date, "
+              f"{r.broadcasts} broadcast(s), {r.seconds:.2f}s"
+              + (f"; ignored {len(r.ignored)} special file(s)" if r.ignored else ""))
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import run
 
@@ -83,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--method", default="auto", choices=["auto", "gather", "mpiio"])
     merge.add_argument("--no-progress", action="store_true")
     merge.set_defaults(func=cmd_merge)
+    stg = sub.add_parser("stage", help="copy SRC (a file or directory rank 0 can read) into DST on every node")
+    stg.add_argument("src")
+    stg.add_argument("dst", help="a node-local directory, the same path on every node")
+    stg.add_argument("--chunk-mib", type=int, default=16, help="bytes per broadcast round and pipeline buffer")
+    stg.add_argument("--durable", action="store_true", help="sync the destination before recording files")
+    stg.add_argument("--no-progress", action="store_true")
+    stg.set_defaults(func=cmd_stage)
     doctor = sub.add_parser("doctor", help="check MPI, launcher, addresses, torch, GPUs, HDF5; non-zero exit on problems")
     doctor.add_argument("--no-connect", action="store_true", help="skip the TCP reachability test to rank 0")
     doctor.set_defaults(func=cmd_doctor)

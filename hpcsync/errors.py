@@ -24,6 +24,10 @@ class SyncError(HpcsyncError):
     """A file sync failed; no part was deleted and the old target, if any, is intact."""
 
 
+class StageError(HpcsyncError):
+    """A stage-in failed; files already staged stay valid and a later call finishes the job."""
+
+
 def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], what: str) -> None:
     """Collective: if any rank has an ``error``, raise the same ``exc_type`` on every rank.
 
