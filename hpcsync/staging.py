@@ -46,6 +46,7 @@ import pickle
 import socket
 import stat as st
 import time
+import uuid
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -322,12 +323,22 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     """Listing to every leader, what each node lacks, the transfer; the result on the root."""
     is_root = leaders.Get_rank() == 0
     many = leaders.Get_size() > 1
+    token = uuid.uuid4().hex[:12]
     if many:
-        blob = _bigmpi.bcast_bytes(leaders, pickle.dumps((entries, ignored), protocol=5) if is_root else b"", root=0)
-        entries, ignored = pickle.loads(blob)
+        blob = _bigmpi.bcast_bytes(leaders, pickle.dumps((entries, ignored, token), protocol=5) if is_root else b"",
+                                   root=0)
+        entries, ignored, token = pickle.loads(blob)
     host = socket.gethostname()
     node = _Node(dst, src, entries, durable, host)
-    err = node.prepare()
+    err = node.open_destination(token, leaders.Get_rank())
+    try:
+        if many and not any(leaders.allgather(err)):
+            node.writes = _writers(leaders.allgather(node.sees_probes(token, leaders.Get_rank())))[leaders.Get_rank()] \
+                == leaders.Get_rank()
+    finally:
+        node.close_probe()
+    if err is None and node.writes:
+        err = node.prepare()
     if many and any(leaders.allgather(err)):
         return None, err  # no node moves anything when one cannot take it; every rank raises
     if err is not None:
@@ -362,6 +373,17 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
         copied_bytes=total, source_reads=reader.read_bytes, broadcasts=rounds,  # type: ignore[union-attr]
         nodes=leaders.Get_size(), written=tuple(tuple(s) for s in every), ignored=tuple(ignored))
     return result, err
+
+
+def _writers(sees: Sequence[Tuple[bool, bool]]) -> List[int]:
+    """Which leader writes for each node, from whether each sees the probe file of leader 0 and of
+    the leader before it in ``dst``: nodes that share ``dst`` (a shared filesystem given as the
+    destination) write it once. Sharing that is neither with leader 0 nor between neighbours goes
+    undetected; it stays correct (per-node temporary names, atomic renames), only redundant."""
+    writer: List[int] = []
+    for i, (first, previous) in enumerate(sees):
+        writer.append(0 if i and first else writer[i - 1] if i and previous else i)
+    return writer
 
 
 def _broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reader: Optional["_Reader"],
@@ -553,26 +575,31 @@ class _Node:
         self.last_journal = time.monotonic()
         self.files_written = self.bytes_written = 0
         self.broken: Optional[str] = None  # first write error: later files are not even tried
+        self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
+        self.writes = True  # False: another node's leader writes this very directory (shared dst)
+        self.probe: Optional[str] = None
 
     def path(self, idx: int) -> str:
         rel = self.entries[idx].rel
         return os.path.join(self.dst, rel) if rel else self.dst
 
-    @staticmethod
-    def tmp_path(final: str) -> str:
+    def tmp_path(self, final: str) -> str:
         folder, name = os.path.split(final)
         if len(name) > 200:  # keep the temporary name within NAME_MAX
             name = hashlib.sha1(name.encode()).hexdigest()
-        return os.path.join(folder, f".{name}{TMP_SUFFIX}")
+        return os.path.join(folder, f".{name}.{self.tag}{TMP_SUFFIX}")
 
     def _where(self, msg: str) -> str:
         return f"node {self.host}: {msg}"
 
     # - before the transfer
 
-    def prepare(self) -> Optional[str]:
-        """Create ``dst`` and its directories and links, check it is writable and big enough, and
-        mark the files this node lacks. Returns an error naming node and path, or None."""
+    def _probe_path(self, token: str, index: int) -> str:
+        return os.path.join(self.dst, f".probe-{token}-{index}{TMP_SUFFIX}")
+
+    def open_destination(self, token: str, index: int) -> Optional[str]:
+        """Create ``dst`` and prove it writable with a probe file, left in place until
+        :meth:`close_probe` so that leaders sharing the directory can see each other's."""
         dst = self.dst
         try:
             os.makedirs(dst, exist_ok=True)
@@ -580,16 +607,37 @@ class _Node:
             return self._where(f"cannot create destination {dst}: {exc.strerror}")
         if not os.path.isdir(dst):
             return self._where(f"destination {dst} is not a directory")
-        probe = os.path.join(dst, f".probe-{os.getpid()}{TMP_SUFFIX}")
+        probe = self._probe_path(token, index)
         try:
             _make_writable(dst)
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            os.unlink(probe)
+            self.probe = probe
         except OSError as exc:
             return self._where(f"destination {dst} is not writable: {exc.strerror}")
+        return None
+
+    def sees_probes(self, token: str, index: int) -> Tuple[bool, bool]:
+        """Whether leader 0's and the previous leader's probe files are visible in our ``dst``."""
+        if index == 0:
+            return False, False
+        return (os.path.exists(self._probe_path(token, 0)),
+                index > 1 and os.path.exists(self._probe_path(token, index - 1)))
+
+    def close_probe(self) -> None:
+        if self.probe is not None:
+            try:
+                os.unlink(self.probe)
+            except OSError:
+                pass
+            self.probe = None
+
+    def prepare(self) -> Optional[str]:
+        """Create the directories and links, check there is room, and mark the files this node
+        lacks. Returns an error naming node and path, or None."""
+        dst = self.dst
         self.records, interrupted = self._load_manifest()
         if interrupted:
-            _remove_temporaries(dst)
+            _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
         need_bytes = replaced = largest = 0
         try:
             for i, e in enumerate(self.entries):
@@ -597,7 +645,7 @@ class _Node:
                 if e.kind == _DIR:
                     _ensure_dir(path)
                 elif e.kind == _LINK:
-                    _ensure_link(path, e)
+                    _ensure_link(path, e, self.tmp_path(path))
                 else:
                     try:
                         have: Optional[os.stat_result] = os.lstat(path)
@@ -755,6 +803,8 @@ class _Node:
     def finish(self) -> Optional[str]:
         """Write the manifest (or keep the journal after an error), then directories' modes and
         mtimes. Returns this node's first error, named."""
+        if not self.writes:
+            return None
         for idx in list(self.fds):
             self.fail(idx, f"{self.path(idx)}: incomplete")
         try:
@@ -780,7 +830,7 @@ class _Node:
                "files": {rel: rec for rel, rec in self.records.items() if rel in current}}
         if self.durable:
             _syncfs(self.dst)
-        tmp = os.path.join(self.dst, MANIFEST + TMP_SUFFIX)
+        tmp = self.tmp_path(os.path.join(self.dst, MANIFEST))
         with open(tmp, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
             if self.durable:
@@ -829,7 +879,7 @@ def _ensure_dir(path: str) -> None:
     _make_writable(path)
 
 
-def _ensure_link(path: str, e: Entry) -> None:
+def _ensure_link(path: str, e: Entry, tmp: str) -> None:
     try:
         if os.readlink(path) == e.target:
             return
@@ -838,7 +888,6 @@ def _ensure_link(path: str, e: Entry) -> None:
     except OSError:  # not a link
         if os.path.isdir(path) and not os.path.islink(path):
             raise OSError(21, "the source has a symbolic link here, the copy a directory", path)
-    tmp = _Node.tmp_path(path)
     try:
         os.unlink(tmp)
     except FileNotFoundError:
@@ -848,11 +897,11 @@ def _ensure_link(path: str, e: Entry) -> None:
     os.replace(tmp, path)
 
 
-def _remove_temporaries(dst: str) -> None:
-    """A stage was killed here: its temporary files are not data, remove them."""
+def _remove_temporaries(dst: str, suffix: str) -> None:
+    """A stage was killed here: this node's temporary files (``suffix``) are not data, remove them."""
     for folder, _dirs, files in os.walk(dst):
         for name in files:
-            if name.endswith(TMP_SUFFIX):
+            if name.endswith(suffix):
                 try:
                     os.unlink(os.path.join(folder, name))
                 except OSError:

@@ -86,6 +86,11 @@ def inodes(root: Path) -> dict:
             if os.path.isfile(p) and os.path.basename(p) not in (staging.MANIFEST, staging.JOURNAL)}
 
 
+def temporary(folder: Path, name: str) -> bool:
+    """Whether some node's temporary file for ``name`` exists in ``folder``."""
+    return any(folder.glob(f".{name}.*{staging.TMP_SUFFIX}"))
+
+
 def no_temporaries(root: Path) -> bool:
     return not [p for p in root.rglob("*") if p.name.endswith(staging.TMP_SUFFIX)]
 
@@ -141,7 +146,8 @@ def test_single_file_source_and_interrupted_leftovers(tmp_path):
     dst.mkdir()
     # what a killed stage leaves: a journal and a temporary file
     (dst / staging.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n")
-    (dst / f".one.bin{staging.TMP_SUFFIX}").write_bytes(b"partial")
+    tag = hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]
+    (dst / f".one.bin.{tag}{staging.TMP_SUFFIX}").write_bytes(b"partial")
     r = hpcsync.stage(src, dst)
     assert r.copied == ("one.bin",) and (dst / "one.bin").read_bytes() == src.read_bytes()
     assert no_temporaries(dst) and not (dst / staging.JOURNAL).exists()
@@ -264,7 +270,7 @@ def test_killed_mid_stage_then_restaged(tmp_path):
     proc = subprocess.Popen([*lau.command(2), PY, str(Path(__file__).parent / "programs" / "stage.py"), str(src),
                              str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _kill_when(lambda: (dst / "zz" / f".big.bin{staging.TMP_SUFFIX}").exists(), proc)
+    _kill_when(lambda: temporary(dst / "zz", "big.bin"), proc)
     _check_after_kill(src, dst)
     before = inodes(dst)
     r = _ranks_ok(run(lau, 2, "stage.py", str(src), str(dst), tmp_path=tmp_path), 2)
@@ -440,9 +446,8 @@ def test_killed_mid_stage_across_nodes_then_restaged(cluster, tmp_path):
     proc = subprocess.Popen([*lau.command(2, env), PY, str(Path(__file__).parent / "programs" / "stage.py"),
                              str(src), str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    tmp = f".big.bin{staging.TMP_SUFFIX}"
     try:
-        _kill_when(lambda: all(node_dir(cluster, i, "dst", "zz", tmp).exists() for i in range(2)), proc)
+        _kill_when(lambda: all(temporary(node_dir(cluster, i, "dst", "zz"), "big.bin") for i in range(2)), proc)
         for name in cluster.names:  # every process of the job, on every node
             for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
                 try:
@@ -459,3 +464,22 @@ def test_killed_mid_stage_across_nodes_then_restaged(cluster, tmp_path):
     finally:
         for i in range(2):
             subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
+
+
+def test_destination_shared_by_the_nodes_is_written_once(cluster, tmp_path):
+    """A shared filesystem given as ``dst``: the nodes see each other's probe, one writes."""
+    src, dst = tmp_path / "src", tmp_path / "shared-dst"
+    make_tree(src)
+    r = _ranks_ok(run(cluster.openmpi([1, 1]), 2, "stage.py", str(src), str(dst), tmp_path=tmp_path,
+                      timeout=300), 2)
+    assert {w[0]: w[1] for w in r["written"]} == {cluster.names[0]: r["files"], cluster.names[1]: 0}
+    assert snapshot(dst) == expected(src) and no_temporaries(dst)
+    r = _ranks_ok(run(cluster.openmpi([1, 1]), 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, timeout=300), 2)
+    assert r["copied"] == []
+
+
+def test_writer_choice_for_shared_destinations():
+    # (sees leader 0's probe, sees the previous leader's probe) per leader
+    assert staging._writers([(False, False)] * 3) == [0, 1, 2]  # node-local everywhere
+    assert staging._writers([(False, False), (True, False), (True, True)]) == [0, 0, 0]  # one shared dst
+    assert staging._writers([(False, False), (False, False), (False, True), (False, False)]) == [0, 1, 1, 3]
