@@ -394,18 +394,18 @@ def _broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, read
     if not plan:
         return 0
     cap = max(_trailer_at(p) + 16 * len(p) for p in plan)
-    bufs: List[Optional[bytearray]] = [None] * 3
+    bufs: List[Any] = [None] * 3
     reads: Dict[int, Future] = {}
     writes: Dict[int, Future] = {}
     read_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-read") if reader is not None else None
     write_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-write")
 
-    def buffer(k: int) -> bytearray:
+    def buffer(k: int) -> Any:
         if k >= 3:
             writes[k - 3].result()  # the round that last used this buffer is written
         if bufs[k % 3] is None:
-            bufs[k % 3] = bytearray(cap)
-        return bufs[k % 3]  # type: ignore[return-value]
+            bufs[k % 3] = np.empty(cap, dtype=np.uint8)  # no zero-fill: every byte sent is written first
+        return bufs[k % 3]
 
     def start_read(k: int) -> None:
         if read_pool is not None and k < len(plan):
@@ -523,7 +523,7 @@ class _Reader:
     def fail(self, idx: int, why: str) -> None:
         self.failed.setdefault(idx, why)
 
-    def fill(self, pieces: Sequence[Piece], buf: bytearray) -> bytearray:
+    def fill(self, pieces: Sequence[Piece], buf: Any) -> Any:
         trailer = np.frombuffer(buf, dtype=np.int64, count=2 * len(pieces), offset=_trailer_at(pieces))
         mv, pos = memoryview(buf), 0
         for j, (idx, off, n) in enumerate(pieces):
@@ -715,7 +715,7 @@ class _Node:
         self.fds[idx], self.crcs[idx] = fd, 0
         return fd
 
-    def write_round(self, pieces: Sequence[Piece], buf: bytearray, verify: bool) -> None:
+    def write_round(self, pieces: Sequence[Piece], buf: Any, verify: bool) -> None:
         """Write this node's pieces of one broadcast round (on the writer thread)."""
         trailer = np.frombuffer(buf, dtype=np.int64, count=2 * len(pieces), offset=_trailer_at(pieces))
         mv, pos = memoryview(buf), 0
