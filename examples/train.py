@@ -1,11 +1,13 @@
 """A real DDP training run on hpcsync: classify points of a synthetic spiral dataset.
 
 Runs unchanged under ``mpirun -n 16``, ``mpiexec -n 4``, ``srun --mpi=pmix``, ``torchrun`` and
-plain ``python``. Uses the whole toolkit: ``hpcsync.init()``, a ``DistributedSampler``,
+plain ``python``. Uses the whole toolkit: ``hpcsync.init()``, the dataset staged onto every node's
+local disk with ``hpcsync.stage`` (``--data DIR --stage-to LOCAL``), a ``DistributedSampler``,
 per-rank metrics CSV joined at the end with ``SyncedFile``, predictions written with the
 collective HDF5 writer, a checkpoint from rank 0, and a summary printed by rank 0.
 
     mpiexec -n 4 python examples/train.py --epochs 8 --out runs/demo
+    mpiexec -n 4 python examples/train.py --data runs/spirals --stage-to /tmp/$USER/spirals
 """
 from __future__ import annotations
 
@@ -44,6 +46,27 @@ def make_spirals(n: int, classes: int = 3, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def load_dataset(args: argparse.Namespace) -> TensorDataset:
+    """The spirals from ``--data`` (written there by rank 0 first if missing), read from the copy
+    that ``--stage-to`` puts on every node's local disk; generated in memory without ``--data``."""
+    if not args.data:
+        return make_spirals(args.samples)
+    path = os.path.join(args.data, "spirals.npz")
+    if comm.get_rank() == 0 and not os.path.exists(path):
+        os.makedirs(args.data, exist_ok=True)
+        x, y = make_spirals(args.samples).tensors
+        np.savez(path, x=x.numpy(), y=y.numpy())
+        log.info("wrote the dataset to %s", path)
+    comm.synchronize()
+    if args.stage_to:  # one read of the source, one copy per node, skipped when already there
+        r = hpcsync.stage(args.data, args.stage_to)
+        log.info("staged %s to %s on %d node(s): %d file(s) copied, %d up to date, %.2fs", r.source,
+                 r.destination, r.nodes, len(r.copied), len(r.skipped), r.seconds)
+        path = os.path.join(args.stage_to, "spirals.npz")
+    with np.load(path) as z:
+        return TensorDataset(torch.from_numpy(z["x"]), torch.from_numpy(z["y"]))
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=8)
@@ -53,6 +76,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--backend", default="auto", help="auto, gloo, hpcsync, mpi, nccl")
     p.add_argument("--out", default="runs/train", help="output directory (shared by all ranks)")
+    p.add_argument("--data", help="dataset directory (rank 0 must see it; created there if missing)")
+    p.add_argument("--stage-to", help="node-local directory to stage --data into before training")
     return p.parse_args()
 
 
@@ -67,7 +92,7 @@ def main() -> None:
     torch.manual_seed(comm.shared_random_seed())  # same initial weights everywhere
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
-    data = make_spirals(args.samples)
+    data = load_dataset(args)
     n_val = len(data) // 5
     train, val = torch.utils.data.random_split(data, [len(data) - n_val, n_val],
                                                generator=torch.Generator().manual_seed(1))

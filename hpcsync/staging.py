@@ -161,8 +161,12 @@ def stage(
         entries, ignored, err = _scan(src) if me == root else ([], [], None)
         raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
         result = None
+        one_node = size > 1 and node.Get_size() == size  # its ranks share the copying
         if leaders is not None:
-            result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress)
+            result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
+                                           node if one_node else None)
+        elif one_node:
+            _help_on_one_node(node, src, dst, durable)
         _idle_until_all_arrive(comm)
         raise_if_any(comm, err, StageError, what)
         result = comm.bcast(result, root=root)
@@ -280,7 +284,7 @@ def _entry(rel: str, s: os.stat_result, target: str = "") -> Entry:
 
 def _source_path(src: str, entries: Sequence[Entry], e: Entry) -> str:
     single = len(entries) == 1 and entries[0].kind == _FILE
-    return src if single else os.path.join(src, e.rel)
+    return src if single else f"{src}/{e.rel}"
 
 
 # -- the schedule ----------------------------------------------------------------------------------
@@ -319,8 +323,10 @@ def _trailer_at(pieces: Sequence[Piece]) -> int:
 # -- a node leader's work --------------------------------------------------------------------------
 
 def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
-                     durable: bool, progress: Optional[bool]) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-    """Listing to every leader, what each node lacks, the transfer; the result on the root."""
+                     durable: bool, progress: Optional[bool], helpers: Any = None
+                     ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """Listing to every leader, what each node lacks, the transfer; the result on the root.
+    ``helpers``: a one-node job's communicator, whose ranks share the copying."""
     is_root = leaders.Get_rank() == 0
     many = leaders.Get_size() > 1
     token = uuid.uuid4().hex[:12]
@@ -342,6 +348,8 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     if many and any(leaders.allgather(err)):
         return None, err  # no node moves anything when one cannot take it; every rank raises
     if err is not None:
+        if helpers is not None:
+            helpers.bcast(None, root=0)  # nothing for them to do
         return None, err
     union = node.need.copy()
     if many:
@@ -354,8 +362,11 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     try:
         if many:
             rounds = _broadcast(leaders, todo, chunk_bytes, reader, node, bar)
+        elif helpers is not None:
+            _copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
         elif todo:
-            _copy_local(src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
+            _copy_local([(i, n, _source_path(src, entries, entries[i])) for i, n in todo], node, reader,  # type: ignore[arg-type]
+                        bar)
     finally:
         if bar is not None:
             bar.close()
@@ -434,37 +445,100 @@ def _broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, read
     return len(plan)
 
 
-def _copy_local(src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "_Node", reader: "_Reader",
-                bar: Optional[Progress]) -> None:
-    """One node: the root copies each file in the kernel (``copy_file_range``), as ``cp`` does."""
-    for idx, size in todo:
-        e = entries[idx]
-        path = _source_path(src, entries, e)
-        try:
-            sfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            reader.fail(idx, f"reading {path}: {exc.strerror}")
-            continue
-        try:
-            fd = node.open(idx)
-            if fd is None:
-                continue
-            try:
-                done = _kernel_copy(sfd, fd, size)
-            except OSError as exc:
-                node.fail(idx, f"copying {path} to {node.path(idx)}: {exc.strerror}")
-                continue
-            reader.read_bytes += done
-            why = _changed(sfd, e) if done == size else f"source file {path} shrank while being staged"
-            if why:
-                reader.fail(idx, why)
-                node.fail(idx, None)
-            else:
-                node.complete(idx, None)
-        finally:
-            os.close(sfd)
+def _copy_local(todo: List[Tuple[int, int, str]], node: "_Node", reader: "_Reader", bar: Optional[Progress]) -> None:
+    """Copy ``(index, size, source path)`` in the kernel (``copy_file_range``), as ``cp`` does;
+    what is done is journaled at least once a second and before each large file."""
+    for idx, size, source in todo:
+        if node.broken is not None:
+            break
+        if size > DEFAULT_CHUNK_BYTES or time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
+            node.checkpoint()
+        copied, done, error, source_side = node.copy_in(idx, source)
+        reader.read_bytes += copied
+        if error is None:
+            node.record(idx, done, None)  # type: ignore[arg-type]
+        elif source_side:
+            reader.fail(idx, error)
+        else:
+            node.fail(idx, error)
         if bar is not None:
             bar.update(size)
+
+
+def split_work(sizes: Sequence[int], parts: int, per_file: int = 64 * 1024) -> List[Tuple[int, int]]:
+    """Cut files (in order) into ``parts`` contiguous ranges ``[lo, hi)`` of about equal cost, a
+    file costing its bytes plus ``per_file`` (what opening, creating and renaming one costs)."""
+    cost = [s + per_file for s in sizes]
+    total, bounds, acc, lo = sum(cost), [], 0, 0
+    for k in range(parts):
+        hi = lo
+        while hi < len(cost) and (k == parts - 1 or acc + cost[hi] / 2 <= total * (k + 1) / parts):
+            acc += cost[hi]
+            hi += 1
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _identity(path: str) -> Optional[Tuple[int, int]]:
+    try:
+        s = os.stat(path)
+    except OSError:
+        return None
+    return s.st_dev, s.st_ino
+
+
+def _copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "_Node",
+                 reader: "_Reader", bar: Optional[Progress]) -> None:
+    """One node, several ranks: the root's node copies with every rank that sees the very source
+    and destination (a tree of small files costs system calls, not bandwidth). Each rank journals
+    what it finished; the root gathers the records and writes the manifest."""
+    if not todo:
+        ranks.bcast(None, root=0)
+        return
+    ranks.bcast((_identity(src), _identity(node.dst)), root=0)
+    able = [r for r, ok in enumerate(ranks.gather(True, root=0)) if ok]
+    jobs: List[List[Tuple[int, int]]] = [[] for _ in range(ranks.Get_size())]
+    for r, (lo, hi) in zip(able, split_work([n for _, n in todo], len(able))):
+        jobs[r] = todo[lo:hi]
+    ranks.scatter([[(entries[i], _source_path(src, entries, entries[i])) for i, _ in job] for job in jobs], root=0)
+    _copy_local([(i, n, _source_path(src, entries, entries[i])) for i, n in jobs[0]], node, reader, bar)
+    node.checkpoint()  # the root's share is recorded before it waits for the others
+    for r, done in enumerate(ranks.gather(None, root=0)):
+        if done is None:
+            continue
+        records, failed, unreadable, read_bytes, written = done
+        for rel, rec in records:
+            node.records[rel] = rec
+        for k, why in enumerate(failed):
+            node.failed.setdefault((r, k), why)
+        for k, why in enumerate(unreadable):
+            reader.fail((r, k), why)
+        reader.read_bytes += read_bytes
+        node.files_written += len(records)
+        node.bytes_written += written
+        if bar is not None:
+            bar.update(written)
+
+
+def _help_on_one_node(ranks: Any, src: str, dst: str, durable: bool) -> None:
+    """A non-root rank's part of :func:`_copy_shared` (its errors travel to the root)."""
+    ids = ranks.bcast(None, root=0)
+    if ids is None:
+        return
+    ranks.gather(ids == (_identity(src), _identity(dst)), root=0)
+    jobs = ranks.scatter(None, root=0)
+    node = _Node(dst, src, [e for e, _ in jobs], durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
+    reader = _Reader(src, node.entries)
+    try:
+        _copy_local([(k, e.size, path) for k, (e, path) in enumerate(jobs)], node, reader, None)
+        node.checkpoint()
+    finally:
+        if node.journal is not None:
+            node.journal.close()
+    records = [(e.rel, node.records[e.rel]) for e in node.entries if e.rel in node.records]
+    ranks.gather((records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
+                  node.bytes_written), root=0)
 
 
 def _kernel_copy(sfd: int, dfd: int, size: int) -> int:
@@ -510,7 +584,7 @@ class _Reader:
         self.src, self.entries = src, entries
         self.fd, self.crc = -1, 0
         self.read_bytes = 0
-        self.failed: Dict[int, str] = {}
+        self.failed: Dict[Any, str] = {}
 
     @property
     def error(self) -> Optional[str]:
@@ -520,7 +594,7 @@ class _Reader:
         more = f" (and {len(self.failed) - 1} more file(s))" if len(self.failed) > 1 else ""
         return f"node {socket.gethostname()}: {first}{more}"
 
-    def fail(self, idx: int, why: str) -> None:
+    def fail(self, idx: Any, why: str) -> None:
         self.failed.setdefault(idx, why)
 
     def fill(self, pieces: Sequence[Piece], buf: Any) -> Any:
@@ -563,13 +637,15 @@ class _Reader:
 class _Node:
     """A node leader's copy: what it lacks, temporary files, checks, renames, manifest and journal."""
 
-    def __init__(self, dst: str, src: str, entries: List[Entry], durable: bool, host: str) -> None:
+    def __init__(self, dst: str, src: str, entries: List[Entry], durable: bool, host: str,
+                 journal: str = JOURNAL) -> None:
         self.dst, self.src, self.entries, self.durable, self.host = dst, src, entries, durable, host
+        self.journal_name = journal
         self.need = np.zeros(len(entries), dtype=np.uint8)
         self.records: Dict[str, list] = {}
         self.fds: Dict[int, int] = {}
         self.crcs: Dict[int, int] = {}
-        self.failed: Dict[int, str] = {}
+        self.failed: Dict[Any, str] = {}
         self.unjournaled: List[Tuple[str, list]] = []
         self.journal: Optional[Any] = None
         self.last_journal = time.monotonic()
@@ -578,16 +654,17 @@ class _Node:
         self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
         self.writes = True  # False: another node's leader writes this very directory (shared dst)
         self.probe: Optional[str] = None
+        self.interrupted = False  # journals of a killed stage were found
 
     def path(self, idx: int) -> str:
         rel = self.entries[idx].rel
-        return os.path.join(self.dst, rel) if rel else self.dst
+        return f"{self.dst}/{rel}" if rel else self.dst
 
     def tmp_path(self, final: str) -> str:
-        folder, name = os.path.split(final)
+        folder, _, name = final.rpartition("/")
         if len(name) > 200:  # keep the temporary name within NAME_MAX
             name = hashlib.sha1(name.encode()).hexdigest()
-        return os.path.join(folder, f".{name}.{self.tag}{TMP_SUFFIX}")
+        return f"{folder}/.{name}.{self.tag}{TMP_SUFFIX}"
 
     def _where(self, msg: str) -> str:
         return f"node {self.host}: {msg}"
@@ -635,8 +712,8 @@ class _Node:
         """Create the directories and links, check there is room, and mark the files this node
         lacks. Returns an error naming node and path, or None."""
         dst = self.dst
-        self.records, interrupted = self._load_manifest()
-        if interrupted:
+        self.records, self.interrupted = self._load_manifest()
+        if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
         need_bytes = replaced = largest = 0
         try:
@@ -646,6 +723,9 @@ class _Node:
                     _ensure_dir(path)
                 elif e.kind == _LINK:
                     _ensure_link(path, e, self.tmp_path(path))
+                elif e.rel not in self.records:  # never staged here: needed, whatever lies there now
+                    self.need[i] = 1
+                    need_bytes += e.size
                 else:
                     try:
                         have: Optional[os.stat_result] = os.lstat(path)
@@ -679,22 +759,21 @@ class _Node:
             pass
         except (OSError, ValueError, KeyError, AttributeError) as exc:
             log.warning("%s: ignoring unreadable stage manifest in %s: %s", self.host, self.dst, exc)
-        interrupted = False
-        try:
-            with open(os.path.join(self.dst, JOURNAL)) as f:
-                interrupted = True
-                head = f.readline()
-                same = json.loads(head).get("source") == self.src if head.endswith("\n") else False
-                for line in f:
-                    if not line.endswith("\n"):
-                        break  # torn last line of a killed stage
-                    rel, rec = json.loads(line)
-                    if same:
+        journals = _journals(self.dst)
+        for name in journals:
+            try:
+                with open(os.path.join(self.dst, name)) as f:
+                    head = f.readline()
+                    if not head.endswith("\n") or json.loads(head).get("source") != self.src:
+                        continue
+                    for line in f:
+                        if not line.endswith("\n"):
+                            break  # torn last line of a killed stage
+                        rel, rec = json.loads(line)
                         records[rel] = rec
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as exc:
-            log.warning("%s: ignoring the rest of stage journal in %s: %s", self.host, self.dst, exc)
+            except (OSError, ValueError) as exc:
+                log.warning("%s: ignoring the rest of stage journal %s in %s: %s", self.host, name, self.dst, exc)
+        interrupted = bool(journals)
         return records, interrupted
 
     # - the transfer
@@ -744,24 +823,50 @@ class _Node:
 
     def complete(self, idx: int, crc: Optional[int]) -> None:
         """Check size, set mode and times, rename into place, record."""
-        e, fd = self.entries[idx], self.fds.pop(idx)
         final = self.path(idx)
         try:
-            size = os.fstat(fd).st_size
-            if size != e.size:
-                raise OSError(0, f"{final}: wrote {size} bytes, the source has {e.size}")
-            os.fchmod(fd, e.mode)
-            os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
-            os.close(fd)
-            fd = -1
-            os.replace(self.tmp_path(final), final)
-            s = os.stat(final)
+            done = _seal(self.fds.pop(idx), self.entries[idx], self.tmp_path(final), final)
+        except OSError as exc:
+            self.fds[idx] = -1  # closed; fail() removes the temporary file
+            self.fail(idx, exc.strerror if exc.errno == 0 else f"finishing {final}: {exc.strerror}")
+            return
+        self.record(idx, done, crc)
+
+    def copy_in(self, idx: int, source: str) -> Tuple[int, Optional[os.stat_result], Optional[str], bool]:
+        """Copy one file from ``source`` in the kernel, check and seal it. Returns (bytes read, the
+        copy's stat, error, whether the source is to blame)."""
+        e = self.entries[idx]
+        final = self.path(idx)
+        tmp = self.tmp_path(final)
+        try:
+            sfd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            return 0, None, f"reading {source}: {exc.strerror}", True
+        fd, copied = -1, 0
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            copied = _kernel_copy(sfd, fd, e.size)
+            why = _changed(sfd, e) if copied == e.size else f"source file {source} shrank while being staged"
+            if why:
+                os.close(fd)
+                os.unlink(tmp)
+                return copied, None, why, True
+            fd, sealed = -1, fd
+            return copied, _seal(sealed, e, tmp, final), None, False
         except OSError as exc:
             if fd >= 0:
                 os.close(fd)
-            self.fds[idx] = -1
-            self.fail(idx, exc.strerror if exc.errno == 0 else f"finishing {final}: {exc.strerror}")
-            return
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return copied, None, exc.strerror if exc.errno == 0 else f"writing {final}: {exc.strerror}", False
+        finally:
+            os.close(sfd)
+
+    def record(self, idx: int, done: os.stat_result, crc: Optional[int]) -> None:
+        """Entry ``idx`` is in place as ``done``: remember it for the journal and the manifest."""
+        e, s = self.entries[idx], done
         rec = [e.size, e.mtime_ns, e.mode, crc, s.st_ino, s.st_ctime_ns]
         self.records[e.rel] = rec
         self.unjournaled.append((e.rel, rec))
@@ -790,7 +895,7 @@ class _Node:
         if self.durable:
             _syncfs(self.dst)
         if self.journal is None:
-            self.journal = open(os.path.join(self.dst, JOURNAL), "w")
+            self.journal = open(os.path.join(self.dst, self.journal_name), "w")
             self.journal.write(json.dumps({"source": self.src}) + "\n")
         self.journal.write("".join(json.dumps(item) + "\n" for item in self.unjournaled))
         self.journal.flush()
@@ -811,7 +916,7 @@ class _Node:
             if self.failed:
                 self.checkpoint()  # what did finish is kept for the next call
                 return self._where(next(iter(self.failed.values())))
-            if self.files_written or self.journal is not None or self._stale_records():
+            if self.files_written or self.journal is not None or self.interrupted or self._stale_records():
                 self._write_manifest()
             self._set_dir_attributes()
         except OSError as exc:
@@ -832,15 +937,16 @@ class _Node:
             _syncfs(self.dst)
         tmp = self.tmp_path(os.path.join(self.dst, MANIFEST))
         with open(tmp, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+            f.write(json.dumps(doc, separators=(",", ":")))  # the C encoder; json.dump is pure Python
             if self.durable:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.dst, MANIFEST))
-        try:
-            os.unlink(os.path.join(self.dst, JOURNAL))
-        except FileNotFoundError:
-            pass
+        for name in _journals(self.dst):
+            try:
+                os.unlink(os.path.join(self.dst, name))
+            except FileNotFoundError:
+                pass
 
     def _set_dir_attributes(self) -> None:
         for i in range(len(self.entries) - 1, -1, -1):  # children before their parents
@@ -849,6 +955,29 @@ class _Node:
                 path = self.path(i)
                 os.chmod(path, e.mode)
                 os.utime(path, ns=(e.atime_ns, e.mtime_ns))
+
+
+def _journals(dst: str) -> List[str]:
+    """The journals in ``dst``: the root's, and one per rank that helped on a one-node job."""
+    try:
+        return sorted(n for n in os.listdir(dst) if n == JOURNAL or n.startswith(JOURNAL + "."))
+    except OSError:
+        return []
+
+
+def _seal(fd: int, e: Entry, tmp: str, final: str) -> os.stat_result:
+    """Check the size of the written temporary file, give it the source's mode and times, close
+    it and rename it into place; returns the copy's stat. ``fd`` is closed whatever happens."""
+    try:
+        size = os.fstat(fd).st_size
+        if size != e.size:
+            raise OSError(0, f"{final}: wrote {size} bytes, the source has {e.size}")
+        os.fchmod(fd, e.mode)
+        os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    return os.stat(final)
 
 
 def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:

@@ -70,3 +70,16 @@ def test_all_benchmarks_summary_quick(tmp_path):
     assert any(m.startswith("all_reduce 1 MiB vs raw") for m in measures)
     assert any(m.startswith("DDP MLP") for m in measures) and all(r["ratio"] > 0 for r in rows)
     assert "| ranks | measure | ratio | target | met |" in stdout
+
+
+def test_stage_benchmark_quick(tmp_path):
+    """bench_stage.py: stage vs cp -r on one node and across two namespace nodes, both datasets."""
+    _, data, stdout = run_quick(tmp_path, "bench_stage.py", timeout=600)
+    rows = data["rows"]
+    assert {(r["nodes"], r["method"]) for r in rows} == {(n, m) for n in (1, 2) for m in
+                                                        ("hpcsync.stage", "cp -r per node", "cp -r per rank")}
+    assert all(r["seconds"] > 0 and r["bytes"] > 0 for r in rows)
+    stage = [r for r in rows if r["method"] == "hpcsync.stage"]
+    assert len(stage) == 4 and all(r["source_reads"] == 1 for r in stage)  # read once, whatever the nodes
+    assert {r["source_reads"] for r in rows if r["method"] == "cp -r per node"} == {1, 2}
+    assert "| hpcsync.stage |" in stdout

@@ -54,3 +54,20 @@ def test_sync_file_example(tmp_path):
     assert target.read_text().splitlines() == ["rank,step,value"] + [f"{r},{s},{r * 10 + s}" for r in range(3)
                                                                       for s in range(3)]
     assert p.stdout.count("bytes from 3 rank(s)") == 1
+
+
+def test_example_reads_its_dataset_from_a_staged_copy(tmp_path):
+    from launch import openmpi
+
+    out, data, local = tmp_path / "run", tmp_path / "data", tmp_path / "local"
+    lau = openmpi()
+    cmd = [*lau.command(3), PY, EXAMPLE, "--epochs", "3", "--samples", "3000", "--out", str(out), "--data", str(data),
+           "--stage-to", str(local)]
+    for attempt in range(2):
+        p = subprocess.run(cmd, env=clean_env(lau.env), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        check_outputs(out, 3)
+        assert (local / "spirals.npz").read_bytes() == (data / "spirals.npz").read_bytes()
+        # the first run copies the file, the second finds it staged already
+        said = "1 file(s) copied, 0 up to date" if attempt == 0 else "0 file(s) copied, 1 up to date"
+        assert said in p.stderr + p.stdout, p.stderr[-2000:]

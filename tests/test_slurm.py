@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,28 @@ def test_sbatch_job_scripts_train(slurm, tmp_path, script, env):
         assert (out / "predictions.h5").exists() and (out / "model.pt").exists()
     finally:
         subprocess.run(["rm", "-rf", str(out)])
+
+
+def test_sbatch_stages_the_dataset_before_training(slurm, tmp_path):
+    """DATA=... sbatch jobs/slurm_pmix.sbatch: `hpcsync stage` under srun, then training reads the copy."""
+    import numpy as np
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3000, 2)).astype(np.float32)
+    np.savez(data / "spirals.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    jid, info, log = sbatch(slurm, ROOT / "jobs" / "slurm_pmix.sbatch", tmp_path, {"DATA": str(data)})
+    out = ROOT / "runs" / f"slurm-{jid}"
+    local = Path(f"/tmp/hpcsync-{jid}/data")
+    try:
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-3000:]}"
+        assert log.count("staged ") == 1 and "copied 1 " in log, log[-3000:]
+        assert (local / "spirals.npz").read_bytes() == (data / "spirals.npz").read_bytes()
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["world_size"] == 4 and summary["loss_last"] < summary["loss_first"]
+    finally:
+        subprocess.run(["rm", "-rf", str(out), str(local.parent)])
 
 
 def test_failing_job_ends_failed(slurm, tmp_path):
