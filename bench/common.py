@@ -13,9 +13,9 @@ def mpirun_env(**extra: str) -> Dict[str, str]:
             "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **extra}
 
 
-def save_json(path: str, key: str, rows: Any) -> None:
-    """Write ``{key: rows, "host_cpus": N}`` to ``path`` (folders made as needed) and say so."""
+def save_json(path: str, key: str, rows: Any, **about: Any) -> None:
+    """Write ``{key: rows, "host_cpus": N, **about}`` to ``path`` (folders made as needed) and say so."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({key: rows, "host_cpus": os.cpu_count()}, f, indent=1)
+        json.dump({key: rows, "host_cpus": os.cpu_count(), **about}, f, indent=1)
     print(f"\nwrote {path}")

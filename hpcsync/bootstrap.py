@@ -12,12 +12,13 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from typing import Any, List, Optional, Union
 
 from . import _mpi
 from .errors import AddressError, HpcsyncError, MissingDependencyError
-from .network import (MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
+from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
 from .topology import Topology, topology
 
@@ -41,10 +42,10 @@ def master_address(topo: Optional[Topology] = None, verify: bool = True) -> Mast
     """Rank 0's routable address, chosen from every node's interfaces (collective under MPI).
 
     With ``verify`` and several nodes, the choice is proven before anyone uses it: rank 0 listens
-    on each candidate, one rank per other node connects to all of them (bounded by
-    ``HPCSYNC_CONNECT_TIMEOUT``, default 3 s), and the first candidate every node reached wins.
-    None reached: the same :class:`AddressError` on every rank, with what each node has and what
-    failed.
+    on each candidate (and accepts on a thread, so no accept-queue cap drops connections), one rank
+    per other node connects to all of them (bounded by ``HPCSYNC_CONNECT_TIMEOUT``, default 3 s),
+    and the first candidate every node reached wins. None reached: the same
+    :class:`AddressError` on every rank, with what each node has and what failed.
     """
     topo = topo or topology()
     env_addr = os.environ.get("HPCSYNC_MASTER_ADDR") or None
@@ -82,10 +83,12 @@ def _prove(comm: Any, topo: Topology, candidates: List[MasterChoice], nodes: Lis
     timeout = float(os.environ.get("HPCSYNC_CONNECT_TIMEOUT", 3))
     listeners: List[Any] = []
     ports: Any = None
+    acceptor = None
     if topo.rank == 0:
         opened = [open_listener(c.address, backlog=max(128, topo.num_nodes + 16)) for c in candidates]
         listeners = [sock for sock, _, _ in opened if sock is not None]
         ports = [port for _, port, _ in opened]
+        acceptor = Acceptor(listeners)
     ports = comm.bcast(ports, root=0)
     errors = None
     if topo.local_rank == 0 and topo.rank != 0:
@@ -93,6 +96,7 @@ def _prove(comm: Any, topo: Topology, candidates: List[MasterChoice], nodes: Lis
     every = comm.gather((topo.hostname, errors), root=0)
     result: Any = None
     if topo.rank == 0:
+        acceptor.close()  # type: ignore[union-attr]
         for sock in listeners:
             sock.close()
         reports = [(host, errs) for host, errs in every if errs is not None]
@@ -343,6 +347,9 @@ def install_abort_hook() -> None:
                 sys.stderr.write(f"[hpcsync] rank {rank}: calling MPI_Abort so the other ranks do not hang "
                                  f"(HPCSYNC_ABORT_ON_EXCEPTION=0 to disable)\n")
                 sys.stderr.flush()
+                # the launcher forwards a remote rank's stderr asynchronously, and the abort kills
+                # the forwarding: give the traceback a moment to reach the user first
+                time.sleep(0.25)
                 world.Abort(1)
 
     sys.excepthook = hook

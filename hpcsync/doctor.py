@@ -78,11 +78,12 @@ def _address_checks(topo: Any, checks: List[Check], connect: bool) -> None:
     checks.append(Check("master address", OK, f"{choice.address} ({choice.ifname or '?'}): {choice.reason}"))
     if not (connect and topo.uses_mpi and topo.world_size > 1):
         return
-    from .network import open_listener, try_connect
+    from .network import Acceptor, open_listener, try_connect
 
     comm = _mpi.MPI().COMM_WORLD
     server, port, err = open_listener(choice.address, backlog=max(128, topo.world_size + 16)) if topo.rank == 0 \
         else (None, 0, None)
+    acceptor = Acceptor([server]) if server is not None else None  # every rank connects: no queue cap may drop one
     port, err = comm.bcast((port, err), root=0)
     result = err
     if err is None and topo.rank != 0:
@@ -90,6 +91,7 @@ def _address_checks(topo: Any, checks: List[Check], connect: bool) -> None:
     results = comm.gather(result, root=0)
     comm.Barrier()
     if server is not None:
+        acceptor.close()  # type: ignore[union-attr]
         server.close()
     if topo.rank == 0:
         bad = [(r, m) for r, m in enumerate(results) if m]

@@ -2,17 +2,22 @@
 
 Hostnames on compute nodes often resolve to 127.0.1.1 or to a management network the job cannot
 use, so hpcsync never trusts the hostname: every node reports its interfaces (address + netmask)
-and rank 0 picks one of its own addresses that shares a subnet with every other node or, on routed
-networks, the source address its kernel would use to reach them. Addresses seen on several nodes
-(docker0 = 172.17.0.1 everywhere) are node-local bridges and never chosen. The choice is a pure
-function of those tables (and a routing function) so it can be tested on synthetic clusters;
-:func:`hpcsync.bootstrap.master_address` then proves it with a TCP connect from every node.
+and every address of rank 0's node that another node could connect to is a candidate, best
+first: one that shares a subnet with every other node, then, on routed networks, the source
+address rank 0's kernel uses to reach them, then the rest (a dual-homed rank 0 whose other nodes
+each sit on one of its networks, with routes between). Addresses seen on several nodes (docker0 =
+172.17.0.1 everywhere) are node-local bridges and never candidates. The ranking is a pure function
+of those tables (and a routing function) so it can be tested on synthetic clusters;
+:func:`hpcsync.bootstrap.master_address` then proves the candidates with a TCP connect from every
+node, and the first that every node reached wins.
 """
 from __future__ import annotations
 
 import ipaddress
 import re
+import selectors
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -147,15 +152,17 @@ def master_candidates(
     ifname: Optional[str] = None,
     route: Optional[RouteFn] = None,
 ) -> List[MasterChoice]:
-    """Rank 0's addresses that every node should reach, best first. ``nodes[0]`` is rank 0's node.
+    """Every address of rank 0's node another node could connect to, best first (``nodes[0]`` is
+    rank 0's node); the connect proof decides among them.
 
     Never an address that appears on several nodes (a node-local bridge), loopback, link-local
     or down. First the addresses on a subnet shared with every other node (physical before
     virtual, IPv4 before IPv6); then, for routed networks, the source address that rank 0's
-    kernel (``route``, run on rank 0's node) uses to reach every other node's usable addresses.
-    ``ifname`` (HPCSYNC_IFNAME) limits the choice to that interface of rank 0.
-    One node: loopback (or the named interface). Raises :class:`AddressError` listing every
-    node's interfaces when nothing qualifies.
+    kernel (``route``, run on rank 0's node) uses to reach every other node's usable addresses;
+    then the rest, those that reach most nodes by subnet or route first. ``ifname``
+    (HPCSYNC_IFNAME) limits the choice to that interface of rank 0. One node: loopback (or the
+    named interface). Raises :class:`AddressError` listing every node's interfaces when rank 0's
+    node has no candidate at all.
     """
     if not nodes:
         raise ValueError("need at least rank 0's node")
@@ -181,26 +188,36 @@ def master_candidates(
     own = [i for i in own if unique(i)]
     others = [[i for i in node.interfaces if unique(i)] for node in nodes[1:]]
     names = ", ".join(n.hostname for n in nodes[1:4]) + (" ..." if len(nodes) > 4 else "")
-    shared = [(_rank(c), k, c) for k, c in enumerate(own) if all(any(_reaches(c, o) for o in node) for node in others)]
-    out = [MasterChoice(c.address, c.name, f"{c.network} is shared with {names}") for _, _, c in sorted(shared)]
-    if route is not None:
-        by_addr = {i.address.split("%")[0]: i for i in own}
-        sources: Optional[Set[str]] = None
-        for node in others:  # sources that reach at least one address of this node
-            reach = {s for s in (route(o.address) for o in node) if s is not None and s in by_addr}
-            sources = reach if sources is None else sources & reach
-        for src in sorted(sources or (), key=lambda a: _rank(by_addr[a])):
-            if all(src != c.address.split("%")[0] for c in out):
-                i = by_addr[src]
-                out.append(MasterChoice(i.address, i.name, f"routed: rank 0's kernel reaches {names} from {i.name}"))
-    if not out:
+    if not own:
         why = f" (addresses found on several nodes, i.e. node-local bridges: {', '.join(sorted(dup))})" if dup else ""
         raise AddressError(
-            "no address of rank 0's node is on a subnet shared with every other node or routed to all of them"
-            f"{why}; set HPCSYNC_MASTER_ADDR (a routable address of rank 0's node) or HPCSYNC_IFNAME. "
-            f"Interfaces per node:\n{describe_nodes(nodes)}"
+            "rank 0's node has no address another node could connect to (only loopback, link-local, down or "
+            f"duplicated ones{why}); set HPCSYNC_MASTER_ADDR (a routable address of rank 0's node) or "
+            f"HPCSYNC_IFNAME. Interfaces per node:\n{describe_nodes(nodes)}"
         )
-    return out
+    # per candidate: the other nodes it shares a subnet with, and those rank 0's kernel reaches from it
+    by_subnet = [{n for n, node in enumerate(others) if any(_reaches(c, o) for o in node)} for c in own]
+    by_route: List[Set[int]] = [set() for _ in own]
+    if route is not None:
+        index = {c.address.split("%")[0]: k for k, c in enumerate(own)}
+        for n, node in enumerate(others):
+            for o in node:
+                k = index.get(route(o.address) or "")
+                if k is not None:
+                    by_route[k].add(n)
+    everyone = set(range(len(others)))
+    out: List[Tuple[Tuple[int, int, Tuple[int, int]], MasterChoice]] = []
+    for k, c in enumerate(own):
+        if by_subnet[k] == everyone:
+            key, reason = (0, 0), f"{c.network} is shared with {names}"
+        elif by_route[k] == everyone:
+            key, reason = (1, 0), f"routed: rank 0's kernel reaches {names} from {c.name}"
+        else:
+            reached = len(by_subnet[k] | by_route[k])
+            key, reason = (2, -reached), (f"reaches {reached} of {len(others)} other node(s) by subnet or route; "
+                                          "left to the connect proof")
+        out.append(((key[0], key[1], _rank(c)), MasterChoice(c.address, c.name, reason)))
+    return [choice for _, choice in sorted(out, key=lambda item: item[0])]
 
 
 def choose_master(
@@ -241,6 +258,43 @@ def open_listener(address: str, backlog: int = 128) -> Tuple[Optional[socket.soc
         if sock is not None:
             sock.close()
         return None, 0, f"cannot listen on {address}: {exc}"
+
+
+class Acceptor:
+    """Accepts and closes every connection to ``listeners`` on a thread until :meth:`close`.
+
+    Without it the kernel's accept queue alone holds the connect proof's connections, and that
+    queue is capped by ``net.core.somaxconn`` (128 before Linux 5.4): on a job of a few hundred
+    nodes the connections past the cap are dropped and time out although the address works.
+    """
+
+    def __init__(self, listeners: Sequence[socket.socket]) -> None:
+        self._selector = selectors.DefaultSelector()
+        for sock in listeners:
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._run, name="hpcsync-accept", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.05):
+                while True:
+                    try:
+                        conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:  # the listener was closed under us
+                        break
+                    conn.close()
+                    self.accepted += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._selector.close()
 
 
 def try_connect(targets: Sequence[Tuple[str, int]], timeout: float) -> List[Optional[str]]:

@@ -66,6 +66,7 @@ JOURNAL = ".hpcsync-stage.journal"
 TMP_SUFFIX = ".hpcsync-tmp"
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 MAX_PIECES = 4096  # files (or file pieces) per broadcast: bounds the trailer and the latency of one round
+SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
 _JOURNAL_SECONDS = 1.0
 _FILE, _DIR, _LINK = "f", "d", "l"
 
@@ -490,24 +491,43 @@ def _identity(path: str) -> Optional[Tuple[int, int]]:
 
 def _copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "_Node",
                  reader: "_Reader", bar: Optional[Progress]) -> None:
-    """One node, several ranks: the root's node copies with every rank that sees the very source
-    and destination (a tree of small files costs system calls, not bandwidth). Each rank journals
-    what it finished; the root gathers the records and writes the manifest."""
+    """One node, several ranks: the node copies with every rank that sees the very source and
+    destination. Small files are split among the ranks (a tree of them costs system calls, not
+    bandwidth); a file over :data:`SPLIT_BYTES` is cut into one byte range per rank, copied into
+    a temporary file the root created, and sealed by the root once every range is in. Each rank
+    journals the whole files it finished; the root gathers the records and writes the manifest."""
     if not todo:
         ranks.bcast(None, root=0)
         return
     ranks.bcast((_identity(src), _identity(node.dst)), root=0)
     able = [r for r, ok in enumerate(ranks.gather(True, root=0)) if ok]
+    whole = [(i, n) for i, n in todo if n <= SPLIT_BYTES or len(able) == 1]
+    split = [(i, n) for i, n in todo if n > SPLIT_BYTES and len(able) > 1]
     jobs: List[List[Tuple[int, int]]] = [[] for _ in range(ranks.Get_size())]
-    for r, (lo, hi) in zip(able, split_work([n for _, n in todo], len(able))):
-        jobs[r] = todo[lo:hi]
-    ranks.scatter([[(entries[i], _source_path(src, entries, entries[i])) for i, _ in job] for job in jobs], root=0)
+    for r, (lo, hi) in zip(able, split_work([n for _, n in whole], len(able))):
+        jobs[r] = whole[lo:hi]
+    ranges: List[List[Tuple[Entry, str, str, int, int]]] = [[] for _ in range(ranks.Get_size())]
+    sealing = []
+    for i, n in split:
+        final = node.path(i)
+        fd = node.open(i)  # created by the root, written by every rank, sealed by the root
+        if fd is None:
+            continue
+        os.ftruncate(fd, n)
+        sealing.append(i)
+        cuts = [n * k // len(able) for k in range(len(able) + 1)]
+        for k, r in enumerate(able):
+            ranges[r].append((entries[i], _source_path(src, entries, entries[i]), node.tmp_path(final), cuts[k],
+                              cuts[k + 1] - cuts[k]))
+    ranks.scatter([([(entries[i], _source_path(src, entries, entries[i])) for i, _ in job], ranges[r])
+                   for r, job in enumerate(jobs)], root=0)
     _copy_local([(i, n, _source_path(src, entries, entries[i])) for i, n in jobs[0]], node, reader, bar)
-    node.checkpoint()  # the root's share is recorded before it waits for the others
+    node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
+    range_errors = _copy_ranges(ranges[0])
     for r, done in enumerate(ranks.gather(None, root=0)):
         if done is None:
             continue
-        records, failed, unreadable, read_bytes, written = done
+        records, failed, unreadable, read_bytes, written, bad_ranges = done
         for rel, rec in records:
             node.records[rel] = rec
         for k, why in enumerate(failed):
@@ -517,8 +537,59 @@ def _copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[in
         reader.read_bytes += read_bytes
         node.files_written += len(records)
         node.bytes_written += written
+        range_errors.update(bad_ranges)
         if bar is not None:
             bar.update(written)
+    for i in sealing:  # every range is in (or one failed): seal, or drop
+        e = entries[i]
+        if e.rel in range_errors:
+            node.fail(i, range_errors[e.rel])
+            continue
+        why = _source_unchanged(_source_path(src, entries, e), e)
+        if why:
+            reader.fail(i, why)
+            node.fail(i, None)
+            continue
+        reader.read_bytes += e.size
+        node.complete(i, None)
+        if bar is not None:
+            bar.update(e.size)
+
+
+def _copy_ranges(ranges: Sequence[Tuple[Entry, str, str, int, int]]) -> Dict[str, str]:
+    """Copy byte ranges ``(entry, source, temporary file, offset, bytes)`` in the kernel; returns
+    ``{rel: error}`` for the ranges that failed (the root then drops those files)."""
+    errors: Dict[str, str] = {}
+    for e, source, tmp, off, n in ranges:
+        try:
+            sfd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    done = 0
+                    while done < n:
+                        k = os.copy_file_range(sfd, fd, n - done, off + done, off + done)
+                        if k == 0:
+                            raise OSError(0, f"source file {source} shrank while being staged")
+                        done += k
+                finally:
+                    os.close(fd)
+            finally:
+                os.close(sfd)
+        except OSError as exc:
+            errors[e.rel] = exc.strerror if exc.errno == 0 else f"copying {source} to {tmp}: {exc.strerror}"
+    return errors
+
+
+def _source_unchanged(source: str, e: Entry) -> Optional[str]:
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"reading source {source}: {exc.strerror}"
+    try:
+        return _changed(fd, e)
+    finally:
+        os.close(fd)
 
 
 def _help_on_one_node(ranks: Any, src: str, dst: str, durable: bool) -> None:
@@ -527,7 +598,7 @@ def _help_on_one_node(ranks: Any, src: str, dst: str, durable: bool) -> None:
     if ids is None:
         return
     ranks.gather(ids == (_identity(src), _identity(dst)), root=0)
-    jobs = ranks.scatter(None, root=0)
+    jobs, ranges = ranks.scatter(None, root=0)
     node = _Node(dst, src, [e for e, _ in jobs], durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
     reader = _Reader(src, node.entries)
     try:
@@ -536,9 +607,10 @@ def _help_on_one_node(ranks: Any, src: str, dst: str, durable: bool) -> None:
     finally:
         if node.journal is not None:
             node.journal.close()
+    bad_ranges = _copy_ranges(ranges)
     records = [(e.rel, node.records[e.rel]) for e in node.entries if e.rel in node.records]
     ranks.gather((records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
-                  node.bytes_written), root=0)
+                  node.bytes_written, bad_ranges), root=0)
 
 
 def _kernel_copy(sfd: int, dfd: int, size: int) -> int:
@@ -1016,7 +1088,7 @@ def _ensure_link(path: str, e: Entry, tmp: str) -> None:
         pass
     except OSError:  # not a link
         if os.path.isdir(path) and not os.path.islink(path):
-            raise OSError(21, "the source has a symbolic link here, the copy a directory", path)
+            raise OSError(21, "the source has a symbolic link here, the copy a directory", path) from None
     try:
         os.unlink(tmp)
     except FileNotFoundError:

@@ -10,7 +10,10 @@ on each node). The cluster network is either
   10.70.0.0/24 on every node that is not connected to anything (a dead fabric: the address tables
   say "shared subnet", only a connection test can tell), or
 - ``routed``: node *i*'s ``eth0`` alone in 10.(81+i).0.0/24 ("racks"), joined by a router
-  namespace with IP forwarding.
+  namespace with IP forwarding, or
+- ``dual-homed``: two cluster networks, 10.91.0.0/24 and 10.92.0.0/24, joined by a router; the
+  first node sits on both (``eth0`` and ``eth1``), every other node on one of them (odd nodes on
+  the first, even on the second), so no subnet is shared by all and every address is routed.
 
 MPI is launched across the nodes as on a cluster: Open MPI's ``mpirun`` (rsh agent) or MPICH's
 hydra ``mpiexec`` (``-launcher ssh -launcher-exec``) runs inside the first node and starts the
@@ -31,7 +34,7 @@ import pytest
 
 from launch import VENV_BIN, Launcher
 
-BRIDGED, ROUTED = "bridged", "routed"
+BRIDGED, ROUTED, DUAL_HOMED = "bridged", "routed", "dual-homed"
 DOCKER0 = "172.17.0.1/16"
 # Variables a remote rank needs from the test (Open MPI forwards only what -x names).
 _FORWARD = ("HPCSYNC_", "BENCH_", "MPI4PY_", "PYTHON", "OMP_NUM_THREADS", "TORCH_", "LD_LIBRARY_PATH", "PATH", "HOME")
@@ -54,7 +57,7 @@ class Cluster:
     """``nodes`` namespace nodes on a ``bridged`` or ``routed`` network; :meth:`stop` removes them."""
 
     def __init__(self, base: Path, nodes: int = 2, network: str = BRIDGED) -> None:
-        if network not in (BRIDGED, ROUTED):
+        if network not in (BRIDGED, ROUTED, DUAL_HOMED):
             raise ValueError(network)
         self.network = network
         tag = uuid.uuid4().hex[:5]
@@ -66,7 +69,14 @@ class Cluster:
         self._started: List[str] = []
 
     def address(self, i: int) -> str:
+        """Node ``i``'s cluster address (the first node's first one when it has two)."""
+        if self.network == DUAL_HOMED:
+            return f"10.{91 if i % 2 or i == 0 else 92}.0.{i + 2}"
         return f"10.80.0.{i + 2}" if self.network == BRIDGED else f"10.{81 + i}.0.2"
+
+    def addresses(self, i: int) -> List[str]:
+        """Every cluster address of node ``i``."""
+        return [self.address(0), "10.92.0.2"] if self.network == DUAL_HOMED and i == 0 else [self.address(i)]
 
     def start(self) -> "Cluster":
         if os.geteuid() != 0:
@@ -95,6 +105,11 @@ class Cluster:
             _sh("ip", "-n", sw, "link", "set", "br0", "up")
         else:
             _sh("ip", "netns", "exec", sw, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        if self.network == DUAL_HOMED:  # one bridge per network, the router's address on each
+            for br, net in (("br0", 91), ("br1", 92)):
+                _sh("ip", "-n", sw, "link", "add", br, "type", "bridge")
+                _sh("ip", "-n", sw, "addr", "add", f"10.{net}.0.1/24", "dev", br)
+                _sh("ip", "-n", sw, "link", "set", br, "up")
         for i, name in enumerate(self.names):
             _sh("ip", "netns", "add", name)
             self._started.append(name)
@@ -113,6 +128,9 @@ class Cluster:
                 _sh("ip", "-n", name, "addr", "add", f"10.70.0.{i + 2}/24", "dev", "ib0")
                 _sh("ip", "-n", name, "link", "set", "ib0", "up")
                 _sh("ip", "-n", name, "link", "set", "ib0p", "up")
+            if self.network == DUAL_HOMED:
+                self._dual_homed_links(i, name, peer)
+                continue
             _sh("ip", "link", "add", "eth0", "netns", name, "type", "veth", "peer", "name", peer, "netns", sw)
             if self.network == BRIDGED:
                 _sh("ip", "-n", sw, "link", "set", peer, "master", "br0")
@@ -124,11 +142,31 @@ class Cluster:
             _sh("ip", "-n", name, "link", "set", "eth0", "up")
             if self.network == ROUTED:
                 _sh("ip", "-n", name, "route", "add", "default", "via", f"10.{81 + i}.0.1")
-            # a node-local bridge with the same address on every node (no `dummy` links here)
-            _sh("ip", "-n", name, "link", "add", "docker0", "type", "veth", "peer", "name", "dk0p")
-            _sh("ip", "-n", name, "addr", "add", DOCKER0, "dev", "docker0")
-            _sh("ip", "-n", name, "link", "set", "docker0", "up")
-            _sh("ip", "-n", name, "link", "set", "dk0p", "up")
+            self._docker0(name)
+
+    def _docker0(self, name: str) -> None:
+        """A node-local bridge with the same address on every node (no `dummy` links here)."""
+        _sh("ip", "-n", name, "link", "add", "docker0", "type", "veth", "peer", "name", "dk0p")
+        _sh("ip", "-n", name, "addr", "add", DOCKER0, "dev", "docker0")
+        _sh("ip", "-n", name, "link", "set", "docker0", "up")
+        _sh("ip", "-n", name, "link", "set", "dk0p", "up")
+
+    def _dual_homed_links(self, i: int, name: str, peer: str) -> None:
+        links = [("eth0", "br0", self.address(0)), ("eth1", "br1", "10.92.0.2")] if i == 0 else \
+            [("eth0", "br0" if self.address(i).startswith("10.91.") else "br1", self.address(i))]
+        for k, (dev, br, addr) in enumerate(links):
+            p = f"{peer}{'abc'[k]}"
+            _sh("ip", "link", "add", dev, "netns", name, "type", "veth", "peer", "name", p, "netns", self.infra)
+            _sh("ip", "-n", self.infra, "link", "set", p, "master", br)
+            _sh("ip", "-n", self.infra, "link", "set", p, "up")
+            _sh("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", dev)
+            _sh("ip", "-n", name, "link", "set", dev, "up")
+        if i == 0:  # replies leave by the direct link, requests may arrive by the routed one
+            for conf in ("all", "default", "eth0", "eth1"):
+                _sh("ip", "netns", "exec", name, "sysctl", "-qw", f"net.ipv4.conf.{conf}.rp_filter=0")
+        else:
+            _sh("ip", "-n", name, "route", "add", "default", "via", links[0][2].rsplit(".", 1)[0] + ".1")
+        self._docker0(name)
 
     def _wait_links_up(self, timeout: float = 10) -> None:
         """veth carriers come up asynchronously: a node used at once may see its eth0 still down."""
@@ -214,7 +252,7 @@ def main() -> int:
     import tempfile
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    ap.add_argument("--network", choices=[BRIDGED, ROUTED], default=ROUTED)
+    ap.add_argument("--network", choices=[BRIDGED, ROUTED, DUAL_HOMED], default=ROUTED)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--launcher", choices=["openmpi", "mpich"], default="openmpi")
     ap.add_argument("--placement", choices=["block", "round-robin"], default="block")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from launch import PY, clean_env, openmpi, run
-from netns_cluster import BRIDGED, ROUTED, Cluster
+from netns_cluster import BRIDGED, DUAL_HOMED, ROUTED, Cluster
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +177,15 @@ def test_stuck_rank_on_second_node_is_reported(clusters, launcher, tmp_path):
     assert "never entered #3: rank(s) 3" in res.stderr, res
     assert f"rank 3 ({cluster.names[1]}): last operation all_reduce #2" in res.stderr
     assert "STUCK HERE" in res.stderr
+
+
+def test_dual_homed_rank0_node_finds_an_address_every_node_reaches(clusters, tmp_path):
+    """Rank 0's node on two networks, node 1 on the first, node 2 on the second, routes between:
+    no subnet is shared by all, the kernel routes each node from another address; the connect
+    proof finds one that all reach, and gloo starts on it."""
+    cluster = clusters(DUAL_HOMED, 3)
+    res = run(cluster.openmpi([1, 1, 1]), 3, "address.py", "gloo", tmp_path=tmp_path, timeout=120)
+    assert all("error" not in d for d in res.ranks), res.ranks
+    masters = {d["master"] for d in res.ranks}
+    assert len(masters) == 1 and masters <= set(cluster.addresses(0)), masters
+    assert "reached from every node" in res.ranks[0]["reason"] and "of 2 other node(s)" in res.ranks[0]["reason"]

@@ -12,6 +12,7 @@ t0 = time.monotonic()
 try:
     hpcsync.init(backend=sys.argv[1], timeout=30)
     out["master"] = hpcsync.bootstrap._state["master"].address
+    out["reason"] = hpcsync.bootstrap._state["master"].reason
     hpcsync.shutdown()
 except hpcsync.HpcsyncError as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
