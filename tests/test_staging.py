@@ -419,15 +419,31 @@ def test_file_over_2gib_across_nodes(cluster, tmp_path):
     try:
         r = _ranks_ok(run(cluster.openmpi([1, 1]), 2, "stage.py", str(src), str(dst), tmp_path=tmp_path,
                           timeout=400), 2)
-        assert r["bytes"] == size == r["source_reads"] and r["broadcasts"] == -(-size // staging.DEFAULT_CHUNK_BYTES)
+        assert r["bytes"] == size == r["source_reads"], r
+        assert r["broadcasts"] == -(-size // staging.DEFAULT_CHUNK_BYTES), r
         want = _digest(str(src / "huge.bin"))
         for i in range(2):
             got = node_dir(cluster, i, "dst", "huge.bin")
-            assert got.stat().st_size == size and _digest(str(got)) == want, cluster.names[i]
+            assert got.stat().st_size == size, (cluster.names[i], got.stat().st_size)
+            assert _digest(str(got)) == want, (cluster.names[i], _first_difference(src / "huge.bin", got))
     finally:
         os.unlink(src / "huge.bin")
         for i in range(2):
             subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
+
+
+def _first_difference(a: Path, b: Path):
+    """(offset, expected word, got word) of the first differing 8-byte word, for a failure message."""
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        off = 0
+        while True:
+            x, y = fa.read(16 * 2**20), fb.read(16 * 2**20)
+            if x != y:
+                k = next(i for i in range(min(len(x), len(y)) + 1) if i == min(len(x), len(y)) or x[i] != y[i])
+                return off + k, x[k - k % 8: k - k % 8 + 8].hex(), y[k - k % 8: k - k % 8 + 8].hex()
+            if not x:
+                return None
+            off += len(x)
 
 
 def test_full_disk_on_one_node_is_one_error(cluster, tmp_path):
