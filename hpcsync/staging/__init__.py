@@ -1,0 +1,281 @@
+"""Stage-in: copy a dataset that one rank can read to every node's local disk, reading it once.
+
+The mirror of file sync. ``stage(src, dst)`` is collective: rank ``root`` (default 0) walks
+``src`` (a file or a directory tree; only that rank needs to see it), every node's leader looks at
+``dst`` (the same path on every node, a node-local directory) and says which files it lacks, and
+the root reads each file that any node lacks exactly once. Its bytes travel to the node leaders
+in a broadcast among them -- cost grows with log(nodes), not nodes -- and each leader writes them
+once for its node. Small files are batched into one broadcast (up to ``chunk_bytes`` of data and
+:data:`MAX_PIECES` files per broadcast), big files are cut into chunks and pipelined: the root
+reads chunk k+1 while chunk k travels, a leader writes chunk k while k+1 arrives, three buffers of
+``chunk_bytes`` each at most. On one node nothing needs to travel: the root copies in the kernel
+(``copy_file_range``), like ``cp``.
+
+Nothing half-done passes as done:
+
+- every file is written to a hidden temporary name beside its final one (``.NAME.hpcsync-tmp``),
+  checked -- its size, and for bytes that crossed MPI a CRC-32 against the root's, piece by piece --
+  given its mode and mtime, then renamed into place;
+- a manifest in ``dst`` (:data:`MANIFEST`, with a journal while a stage runs) records what was
+  staged, with the source's size, mtime and mode and the copy's inode, size, mtime and ctime. A
+  later call skips a file only when all of them still match, so a file changed at the source, or
+  truncated, rewritten or deleted at a destination, is staged again, and a second call rewrites
+  nothing;
+- a stage killed half way leaves only temporary names (removed by the next call) and files that
+  are complete; the journal, appended at least once a second and before each large file, lets the
+  next call skip what was finished;
+- any error -- a missing or unreadable source, a destination that is not writable or too small on
+  one node, a file changing while it is read -- raises the same :class:`~hpcsync.errors.StageError`
+  on every rank, naming the node and the path.
+
+Directories get their mode and mtime once their files are in. Symbolic links are copied as links
+(never followed, except a link given as ``src`` itself); sockets, FIFOs and devices are listed in
+:attr:`StageResult.ignored`. Files in ``dst`` that the source lacks are left alone. With
+``durable=True`` the node's filesystem is synced (``syncfs``) before the journal or manifest names a
+file, so a power loss cannot leave a recorded file with lost data; the default is safe against
+killed processes, which is what node-local scratch (``$SLURM_TMPDIR``) needs.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .. import _bigmpi, _mpi
+from ..errors import StageError, raise_if_any, ranks_by_value
+from ..progress import Progress
+from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
+from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, chunks, scan, source_path, split_work
+from .transfer import SPLIT_BYTES, Reader, broadcast, copy_local, copy_shared, help_on_one_node
+
+__all__ = ["stage", "StageResult", "Entry", "chunks", "split_work", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
+           "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage did (the same on every rank)."""
+
+    source: str
+    destination: str
+    files: int  # regular files in the source
+    bytes: int  # their bytes
+    dirs: int
+    symlinks: int
+    copied: Tuple[str, ...]  # files some node lacked: read once, written where they were missing
+    skipped: Tuple[str, ...]  # files already up to date on every node
+    copied_bytes: int
+    source_reads: int  # bytes read from the source (== copied_bytes: each byte once)
+    broadcasts: int  # broadcast rounds among node leaders (0 on one node)
+    nodes: int
+    written: Tuple[Tuple[str, int, int], ...]  # per node: (hostname, files written, bytes written)
+    ignored: Tuple[str, ...]  # sockets, FIFOs, devices: not staged
+    seconds: float
+
+
+class _Solo:
+    """The communicator of a job of one process without MPI: every collective is the identity."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def allgather(self, obj: Any) -> List[Any]:
+        return [obj]
+
+    def gather(self, obj: Any, root: int = 0) -> List[Any]:
+        return [obj]
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def Free(self) -> None:
+        pass
+
+
+def stage(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    root: int = 0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    durable: bool = False,
+    progress: Optional[bool] = None,
+    comm: Any = None,
+) -> StageResult:
+    """Copy ``src`` (a file or directory that rank ``root`` can read) into the directory ``dst`` on
+    every node (collective).
+
+    A directory's contents land in ``dst`` (as ``rsync -a src/ dst/``); a single file lands as
+    ``dst/<name>``. Each source byte is read once, by ``root``; files already staged and unchanged
+    are skipped. ``chunk_bytes`` bounds each of the three pipeline buffers; ``durable`` syncs the
+    destination filesystem before recording files; ``progress`` shows a bar on the root (default:
+    when stderr is a terminal). ``comm``: an mpi4py communicator (default: the world).
+    Raises :class:`~hpcsync.errors.StageError` on every rank if anything fails.
+    """
+    t0 = time.perf_counter()
+    comm = _transport(comm)
+    me, size = comm.Get_rank(), comm.Get_size()
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} outside the world of {size} rank(s)")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    chunk_bytes = min(int(chunk_bytes), _bigmpi.INT_MAX - 16 * MAX_PIECES - 8)
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    _agree_settings(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable})
+    what = f"stage of {src} to {dst} failed: "
+    node, leaders = _split(comm, root)
+    try:
+        entries, ignored, err = scan(src) if me == root else ([], [], None)
+        raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
+        result = None
+        one_node = size > 1 and node.Get_size() == size  # its ranks share the copying
+        if leaders is not None:
+            result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
+                                           node if one_node else None)
+        elif one_node:
+            help_on_one_node(node, src, dst, durable)
+        _idle_until_all_arrive(comm)
+        raise_if_any(comm, err, StageError, what)
+        result = comm.bcast(result, root=root)
+    finally:
+        for c in (leaders, node):
+            if c is not None and c is not comm:
+                c.Free()
+    return StageResult(**{**result, "seconds": time.perf_counter() - t0})
+
+
+def _transport(comm: Any) -> Any:
+    if comm is not None:
+        return comm
+    from .._torchcomm import world
+
+    w = world()
+    if w is None:
+        return _Solo()
+    if not hasattr(w, "Bcast"):
+        raise StageError("stage needs MPI (mpi4py) in a multi-rank job; this one runs on torch.distributed "
+                         "only: launch it with mpirun/mpiexec/srun --mpi and install mpi4py")
+    return w
+
+
+def _agree_settings(comm: Any, settings: Dict[str, Any]) -> None:
+    """Every rank must mean the same stage: a rank that diverges is an error on all, not ignored."""
+    if comm.Get_size() == 1:
+        return
+    every = comm.allgather(settings)
+    differ = {k: by for k in settings if len(by := ranks_by_value([repr(s[k]) for s in every])) > 1}
+    if differ:
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank(s) {ranks} {v}" for v, ranks in by.items())
+                           for k, by in differ.items())
+        raise StageError(f"stage: ranks called it with different arguments (desync), nothing staged: {detail}")
+
+
+def _split(comm: Any, root: int) -> Tuple[Any, Any]:
+    """(this node's communicator, the node leaders' communicator or None). ``root`` leads its node
+    and is rank 0 among the leaders."""
+    if comm.Get_size() == 1:
+        return comm, comm
+    MPI = _mpi.MPI()
+    me = comm.Get_rank()
+    key = 0 if me == root else me + 1
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, key=key)
+    return node, (None if leaders == MPI.COMM_NULL else leaders)
+
+
+def _idle_until_all_arrive(comm: Any) -> None:
+    """Ranks with nothing to do wait here without spinning a core that the copying ranks need
+    (a blocking MPI collective busy-polls)."""
+    if comm.Get_size() == 1:
+        return
+    req = comm.Ibarrier()
+    pause = 0.0002
+    while not req.Test():
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
+                     durable: bool, progress: Optional[bool], helpers: Any = None
+                     ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """Listing to every leader, what each node lacks, the transfer; the result on the root.
+    ``helpers``: a one-node job's communicator, whose ranks share the copying."""
+    is_root = leaders.Get_rank() == 0
+    many = leaders.Get_size() > 1
+    token = uuid.uuid4().hex[:12]
+    if many:
+        blob = _bigmpi.bcast_bytes(leaders, pickle.dumps((entries, ignored, token), protocol=5) if is_root else b"",
+                                   root=0)
+        entries, ignored, token = pickle.loads(blob)
+    host = socket.gethostname()
+    node = Destination(dst, src, entries, durable, host)
+    err = node.open_destination(token, leaders.Get_rank())
+    try:
+        if many and not any(leaders.allgather(err)):
+            node.writes = _writers(leaders.allgather(node.sees_probes(token, leaders.Get_rank())))[leaders.Get_rank()] \
+                == leaders.Get_rank()
+    finally:
+        node.close_probe()
+    if err is None and node.writes:
+        err = node.prepare()
+    if many and any(leaders.allgather(err)):
+        return None, err  # no node moves anything when one cannot take it; every rank raises
+    if err is not None:
+        if helpers is not None:
+            helpers.bcast(None, root=0)  # nothing for them to do
+        return None, err
+    union = node.need.copy()
+    if many:
+        leaders.Allreduce(node.need, union, op=_mpi.MPI().MAX)
+    todo = [(i, entries[i].size) for i in np.flatnonzero(union).tolist()]
+    total = sum(n for _, n in todo)
+    bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress) if is_root else None
+    rounds = 0
+    reader = Reader(src, entries) if is_root else None
+    try:
+        if many:
+            rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar)
+        elif helpers is not None:
+            copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
+        elif todo:
+            copy_local([(i, n, source_path(src, entries, entries[i])) for i, n in todo], node, reader,  # type: ignore[arg-type]
+                        bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    err = err or (reader.error if reader is not None else None) or node.finish()
+    stats = (host, node.files_written, node.bytes_written)
+    every = leaders.gather(stats, root=0) if many else [stats]
+    if not is_root:
+        return None, err
+    files = [e for e in entries if e.kind == FILE]
+    copied = {entries[i].rel for i, _ in todo}
+    result = dict(
+        source=src, destination=dst, files=len(files), bytes=sum(e.size for e in files),
+        dirs=sum(e.kind == DIR for e in entries), symlinks=sum(e.kind == LINK for e in entries),
+        copied=tuple(entries[i].rel for i, _ in todo), skipped=tuple(e.rel for e in files if e.rel not in copied),
+        copied_bytes=total, source_reads=reader.read_bytes, broadcasts=rounds,  # type: ignore[union-attr]
+        nodes=leaders.Get_size(), written=tuple(tuple(s) for s in every), ignored=tuple(ignored))
+    return result, err
+
+
+def _writers(sees: Sequence[Tuple[bool, bool]]) -> List[int]:
+    """Which leader writes for each node, from whether each sees the probe file of leader 0 and of
+    the leader before it in ``dst``: nodes that share ``dst`` (a shared filesystem given as the
+    destination) write it once. Sharing that is neither with leader 0 nor between neighbours goes
+    undetected; it stays correct (per-node temporary names, atomic renames), only redundant."""
+    writer: List[int] = []
+    for i, (first, previous) in enumerate(sees):
+        writer.append(0 if i and first else writer[i - 1] if i and previous else i)
+    return writer

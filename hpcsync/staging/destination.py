@@ -1,0 +1,471 @@
+"""One node's copy: what it lacks, temporary files, checks, renames, the manifest and the journal."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import stat as st
+import time
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, Entry, Piece, trailer_at
+
+log = logging.getLogger("hpcsync.staging")
+
+MANIFEST = ".hpcsync-stage.json"
+JOURNAL = ".hpcsync-stage.journal"
+TMP_SUFFIX = ".hpcsync-tmp"
+_JOURNAL_SECONDS = 1.0
+
+
+class Destination:
+    """A node leader's copy: what it lacks, temporary files, checks, renames, manifest and journal."""
+
+    def __init__(self, dst: str, src: str, entries: List[Entry], durable: bool, host: str,
+                 journal: str = JOURNAL) -> None:
+        self.dst, self.src, self.entries, self.durable, self.host = dst, src, entries, durable, host
+        self.journal_name = journal
+        self.need = np.zeros(len(entries), dtype=np.uint8)
+        self.records: Dict[str, list] = {}
+        self.fds: Dict[int, int] = {}
+        self.crcs: Dict[int, int] = {}
+        self.failed: Dict[Any, str] = {}
+        self.unjournaled: List[Tuple[str, list]] = []
+        self.journal: Optional[Any] = None
+        self.last_journal = time.monotonic()
+        self.files_written = self.bytes_written = 0
+        self.broken: Optional[str] = None  # first write error: later files are not even tried
+        self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
+        self.writes = True  # False: another node's leader writes this very directory (shared dst)
+        self.probe: Optional[str] = None
+        self.interrupted = False  # journals of a killed stage were found
+
+    def path(self, idx: int) -> str:
+        rel = self.entries[idx].rel
+        return f"{self.dst}/{rel}" if rel else self.dst
+
+    def tmp_path(self, final: str) -> str:
+        folder, _, name = final.rpartition("/")
+        if len(name) > 200:  # keep the temporary name within NAME_MAX
+            name = hashlib.sha1(name.encode()).hexdigest()
+        return f"{folder}/.{name}.{self.tag}{TMP_SUFFIX}"
+
+    def _where(self, msg: str) -> str:
+        return f"node {self.host}: {msg}"
+
+    # - before the transfer
+
+    def _probe_path(self, token: str, index: int) -> str:
+        return os.path.join(self.dst, f".probe-{token}-{index}{TMP_SUFFIX}")
+
+    def open_destination(self, token: str, index: int) -> Optional[str]:
+        """Create ``dst`` and prove it writable with a probe file, left in place until
+        :meth:`close_probe` so that leaders sharing the directory can see each other's."""
+        dst = self.dst
+        try:
+            os.makedirs(dst, exist_ok=True)
+        except OSError as exc:
+            return self._where(f"cannot create destination {dst}: {exc.strerror}")
+        if not os.path.isdir(dst):
+            return self._where(f"destination {dst} is not a directory")
+        probe = self._probe_path(token, index)
+        try:
+            _make_writable(dst)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            self.probe = probe
+        except OSError as exc:
+            return self._where(f"destination {dst} is not writable: {exc.strerror}")
+        return None
+
+    def sees_probes(self, token: str, index: int) -> Tuple[bool, bool]:
+        """Whether leader 0's and the previous leader's probe files are visible in our ``dst``."""
+        if index == 0:
+            return False, False
+        return (os.path.exists(self._probe_path(token, 0)),
+                index > 1 and os.path.exists(self._probe_path(token, index - 1)))
+
+    def close_probe(self) -> None:
+        if self.probe is not None:
+            try:
+                os.unlink(self.probe)
+            except OSError:
+                pass
+            self.probe = None
+
+    def prepare(self) -> Optional[str]:
+        """Create the directories and links, check there is room, and mark the files this node
+        lacks. Returns an error naming node and path, or None."""
+        dst = self.dst
+        self.records, self.interrupted = self._load_manifest()
+        if self.interrupted:
+            _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
+        need_bytes = replaced = largest = 0
+        try:
+            for i, e in enumerate(self.entries):
+                path = self.path(i)
+                if e.kind == DIR:
+                    _ensure_dir(path)
+                elif e.kind == LINK:
+                    _ensure_link(path, e, self.tmp_path(path))
+                elif e.rel not in self.records:  # never staged here: needed, whatever lies there now
+                    self.need[i] = 1
+                    need_bytes += e.size
+                else:
+                    try:
+                        have: Optional[os.stat_result] = os.lstat(path)
+                    except FileNotFoundError:
+                        have = None
+                    if have is not None and st.S_ISDIR(have.st_mode):
+                        return self._where(f"{path} is a directory, the source has a file there")
+                    if not _up_to_date(e, self.records.get(e.rel), have):
+                        self.need[i] = 1
+                        need_bytes += e.size
+                        if have is not None:
+                            replaced += have.st_size
+                            largest = max(largest, have.st_size)
+            vfs = os.statvfs(dst)
+        except OSError as exc:
+            return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
+        free = vfs.f_bavail * vfs.f_frsize
+        want = need_bytes - replaced + largest  # a replaced file is freed only after its copy is in
+        if want > free:
+            return self._where(f"not enough space in {dst}: need {want} bytes, {free} free (disk full)")
+        return None
+
+    def _load_manifest(self) -> Tuple[Dict[str, list], bool]:
+        records: Dict[str, list] = {}
+        try:
+            with open(os.path.join(self.dst, MANIFEST)) as f:
+                doc = json.load(f)
+            if doc.get("version") == 1 and doc.get("source") == self.src:
+                records = doc["files"]
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            log.warning("%s: ignoring unreadable stage manifest in %s: %s", self.host, self.dst, exc)
+        journals = _journals(self.dst)
+        for name in journals:
+            try:
+                with open(os.path.join(self.dst, name)) as f:
+                    head = f.readline()
+                    if not head.endswith("\n") or json.loads(head).get("source") != self.src:
+                        continue
+                    for line in f:
+                        if not line.endswith("\n"):
+                            break  # torn last line of a killed stage
+                        rel, rec = json.loads(line)
+                        records[rel] = rec
+            except (OSError, ValueError) as exc:
+                log.warning("%s: ignoring the rest of stage journal %s in %s: %s", self.host, name, self.dst, exc)
+        interrupted = bool(journals)
+        return records, interrupted
+
+    # - the transfer
+
+    def open(self, idx: int) -> Optional[int]:
+        """A fresh temporary file for entry ``idx`` (None when this node skips it)."""
+        if self.broken is not None or idx in self.failed:
+            return None
+        e = self.entries[idx]
+        if e.size > DEFAULT_CHUNK_BYTES or time.monotonic() - self.last_journal > _JOURNAL_SECONDS:
+            self.checkpoint()  # record what is done before a long file, so a kill loses little
+        tmp = self.tmp_path(self.path(idx))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            self.fail(idx, f"cannot create {tmp}: {exc.strerror}")
+            return None
+        self.fds[idx], self.crcs[idx] = fd, 0
+        return fd
+
+    def write_round(self, pieces: Sequence[Piece], buf: Any, verify: bool) -> None:
+        """Write this node's pieces of one broadcast round (on the writer thread)."""
+        trailer = np.frombuffer(buf, dtype=np.int64, count=2 * len(pieces), offset=trailer_at(pieces))
+        mv, pos = memoryview(buf), 0
+        for j, (idx, off, n) in enumerate(pieces):
+            view = mv[pos: pos + n]
+            pos += n
+            if not self.need[idx]:
+                continue
+            if trailer[2 * j + 1]:  # the root could not read it: its error fails the stage
+                self.fail(idx, None)
+                continue
+            fd = self.open(idx) if off == 0 else self.fds.get(idx)
+            if fd is None:
+                continue
+            try:
+                pwrite_all(fd, view, off)
+            except OSError as exc:
+                self.fail(idx, f"writing {self.path(idx)}: {exc.strerror}")
+                continue
+            crc = zlib.crc32(view, self.crcs[idx]) if verify else int(trailer[2 * j])
+            self.crcs[idx] = crc
+            if crc != int(trailer[2 * j]):
+                self.fail(idx, f"{self.path(idx)}: checksum mismatch at byte {off + n} (corrupted in transfer)")
+            elif off + n == self.entries[idx].size:
+                self.complete(idx, crc)
+
+    def complete(self, idx: int, crc: Optional[int]) -> None:
+        """Check size, set mode and times, rename into place, record."""
+        final = self.path(idx)
+        try:
+            done = _seal(self.fds.pop(idx), self.entries[idx], self.tmp_path(final), final)
+        except OSError as exc:
+            self.fds[idx] = -1  # closed; fail() removes the temporary file
+            self.fail(idx, exc.strerror if exc.errno == 0 else f"finishing {final}: {exc.strerror}")
+            return
+        self.record(idx, done, crc)
+
+    def copy_in(self, idx: int, source: str) -> Tuple[int, Optional[os.stat_result], Optional[str], bool]:
+        """Copy one file from ``source`` in the kernel, check and seal it. Returns (bytes read, the
+        copy's stat, error, whether the source is to blame)."""
+        e = self.entries[idx]
+        final = self.path(idx)
+        tmp = self.tmp_path(final)
+        try:
+            sfd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            return 0, None, f"reading {source}: {exc.strerror}", True
+        fd, copied = -1, 0
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            copied = kernel_copy(sfd, fd, e.size)
+            why = source_changed(sfd, e) if copied == e.size else f"source file {source} shrank while being staged"
+            if why:
+                os.close(fd)
+                os.unlink(tmp)
+                return copied, None, why, True
+            fd, sealed = -1, fd
+            return copied, _seal(sealed, e, tmp, final), None, False
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return copied, None, exc.strerror if exc.errno == 0 else f"writing {final}: {exc.strerror}", False
+        finally:
+            os.close(sfd)
+
+    def record(self, idx: int, done: os.stat_result, crc: Optional[int]) -> None:
+        """Entry ``idx`` is in place as ``done``: remember it for the journal and the manifest."""
+        e, s = self.entries[idx], done
+        rec = [e.size, e.mtime_ns, e.mode, crc, s.st_ino, s.st_ctime_ns]
+        self.records[e.rel] = rec
+        self.unjournaled.append((e.rel, rec))
+        self.files_written += 1
+        self.bytes_written += e.size
+
+    def fail(self, idx: int, why: Optional[str]) -> None:
+        """Drop entry ``idx``'s temporary file; ``why`` (None: the root's error says it) fails the stage."""
+        fd = self.fds.pop(idx, None)
+        if fd is not None:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(self.tmp_path(self.path(idx)))
+            except OSError:
+                pass
+        if why is not None:
+            self.failed.setdefault(idx, why)
+            self.broken = self.broken or why
+
+    def checkpoint(self) -> None:
+        """Append the files finished since the last checkpoint to the journal."""
+        self.last_journal = time.monotonic()
+        if not self.unjournaled:
+            return
+        if self.durable:
+            _syncfs(self.dst)
+        if self.journal is None:
+            self.journal = open(os.path.join(self.dst, self.journal_name), "w")
+            self.journal.write(json.dumps({"source": self.src}) + "\n")
+        self.journal.write("".join(json.dumps(item) + "\n" for item in self.unjournaled))
+        self.journal.flush()
+        if self.durable:
+            os.fsync(self.journal.fileno())
+        self.unjournaled.clear()
+
+    # - after the transfer
+
+    def finish(self) -> Optional[str]:
+        """Write the manifest (or keep the journal after an error), then directories' modes and
+        mtimes. Returns this node's first error, named."""
+        if not self.writes:
+            return None
+        for idx in list(self.fds):
+            self.fail(idx, f"{self.path(idx)}: incomplete")
+        try:
+            if self.failed:
+                self.checkpoint()  # what did finish is kept for the next call
+                return self._where(next(iter(self.failed.values())))
+            if self.files_written or self.journal is not None or self.interrupted or self._stale_records():
+                self._write_manifest()
+            self._set_dir_attributes()
+        except OSError as exc:
+            return self._where(f"finishing {exc.filename or self.dst}: {exc.strerror}")
+        finally:
+            if self.journal is not None:
+                self.journal.close()
+        return None
+
+    def _stale_records(self) -> bool:
+        return len(self.records) != sum(e.kind == FILE for e in self.entries)
+
+    def _write_manifest(self) -> None:
+        current = {e.rel for e in self.entries if e.kind == FILE}
+        doc = {"version": 1, "source": self.src,
+               "files": {rel: rec for rel, rec in self.records.items() if rel in current}}
+        if self.durable:
+            _syncfs(self.dst)
+        tmp = self.tmp_path(os.path.join(self.dst, MANIFEST))
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc, separators=(",", ":")))  # the C encoder; json.dump is pure Python
+            if self.durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.dst, MANIFEST))
+        for name in _journals(self.dst):
+            try:
+                os.unlink(os.path.join(self.dst, name))
+            except FileNotFoundError:
+                pass
+
+    def _set_dir_attributes(self) -> None:
+        for i in range(len(self.entries) - 1, -1, -1):  # children before their parents
+            e = self.entries[i]
+            if e.kind == DIR:
+                path = self.path(i)
+                os.chmod(path, e.mode)
+                os.utime(path, ns=(e.atime_ns, e.mtime_ns))
+
+
+def _journals(dst: str) -> List[str]:
+    """The journals in ``dst``: the root's, and one per rank that helped on a one-node job."""
+    try:
+        return sorted(n for n in os.listdir(dst) if n == JOURNAL or n.startswith(JOURNAL + "."))
+    except OSError:
+        return []
+
+
+def _seal(fd: int, e: Entry, tmp: str, final: str) -> os.stat_result:
+    """Check the size of the written temporary file, give it the source's mode and times, close
+    it and rename it into place; returns the copy's stat. ``fd`` is closed whatever happens."""
+    try:
+        size = os.fstat(fd).st_size
+        if size != e.size:
+            raise OSError(0, f"{final}: wrote {size} bytes, the source has {e.size}")
+        os.fchmod(fd, e.mode)
+        os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    return os.stat(final)
+
+
+def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
+    """The copy is the one this stage recorded and the source is unchanged since."""
+    if rec is None or have is None or not st.S_ISREG(have.st_mode):
+        return False
+    size, mtime, mode, _crc, ino, ctime = rec
+    return ((size, mtime, mode) == (e.size, e.mtime_ns, e.mode)
+            and (have.st_ino, have.st_size, have.st_mtime_ns, have.st_ctime_ns) == (ino, size, mtime, ctime))
+
+
+def _make_writable(path: str) -> None:
+    mode = st.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o700 != 0o700:  # a read-only source directory, staged before: writable until the end
+        os.chmod(path, mode | 0o700)
+
+
+def _ensure_dir(path: str) -> None:
+    try:
+        s = os.lstat(path)
+    except FileNotFoundError:
+        os.mkdir(path, 0o700)
+        return
+    if not st.S_ISDIR(s.st_mode):  # the source has a directory where the copy has something else
+        os.unlink(path)
+        os.mkdir(path, 0o700)
+        return
+    _make_writable(path)
+
+
+def _ensure_link(path: str, e: Entry, tmp: str) -> None:
+    try:
+        if os.readlink(path) == e.target:
+            return
+    except FileNotFoundError:
+        pass
+    except OSError:  # not a link
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise OSError(21, "the source has a symbolic link here, the copy a directory", path) from None
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    os.symlink(e.target, tmp)
+    os.utime(tmp, ns=(e.atime_ns, e.mtime_ns), follow_symlinks=False)
+    os.replace(tmp, path)
+
+
+def _remove_temporaries(dst: str, suffix: str) -> None:
+    """A stage was killed here: this node's temporary files (``suffix``) are not data, remove them."""
+    for folder, _dirs, files in os.walk(dst):
+        for name in files:
+            if name.endswith(suffix):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
+
+
+def _syncfs(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def kernel_copy(sfd: int, dfd: int, size: int) -> int:
+    done = 0
+    try:
+        while done < size:
+            k = os.copy_file_range(sfd, dfd, size - done, done, done)
+            if k == 0:
+                return done
+            done += k
+    except OSError as exc:  # a filesystem without copy_file_range (or across devices on old kernels)
+        if exc.errno not in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP
+            raise
+        buf = bytearray(min(max(size - done, 1), 8 * 2**20))
+        while done < size:
+            view = memoryview(buf)[: min(len(buf), size - done)]
+            got = os.preadv(sfd, [view], done)
+            if got == 0:
+                return done
+            pwrite_all(dfd, view[:got], done)
+            done += got
+    return done
+
+
+def source_changed(fd: int, e: Entry) -> Optional[str]:
+    """Why a source file read to its end no longer matches the listing (torn copy), or None."""
+    s = os.fstat(fd)
+    if s.st_size != e.size or s.st_mtime_ns != e.mtime_ns:
+        return f"source file {e.rel or '.'} changed while being staged"
+    return None
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n

@@ -1,0 +1,275 @@
+"""Moving the bytes: broadcast rounds among node leaders, and the kernel copies of a one-node job."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import _mpi
+from ..progress import Progress
+from .destination import _JOURNAL_SECONDS, JOURNAL, Destination, source_changed
+from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, chunks, source_path, split_work, trailer_at
+
+SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
+
+
+def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reader: Optional["Reader"],
+               node: "Destination", bar: Optional[Progress]) -> int:
+    """The pipelined transfer among node leaders; returns the number of broadcast rounds."""
+    MPI = _mpi.MPI()
+    plan = list(chunks(todo, chunk_bytes))
+    if not plan:
+        return 0
+    cap = max(trailer_at(p) + 16 * len(p) for p in plan)
+    bufs: List[Any] = [None] * 3
+    reads: Dict[int, Future] = {}
+    writes: Dict[int, Future] = {}
+    read_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-read") if reader is not None else None
+    write_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-write")
+
+    def buffer(k: int) -> Any:
+        if k >= 3:
+            writes[k - 3].result()  # the round that last used this buffer is written
+        if bufs[k % 3] is None:
+            bufs[k % 3] = np.empty(cap, dtype=np.uint8)  # no zero-fill: every byte sent is written first
+        return bufs[k % 3]
+
+    def start_read(k: int) -> None:
+        if read_pool is not None and k < len(plan):
+            buf = buffer(k)
+            reads[k] = read_pool.submit(reader.fill, plan[k], buf)  # type: ignore[union-attr]
+
+    try:
+        start_read(0)
+        for k, pieces in enumerate(plan):
+            if read_pool is not None:
+                buf = reads.pop(k).result()
+                start_read(k + 1)  # read the next round while this one travels
+            else:
+                buf = buffer(k)
+            n = trailer_at(pieces) + 16 * len(pieces)
+            leaders.Bcast([buf, n, MPI.BYTE], root=0)
+            writes[k] = write_pool.submit(node.write_round, pieces, buf, reader is None)
+            if bar is not None:
+                bar.update(sum(p[2] for p in pieces))
+        for f in writes.values():
+            f.result()
+    finally:
+        if read_pool is not None:
+            read_pool.shutdown(wait=True)
+        write_pool.shutdown(wait=True)
+    return len(plan)
+
+
+def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "Reader", bar: Optional[Progress]) -> None:
+    """Copy ``(index, size, source path)`` in the kernel (``copy_file_range``), as ``cp`` does;
+    what is done is journaled at least once a second and before each large file."""
+    for idx, size, source in todo:
+        if node.broken is not None:
+            break
+        if size > DEFAULT_CHUNK_BYTES or time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
+            node.checkpoint()
+        copied, done, error, source_side = node.copy_in(idx, source)
+        reader.read_bytes += copied
+        if error is None:
+            node.record(idx, done, None)  # type: ignore[arg-type]
+        elif source_side:
+            reader.fail(idx, error)
+        else:
+            node.fail(idx, error)
+        if bar is not None:
+            bar.update(size)
+
+
+def _identity(path: str) -> Optional[Tuple[int, int]]:
+    try:
+        s = os.stat(path)
+    except OSError:
+        return None
+    return s.st_dev, s.st_ino
+
+
+def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "Destination",
+                 reader: "Reader", bar: Optional[Progress]) -> None:
+    """One node, several ranks: the node copies with every rank that sees the very source and
+    destination. Small files are split among the ranks (a tree of them costs system calls, not
+    bandwidth); a file over :data:`SPLIT_BYTES` is cut into one byte range per rank, copied into
+    a temporary file the root created, and sealed by the root once every range is in. Each rank
+    journals the whole files it finished; the root gathers the records and writes the manifest."""
+    if not todo:
+        ranks.bcast(None, root=0)
+        return
+    ranks.bcast((_identity(src), _identity(node.dst)), root=0)
+    able = [r for r, ok in enumerate(ranks.gather(True, root=0)) if ok]
+    whole = [(i, n) for i, n in todo if n <= SPLIT_BYTES or len(able) == 1]
+    split = [(i, n) for i, n in todo if n > SPLIT_BYTES and len(able) > 1]
+    jobs: List[List[Tuple[int, int]]] = [[] for _ in range(ranks.Get_size())]
+    for r, (lo, hi) in zip(able, split_work([n for _, n in whole], len(able))):
+        jobs[r] = whole[lo:hi]
+    ranges: List[List[Tuple[Entry, str, str, int, int]]] = [[] for _ in range(ranks.Get_size())]
+    sealing = []
+    for i, n in split:
+        final = node.path(i)
+        fd = node.open(i)  # created by the root, written by every rank, sealed by the root
+        if fd is None:
+            continue
+        os.ftruncate(fd, n)
+        sealing.append(i)
+        cuts = [n * k // len(able) for k in range(len(able) + 1)]
+        for k, r in enumerate(able):
+            ranges[r].append((entries[i], source_path(src, entries, entries[i]), node.tmp_path(final), cuts[k],
+                              cuts[k + 1] - cuts[k]))
+    ranks.scatter([([(entries[i], source_path(src, entries, entries[i])) for i, _ in job], ranges[r])
+                   for r, job in enumerate(jobs)], root=0)
+    copy_local([(i, n, source_path(src, entries, entries[i])) for i, n in jobs[0]], node, reader, bar)
+    node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
+    range_errors = _copy_ranges(ranges[0])
+    for r, done in enumerate(ranks.gather(None, root=0)):
+        if done is None:
+            continue
+        records, failed, unreadable, read_bytes, written, bad_ranges = done
+        for rel, rec in records:
+            node.records[rel] = rec
+        for k, why in enumerate(failed):
+            node.failed.setdefault((r, k), why)
+        for k, why in enumerate(unreadable):
+            reader.fail((r, k), why)
+        reader.read_bytes += read_bytes
+        node.files_written += len(records)
+        node.bytes_written += written
+        range_errors.update(bad_ranges)
+        if bar is not None:
+            bar.update(written)
+    for i in sealing:  # every range is in (or one failed): seal, or drop
+        e = entries[i]
+        if e.rel in range_errors:
+            node.fail(i, range_errors[e.rel])
+            continue
+        why = _source_unchanged(source_path(src, entries, e), e)
+        if why:
+            reader.fail(i, why)
+            node.fail(i, None)
+            continue
+        reader.read_bytes += e.size
+        node.complete(i, None)
+        if bar is not None:
+            bar.update(e.size)
+
+
+def _copy_ranges(ranges: Sequence[Tuple[Entry, str, str, int, int]]) -> Dict[str, str]:
+    """Copy byte ranges ``(entry, source, temporary file, offset, bytes)`` in the kernel; returns
+    ``{rel: error}`` for the ranges that failed (the root then drops those files)."""
+    errors: Dict[str, str] = {}
+    for e, source, tmp, off, n in ranges:
+        try:
+            sfd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    done = 0
+                    while done < n:
+                        k = os.copy_file_range(sfd, fd, n - done, off + done, off + done)
+                        if k == 0:
+                            raise OSError(0, f"source file {source} shrank while being staged")
+                        done += k
+                finally:
+                    os.close(fd)
+            finally:
+                os.close(sfd)
+        except OSError as exc:
+            errors[e.rel] = exc.strerror if exc.errno == 0 else f"copying {source} to {tmp}: {exc.strerror}"
+    return errors
+
+
+def _source_unchanged(source: str, e: Entry) -> Optional[str]:
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"reading source {source}: {exc.strerror}"
+    try:
+        return source_changed(fd, e)
+    finally:
+        os.close(fd)
+
+
+def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool) -> None:
+    """A non-root rank's part of :func:`copy_shared` (its errors travel to the root)."""
+    ids = ranks.bcast(None, root=0)
+    if ids is None:
+        return
+    ranks.gather(ids == (_identity(src), _identity(dst)), root=0)
+    jobs, ranges = ranks.scatter(None, root=0)
+    node = Destination(dst, src, [e for e, _ in jobs], durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
+    reader = Reader(src, node.entries)
+    try:
+        copy_local([(k, e.size, path) for k, (e, path) in enumerate(jobs)], node, reader, None)
+        node.checkpoint()
+    finally:
+        if node.journal is not None:
+            node.journal.close()
+    bad_ranges = _copy_ranges(ranges)
+    records = [(e.rel, node.records[e.rel]) for e in node.entries if e.rel in node.records]
+    ranks.gather((records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
+                  node.bytes_written, bad_ranges), root=0)
+
+
+class Reader:
+    """The root's side of the transfer: fills each round's buffer from the source files."""
+
+    def __init__(self, src: str, entries: List[Entry]) -> None:
+        self.src, self.entries = src, entries
+        self.fd, self.crc = -1, 0
+        self.read_bytes = 0
+        self.failed: Dict[Any, str] = {}
+
+    @property
+    def error(self) -> Optional[str]:
+        if not self.failed:
+            return None
+        first = next(iter(self.failed.values()))
+        more = f" (and {len(self.failed) - 1} more file(s))" if len(self.failed) > 1 else ""
+        return f"node {socket.gethostname()}: {first}{more}"
+
+    def fail(self, idx: Any, why: str) -> None:
+        self.failed.setdefault(idx, why)
+
+    def fill(self, pieces: Sequence[Piece], buf: Any) -> Any:
+        trailer = np.frombuffer(buf, dtype=np.int64, count=2 * len(pieces), offset=trailer_at(pieces))
+        mv, pos = memoryview(buf), 0
+        for j, (idx, off, n) in enumerate(pieces):
+            e = self.entries[idx]
+            view = mv[pos: pos + n]
+            ok = idx not in self.failed
+            if ok:
+                path = source_path(self.src, self.entries, e)
+                try:
+                    if off == 0:
+                        self.fd, self.crc = os.open(path, os.O_RDONLY | os.O_CLOEXEC), 0
+                    got = 0
+                    while got < n:
+                        k = os.preadv(self.fd, [view[got:]], off + got)
+                        if k == 0:
+                            raise OSError(0, f"{path} shrank while being staged")
+                        got += k
+                    self.read_bytes += n
+                    self.crc = zlib.crc32(view, self.crc)
+                    if off + n == e.size:
+                        why = source_changed(self.fd, e)
+                        if why:
+                            raise OSError(0, why)
+                except OSError as exc:
+                    self.fail(idx, exc.strerror if exc.errno == 0 else f"reading {path}: {exc.strerror}")
+                    ok = False
+            if not ok:
+                np.frombuffer(view, dtype=np.uint8)[:] = 0
+            if self.fd >= 0 and (off + n == e.size or not ok):
+                os.close(self.fd)
+                self.fd = -1
+            trailer[2 * j], trailer[2 * j + 1] = (self.crc, 0) if ok else (0, 1)
+            pos += n
+        return buf
