@@ -62,7 +62,7 @@ def test_backend_benchmark_across_namespace_nodes_quick(tmp_path):
 
 
 def test_all_benchmarks_summary_quick(tmp_path):
-    """bench_all.py: every headline ratio of issue 10 in one run, with its target."""
+    """bench_all.py: every headline performance ratio in one run, with its target."""
     _, rows, stdout = run_quick(tmp_path, "bench_all.py", "--ranks", "2")
     measures = {r["measure"] for r in rows}
     assert "4 KiB all_reduce, times raw (floor: no-op group)" in measures

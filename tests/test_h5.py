@@ -55,7 +55,7 @@ def test_abi_probe_catches_a_crashing_h5py(tmp_path):
     does) is detected in a child process, before this process calls into HDF5.
 
     The crashing h5py here is a stand-in that really dies of SIGSEGV: building a mis-linked h5py
-    in CI costs minutes (the real one was checked by hand: see the issue-8 note)."""
+    in CI costs minutes (the real one was checked by hand when the probe was written)."""
     fake = tmp_path / "fake" / "h5py"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(
