@@ -41,6 +41,19 @@ def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], wha
         raise exc_type(f"{what}{lines}")
 
 
+def raise_if_settings_differ(comm: Any, settings: Dict[str, Any], exc_type: Type[Exception], what: str) -> None:
+    """Collective: every rank must call with the same ``settings``; otherwise the same ``exc_type``
+    on every rank, ``what`` followed by which ranks gave which value for each differing setting
+    (a rank that diverges is an error on all, never silently outvoted)."""
+    if comm is None or comm.Get_size() == 1:
+        return
+    every = comm.allgather(settings)
+    differ = {k: by for k in settings if len(by := ranks_by_value([repr(s[k]) for s in every])) > 1}
+    if differ:
+        raise exc_type(what + "; ".join(f"{k}: " + ", ".join(f"rank(s) {ranks} {v}" for v, ranks in by.items())
+                                        for k, by in differ.items()))
+
+
 def ranks_by_value(values: Sequence[Hashable], ranks: Optional[Sequence[int]] = None) -> Dict[Any, List[int]]:
     """Group ranks by what each said (first-seen order): ``{value: [ranks...]}``, for errors that
     name which ranks disagree. ``ranks`` maps positions to rank numbers (default 0, 1, ...)."""

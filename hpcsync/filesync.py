@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _bigmpi, _mpi
-from .errors import SyncError, raise_if_any, ranks_by_value
+from .errors import SyncError, raise_if_any, raise_if_settings_differ
 from .progress import Progress
 
 log = logging.getLogger(__name__)
@@ -265,16 +265,10 @@ def merge_parts(
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
     target = os.path.abspath(os.fspath(target))
-    if comm is not None:  # every rank must mean the same merge: a rank that diverges is an error, not ignored
-        settings = {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
-                    "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method}
-        every = comm.allgather(settings)
-        differ = {k: by for k in settings if len(by := ranks_by_value([repr(s[k]) for s in every])) > 1}
-        if differ:
-            detail = "; ".join(f"{k}: " + ", ".join(f"rank(s) {ranks} {v}" for v, ranks in by.items())
-                               for k, by in differ.items())
-            raise SyncError(f"sync_file: ranks called it with different arguments (desync), nothing merged or "
-                            f"deleted: {detail}")
+    raise_if_settings_differ(  # every rank must mean the same merge
+        comm, {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
+               "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method},
+        SyncError, "sync_file: ranks called it with different arguments (desync), nothing merged or deleted: ")
 
     src, err = _Source(), None
     for p in my_parts:

@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _bigmpi, _mpi
-from ..errors import StageError, raise_if_any, ranks_by_value
+from ..errors import StageError, raise_if_any, raise_if_settings_differ
 from ..progress import Progress
 from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
 from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, chunks, scan, source_path, split_work
@@ -132,7 +132,8 @@ def stage(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     chunk_bytes = min(int(chunk_bytes), _bigmpi.INT_MAX - 16 * MAX_PIECES - 8)
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    _agree_settings(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable})
+    raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable},
+                             StageError, "stage: ranks called it with different arguments (desync), nothing staged: ")
     what = f"stage of {src} to {dst} failed: "
     node, leaders = _split(comm, root)
     try:
@@ -167,18 +168,6 @@ def _transport(comm: Any) -> Any:
         raise StageError("stage needs MPI (mpi4py) in a multi-rank job; this one runs on torch.distributed "
                          "only: launch it with mpirun/mpiexec/srun --mpi and install mpi4py")
     return w
-
-
-def _agree_settings(comm: Any, settings: Dict[str, Any]) -> None:
-    """Every rank must mean the same stage: a rank that diverges is an error on all, not ignored."""
-    if comm.Get_size() == 1:
-        return
-    every = comm.allgather(settings)
-    differ = {k: by for k in settings if len(by := ranks_by_value([repr(s[k]) for s in every])) > 1}
-    if differ:
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank(s) {ranks} {v}" for v, ranks in by.items())
-                           for k, by in differ.items())
-        raise StageError(f"stage: ranks called it with different arguments (desync), nothing staged: {detail}")
 
 
 def _split(comm: Any, root: int) -> Tuple[Any, Any]:
