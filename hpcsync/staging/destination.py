@@ -435,11 +435,14 @@ def _syncfs(path: str) -> None:
         os.close(fd)
 
 
-def kernel_copy(sfd: int, dfd: int, size: int) -> int:
+def kernel_copy(sfd: int, dfd: int, size: int, offset: int = 0) -> int:
+    """Copy ``size`` bytes at ``offset`` from ``sfd`` to the same offset of ``dfd`` in the kernel
+    (``copy_file_range``; read/write where the filesystem lacks it). Returns the bytes copied:
+    fewer than ``size`` when the source ended first."""
     done = 0
     try:
         while done < size:
-            k = os.copy_file_range(sfd, dfd, size - done, done, done)
+            k = os.copy_file_range(sfd, dfd, size - done, offset + done, offset + done)
             if k == 0:
                 return done
             done += k
@@ -449,10 +452,10 @@ def kernel_copy(sfd: int, dfd: int, size: int) -> int:
         buf = bytearray(min(max(size - done, 1), 8 * 2**20))
         while done < size:
             view = memoryview(buf)[: min(len(buf), size - done)]
-            got = os.preadv(sfd, [view], done)
+            got = os.preadv(sfd, [view], offset + done)
             if got == 0:
                 return done
-            pwrite_all(dfd, view[:got], done)
+            pwrite_all(dfd, view[:got], offset + done)
             done += got
     return done
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import _mpi
 from ..progress import Progress
-from .destination import _JOURNAL_SECONDS, JOURNAL, Destination, source_changed
+from .destination import _JOURNAL_SECONDS, JOURNAL, Destination, kernel_copy, source_changed
 from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, chunks, source_path, split_work, trailer_at
 
 SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
@@ -171,12 +171,8 @@ def _copy_ranges(ranges: Sequence[Tuple[Entry, str, str, int, int]]) -> Dict[str
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
                 try:
-                    done = 0
-                    while done < n:
-                        k = os.copy_file_range(sfd, fd, n - done, off + done, off + done)
-                        if k == 0:
-                            raise OSError(0, f"source file {source} shrank while being staged")
-                        done += k
+                    if kernel_copy(sfd, fd, n, off) < n:
+                        raise OSError(0, f"source file {source} shrank while being staged")
                 finally:
                     os.close(fd)
             finally:
