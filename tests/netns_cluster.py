@@ -67,6 +67,7 @@ class Cluster:
         self.node_local = str(self.dir / "nodelocal")
         self.agent = str(self.dir / "agent")
         self._started: List[str] = []
+        self.slurm_env: Dict[str, str] = {}
 
     def address(self, i: int) -> str:
         """Node ``i``'s cluster address (the first node's first one when it has two)."""
@@ -201,6 +202,68 @@ class Cluster:
 
     # -- launchers ------------------------------------------------------------------------------
 
+    def start_slurm(self, cpus: int = 8, timeout: float = 60) -> Dict[str, str]:
+        """One ``slurmctld`` in node 0 and one ``slurmd`` in every node; returns the clients' env.
+
+        Each daemon runs in its node's network namespace with the node's hostname, ``/etc/hosts``
+        and node-local directory (``nsenter --net`` + ``unshare --uts --mount``: ``ip netns exec``
+        would remount /sys and hide the cgroup tree slurmd needs). Each node has its own copy of
+        slurm.conf and an ``mpi.conf`` with its own PMIx temp dir (two slurmstepd on one /tmp collide).
+        """
+        import slurm_cluster
+
+        d = self.dir / "slurm"
+        nodes = [(name, self.address(i)) for i, name in enumerate(self.names)]
+        text = slurm_cluster.config(d, nodes[0], nodes, cpus)
+        (d / "state").mkdir(parents=True)
+        for name in self.names:
+            for sub in (f"etc/{name}", f"spool/{name}", f"pmix/{name}"):
+                (d / sub).mkdir(parents=True)
+            (d / "etc" / name / "slurm.conf").write_text(text)
+            (d / "etc" / name / "mpi.conf").write_text(f"PMIxCliTmpDirBase={d}/pmix/{name}\n")
+        slurm_cluster.munge()
+        self._daemon(0, "slurmctld", "-D")
+        for i, name in enumerate(self.names):
+            self._daemon(i, "slurmd", "-D", "-N", name)
+        env = {"SLURM_CONF": str(d / "etc" / self.names[0] / "slurm.conf")}
+        import time
+
+        deadline, states = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            states = subprocess.run(self.on_node(0, "sinfo", "-h", "-N", "-o", "%N %t"), capture_output=True,
+                                    text=True, env={**os.environ, **env}).stdout
+            if states.count(" idle") == len(self.names):
+                self.slurm_env = env
+                return env
+            time.sleep(0.2)
+        logs = "".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(d.glob("*.log")))
+        raise RuntimeError(f"Slurm nodes not idle after {timeout}s: {states!r}\n{logs}")
+
+    def _daemon(self, node: int, *cmd: str) -> None:
+        name = self.names[node]
+        etc = Path("/etc/netns") / name
+        script = (f"hostname {name} && mount --bind {etc}/hosts /etc/hosts && "
+                  f"mount --bind {etc}/resolv.conf /etc/resolv.conf && "
+                  f"mount --bind '{self.dir}/nodes/{name}' '{self.dir}/nodelocal' && exec {shlex.join(cmd)}")
+        log = open(self.dir / "slurm" / f"{cmd[0]}.{name}.out", "w")
+        env = {**os.environ, "SLURM_CONF": str(self.dir / "slurm" / "etc" / name / "slurm.conf")}
+        subprocess.Popen(["nsenter", f"--net=/var/run/netns/{name}", "unshare", "--uts", "--mount", "sh", "-c",
+                          script], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def srun(self, per_node: Sequence[int], mpi: str = "pmix", *extra: str) -> "ClusterLauncher":
+        """``srun --mpi=MPI`` from node 0, ``per_node[i]`` tasks on node i (needs :meth:`start_slurm`)."""
+        if not getattr(self, "slurm_env", None):
+            raise RuntimeError("start_slurm() first")
+        used = [k for k in per_node if k]
+        argv = [shutil.which("srun") or "srun", f"--mpi={mpi}", "-N", str(len(used)),
+                f"--ntasks-per-node={max(used)}", *extra]
+        env = dict(self.slurm_env)
+        if mpi == "pmix":  # tasks on two nodes talk TCP; docker0 has the same address everywhere
+            env.update({"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader,tcp",
+                        "OMPI_MCA_btl_tcp_if_include": "eth0"})
+        return ClusterLauncher(f"srun-{mpi}", argv, env, self)
+
     def hosts(self, per_node: Sequence[int]) -> List[str]:
         return [f"{self.names[i]}:{k}" for i, k in enumerate(per_node) if k]
 
@@ -247,6 +310,8 @@ def main() -> int:
 
         sudo .venv/bin/python tests/netns_cluster.py --network routed --nodes 2 -n 4 -- \\
             .venv/bin/python -m hpcsync info
+        sudo .venv/bin/python tests/netns_cluster.py --launcher slurm --mpi pmix --nodes 2 -n 4 -- \\
+            .venv/bin/python -m hpcsync info
     """
     import argparse
     import tempfile
@@ -254,7 +319,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("--network", choices=[BRIDGED, ROUTED, DUAL_HOMED], default=ROUTED)
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--launcher", choices=["openmpi", "mpich"], default="openmpi")
+    ap.add_argument("--launcher", choices=["openmpi", "mpich", "slurm"], default="openmpi",
+                    help="slurm: start slurmctld + one slurmd per node, then srun from the first node")
+    ap.add_argument("--mpi", choices=["pmix", "pmi2"], default="pmix", help="srun --mpi= (with --launcher slurm)")
     ap.add_argument("--placement", choices=["block", "round-robin"], default="block")
     ap.add_argument("-n", type=int, default=4, help="ranks (spread evenly over the nodes)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
@@ -267,7 +334,12 @@ def main() -> int:
     try:
         for i, name in enumerate(cluster.names):
             print(f"# node {name}: eth0={cluster.address(i)} docker0={DOCKER0} (hostname -> 127.0.1.1)", flush=True)
-        lau = getattr(cluster, args.launcher)([args.n // args.nodes] * args.nodes, args.placement)
+        per_node = [args.n // args.nodes] * args.nodes
+        if args.launcher == "slurm":
+            cluster.start_slurm()
+            lau = cluster.srun(per_node, args.mpi)
+        else:
+            lau = getattr(cluster, args.launcher)(per_node, args.placement)
         env = {**os.environ, **lau.env}
         return subprocess.run([*lau.command(args.n, env), *cmd], env=env).returncode
     finally:

@@ -17,15 +17,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence, Tuple
 
 CPUS = 16
 
 
-def _config(d: Path, host: str) -> str:
+def config(d: Path, controller: Tuple[str, str], nodes: Sequence[Tuple[str, str]], cpus: int = CPUS) -> str:
+    """slurm.conf for ``nodes`` = [(name, address), ...], every daemon's files under ``d``.
+
+    Per-node files carry ``%n`` (the node name), so several slurmd on one machine do not collide.
+    """
     mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
+    node_lines = "".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN\n"
+                         for n, a in nodes)
     return f"""\
 ClusterName=hpcsync-test
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={controller[0]}({controller[1]})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -41,22 +48,22 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 SchedulerType=sched/builtin
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd.%n.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd.%n.log
 SlurmctldPort=16817
 SlurmdPort=16818
 MinJobAge=300
 KillWait=5
 InactiveLimit=0
-NodeName={host} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={mem_mb} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{node_lines}PartitionName=debug Nodes={",".join(n for n, _ in nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
-def _munge() -> None:
+def munge() -> None:
+    """Start the machine's one munged (if not running): every Slurm daemon and node shares it."""
     if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
         return
     run = Path("/run/munge")
@@ -77,12 +84,12 @@ def start(d: Path, timeout: float = 60) -> dict:
             raise RuntimeError(f"{exe} not found: run `bash jobs/setup_env.sh --full` (slurm-wlm munge)")
     host = socket.gethostname()
     d = d.resolve()
-    for sub in ("state", "spool"):
+    for sub in ("state", f"spool/{host}"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     conf = d / "slurm.conf"
-    conf.write_text(_config(d, host))
+    conf.write_text(config(d, (host, "127.0.0.1"), [(host, "127.0.0.1")]))
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    _munge()
+    munge()
     subprocess.run(["slurmctld", "-c"], env=env, check=True)
     subprocess.run(["slurmd", "-N", host], env=env, check=True)
     deadline = time.monotonic() + timeout
@@ -99,8 +106,7 @@ def start(d: Path, timeout: float = 60) -> dict:
 
 
 def stop(d: Path) -> None:
-    for name in ("slurmd", "slurmctld"):
-        pidfile = d / f"{name}.pid"
+    for pidfile in [*d.glob("slurmd.*pid"), d / "slurmctld.pid"]:
         if pidfile.exists():
             try:
                 pid = int(pidfile.read_text().strip())
