@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from . import _mpi, watchdog
+from . import _mpi, jobend, watchdog
 from .errors import ranks_by_value
 
 log = logging.getLogger(__name__)
@@ -907,7 +907,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
                     c.Free()
 
     def abort(self) -> None:
-        _mpi.MPI().COMM_WORLD.Abort(1)
+        jobend.abort(1)
 
 
 _OP_IDS = {name: k for k, name in enumerate((
@@ -1011,7 +1011,7 @@ def _at_exit() -> None:
         sys.stderr.write(f"[hpcsync] rank {MPI.COMM_WORLD.Get_rank()}: exiting with a broken process group "
                          f"({_broken_groups[0][0]}); MPI cannot finalize with collectives in flight: MPI_Abort\n")
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        jobend.abort(1)
 
 
 def register() -> None:

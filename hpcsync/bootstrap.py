@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, List, Optional, Union
 
-from . import _mpi
+from . import _mpi, jobend
 from .errors import AddressError, HpcsyncError, MissingDependencyError
 from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
@@ -350,7 +350,7 @@ def install_abort_hook() -> None:
                 # the launcher forwards a remote rank's stderr asynchronously, and the abort kills
                 # the forwarding: give the traceback a moment to reach the user first
                 time.sleep(0.25)
-                world.Abort(1)
+                jobend.abort(1)
 
     sys.excepthook = hook
 

@@ -13,7 +13,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from . import _mpi
+from . import _mpi, nodemap
 from .environments import LauncherEnvironment, detect_environment
 from .errors import LaunchError
 
@@ -75,6 +75,8 @@ def _from_mpi() -> Topology:
     if _local_comm is None:
         _local_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     node_rank, num_nodes = node_layout(world, _local_comm)
+    # every rank knows every rank's node while all are healthy: reports about lost ranks name it
+    nodemap.set_current(nodemap.build(world, _local_comm, node_rank, socket.gethostname()))
     return Topology(
         rank=world.Get_rank(),
         world_size=world.Get_size(),

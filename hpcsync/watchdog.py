@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from . import _mpi
+from . import _mpi, jobend, nodemap
 
 RING = 64  # operations kept per group
 _TAG_ASK, _TAG_STATE, _TAG_DONE = 31001, 31002, 31003
@@ -98,13 +98,32 @@ def _stacks() -> Dict[str, List[str]]:
 
 
 def snapshot() -> Dict[str, Any]:
-    """This rank's records and stacks, as plain data."""
+    """This rank's records and stacks, as plain data (what a group's representative sends)."""
     world = _mpi.MPI().COMM_WORLD
     with _lock:
         groups = {log.name: {"ranks": log.ranks, "timed_out": log.timed_out,
                              "ops": [asdict(r) for r in log.ops]} for log in _logs.values()}
     return {"rank": world.Get_rank(), "host": os.uname().nodename, "pid": os.getpid(), "time": time.time(),
             "groups": groups, "stacks": _stacks()}
+
+
+def digest(group: str, seq: int) -> Dict[str, Any]:
+    """This rank's state for operation ``seq`` of ``group`` in a few hundred bytes: what every
+    rank sends, so a report gathers O(ranks) small records, not every rank's stacks."""
+    with _lock:
+        log = next((g for g in _logs.values() if g.name == group), None)
+        ops = list(log.ops) if log is not None else []
+        timed_out = log is not None and log.timed_out == seq
+    this = next((o for o in ops if o.seq == seq), None)
+    state = "never" if this is None else "inside" if this.finished is None else "finished"
+    last = ops[-1] if ops else None
+    now = time.time()
+    main = sys._current_frames().get(threading.main_thread().ident)
+    frames = user_frames([ln.rstrip("\n") for ln in traceback.format_stack(main)]) if main is not None else []
+    return {"rank": _mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "state": state, "timed_out": timed_out,
+            "last": last and {"seq": last.seq, "op": f"{last.op} #{last.seq}", "finished": last.finished is not None,
+                              "age_s": round(now - (last.finished or last.started), 1)},
+            "frames": frames}
 
 
 class Responder:
@@ -126,8 +145,9 @@ class Responder:
                     if msg is None:
                         break
                     status = MPI.Status()
-                    msg.recv(status=status)  # mprobe-matched: any size
-                    self._sends.append(self.comm.isend(snapshot(), dest=status.Get_source(), tag=_TAG_STATE))
+                    group, seq, full = msg.recv(status=status)  # mprobe-matched: any size
+                    answer = snapshot() if full else digest(group, seq)
+                    self._sends.append(self.comm.isend(answer, dest=status.Get_source(), tag=_TAG_STATE))
                 self._sends = [r for r in self._sends if not r.Test()]
             except Exception:  # never let the flight recorder take the job down
                 if MPI.Is_finalized():
@@ -146,83 +166,115 @@ def start() -> Responder:
     return _responder
 
 
-def collect(wait_s: float = 5.0) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
-    """Ask every rank for its snapshot; return the answers and the ranks that did not answer."""
+def _ask(ranks: List[int], question: Tuple[str, int, bool], wait_s: float) -> Dict[int, Dict[str, Any]]:
+    """Send ``question`` to ``ranks``' responders; the answers that came within ``wait_s``."""
     MPI = _mpi.MPI()
-    me = MPI.COMM_WORLD.Get_rank()
-    states = {me: snapshot()}
-    if _responder is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
-        return states, sorted(set(range(MPI.COMM_WORLD.Get_size())) - {me})
+    assert _responder is not None
     comm = _responder.comm
-    size = comm.Get_size()
-    sends = [comm.isend(me, dest=r, tag=_TAG_ASK) for r in range(size) if r != me]
+    sends = [comm.isend(question, dest=r, tag=_TAG_ASK) for r in ranks]
+    answers: Dict[int, Dict[str, Any]] = {}
     deadline = time.monotonic() + wait_s
-    while len(states) < size and time.monotonic() < deadline:
+    while len(answers) < len(ranks) and time.monotonic() < deadline:
         msg = comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_STATE)
         if msg is None:
             time.sleep(0.01)
             continue
         status = MPI.Status()
         data = msg.recv(status=status)
-        states[status.Get_source()] = data
+        if status.Get_source() in ranks:
+            answers[status.Get_source()] = data
     _inflight.extend(s for s in sends if not s.Test())  # their buffers must outlive them
+    return answers
+
+
+def collect(group: GroupLog, seq: int, wait_s: float = 5.0) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
+    """Every rank's :func:`digest` of operation ``seq``, and the ranks that did not answer in time."""
+    MPI = _mpi.MPI()
+    me = MPI.COMM_WORLD.Get_rank()
+    states = {me: digest(group.name, seq)}
+    size = MPI.COMM_WORLD.Get_size()
+    if _responder is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
+        return states, sorted(set(range(size)) - {me})
+    states.update(_ask([r for r in range(size) if r != me], (group.name, seq, False), wait_s))
     return states, sorted(set(range(size)) - set(states))
 
 
+MAX_GROUPS = 12  # rank groups printed (and sent in full) per report; the rest are counted
+
+
 def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[int, Dict[str, Any]],
-                 silent: List[int]) -> Dict[str, Any]:
-    """Who never entered ``rec.seq`` of ``group``, who is inside it, and every rank's stack."""
-    never, inside, done, per_rank = [], [], [], {}
+                 silent: List[int], full: Optional[Dict[int, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """Who never entered ``rec.seq`` of ``group``, who is inside it, who finished, who is silent;
+    ranks with the same state, last operation and program frames form one group (rank ranges and
+    nodes, in the manner of torch's flight-recorder analyzer), so the size does not grow with ranks."""
+    nodes = nodemap.current()
+    host = nodes.host if nodes is not None else (lambda r: "?")
+    by: Dict[Any, List[int]] = {}
     for r in group.ranks:
-        if r not in states:
+        d = states.get(r)
+        if d is None:
             continue
-        g = states[r]["groups"].get(group.name, {"ops": []})
-        ops = g["ops"]
-        last = ops[-1] if ops else None
-        this = next((o for o in ops if o["seq"] == rec.seq), None)
-        if this is None:
-            never.append(r)
-        elif this["finished"] is None:
-            inside.append(r)
-        else:
-            done.append(r)
-        per_rank[r] = {"host": states[r]["host"], "pid": states[r]["pid"],
-                       "last_op": last and {k: last[k] for k in ("seq", "op", "dtype", "shape", "root", "finished")},
-                       "last_op_age_s": last and round(states[r]["time"] - (last["finished"] or last["started"]), 3),
-                       "main_stack": states[r]["stacks"].get("main", []),
-                       "stacks": states[r]["stacks"]}
-    return {"kind": "hpcsync hang report", "group": group.name, "group_ranks": group.ranks,
-            "operation": asdict(rec), "timeout_s": timeout_s, "never_entered": never, "inside": inside,
-            "finished": done, "no_reply": [r for r in silent if r in group.ranks],
-            "timed_out_ranks": sorted(r for r, s in states.items()
-                                      if s["groups"].get(group.name, {}).get("timed_out") == rec.seq),
-            "ranks": per_rank}
+        last = d["last"] or {}
+        key = (d["state"], last.get("op"), last.get("finished"), tuple(d["frames"]))
+        by.setdefault(key, []).append(r)
+    order = {"never": 0, "inside": 1, "finished": 2}
+    groups = []
+    for (state, last_op, finished, frames), rs in sorted(by.items(), key=lambda kv: (order[kv[0][0]], kv[1][0])):
+        ages = [states[r]["last"]["age_s"] for r in rs if states[r]["last"]]
+        rep = rs[0]
+        groups.append({"state": state, "ranks": nodemap.ranges(rs), "rank_list": rs,
+                       "nodes": nodes.nodes(rs) if nodes is not None else [],
+                       "last_op": last_op, "last_finished": finished,
+                       "age_s": [min(ages), max(ages)] if ages else None, "frames": list(frames),
+                       "representative": rep, "pid": states[rep]["pid"],
+                       "stacks": (full or {}).get(rep, {}).get("stacks")})
+
+    def where(rs: List[int]) -> Dict[str, str]:
+        return {h: nodemap.ranges(v) for h, v in (nodes.by_node(rs).items() if nodes is not None else [])}
+
+    pick = {k: [r for r in group.ranks if states.get(r, {}).get("state") == k] for k in order}
+    no_reply = [r for r in silent if r in group.ranks]
+    return {"kind": "hpcsync hang report", "group": group.name, "group_ranks": nodemap.ranges(group.ranks),
+            "operation": asdict(rec), "timeout_s": timeout_s, "never_entered": pick["never"],
+            "inside": pick["inside"], "finished": pick["finished"], "no_reply": no_reply,
+            "no_reply_nodes": where(no_reply), "never_entered_nodes": where(pick["never"]),
+            "timed_out_ranks": sorted(r for r, d in states.items() if d["timed_out"]),
+            "groups": groups, "hosts": {str(r): host(r) for r in (no_reply + pick["never"])[:256]}}
 
 
 def format_report(rep: Dict[str, Any]) -> str:
+    """The report for people: a few lines per group of ranks, whatever the number of ranks."""
     op = rep["operation"]
     desc = OpRecord(**{k: op[k] for k in ("seq", "op", "dtype", "shape", "root", "started")}).describe()
+    nodes = nodemap.current()
 
     def names(rs: List[int]) -> str:
-        return ", ".join(str(r) for r in rs) or "none"
+        if not rs:
+            return "none"
+        return nodes.describe(rs) if nodes is not None else nodemap.ranges(rs)
 
-    lines = [f"[hpcsync] HANG REPORT: {desc} in group {rep['group']!r} (ranks {names(rep['group_ranks'])}) "
+    lines = [f"[hpcsync] HANG REPORT: {desc} in group {rep['group']!r} (ranks {rep['group_ranks']}) "
              f"did not complete within {rep['timeout_s']:g} s",
-             f"  never entered #{op['seq']}: rank(s) {names(rep['never_entered'])}"]
-    for r in rep["never_entered"]:
-        info = rep["ranks"][r]
-        last = info["last_op"]
-        lines.append(f"    rank {r} ({info['host']}): last operation "
-                     + (f"{last['op']} #{last['seq']} ({'finished' if last['finished'] else 'running'} "
-                        f"{info['last_op_age_s']:.1f} s ago)" if last else "none in this group"))
-    lines.append(f"  inside #{op['seq']}: rank(s) {names(rep['inside'])}")
+             f"  never entered #{op['seq']}: rank(s) {names(rep['never_entered'])}",
+             f"  inside #{op['seq']}: rank(s) {names(rep['inside'])}"]
     if rep["finished"]:
         lines.append(f"  finished #{op['seq']}: rank(s) {names(rep['finished'])}")
     if rep["no_reply"]:
-        lines.append(f"  no reply: rank(s) {names(rep['no_reply'])} (dead, or stuck in C code holding the GIL)")
-    for r in rep["never_entered"] + [r for r in rep["ranks"] if r not in rep["never_entered"]]:
-        lines.append(f"  rank {r} main thread (innermost frames of the program; full stacks in the JSON):")
-        lines.extend("    " + ln.replace("\n", "\n    ") for ln in user_frames(rep["ranks"][r]["main_stack"]))
+        lines.append(f"  no reply: rank(s) {names(rep['no_reply'])} (node lost, process dead or frozen, "
+                     "or stuck in C code holding the GIL)")
+    for g in rep["groups"][:MAX_GROUPS]:
+        rs = g["rank_list"]
+        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {g['ranks']}"
+        where = ", ".join(g["nodes"][:4]) + (f" +{len(g['nodes']) - 4} nodes" if len(g["nodes"]) > 4 else "")
+        age = g["age_s"] and (f"{g['age_s'][0]:.1f} s" if g["age_s"][0] == g["age_s"][1]
+                              else f"{g['age_s'][0]:.1f}-{g['age_s'][1]:.1f} s")
+        last = (f"{g['last_op']} ({'finished' if g['last_finished'] else 'running'} {age} ago)"
+                if g["last_op"] else "none in this group")
+        lines.append(f"  {who} ({where or '?'}): last operation {last}; main thread (innermost frames "
+                     "of the program):")
+        lines.extend("    " + ln.replace("\n", "\n    ") for ln in g["frames"])
+    if len(rep["groups"]) > MAX_GROUPS:
+        lines.append(f"  ... {len(rep['groups']) - MAX_GROUPS} more group(s) of ranks in the JSON")
     return "\n".join(lines)
 
 
@@ -252,16 +304,22 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     off (``HPCSYNC_ABORT_ON_EXCEPTION=0`` / ``init(abort_on_exception=False)``).
     """
     group.timed_out = rec.seq
-    states, silent = collect()
-    rep = build_report(group, rec, timeout_s, states, silent)
     me = _mpi.MPI().COMM_WORLD.Get_rank()
-    printer = min(rep["timed_out_ranks"] or [me])
     comm = _responder.comm if _responder is not None else None
+    printer = _printer_before(group, rec.seq, me) if comm is not None else None
+    if printer is not None:  # a lower rank inside the same operation gathers and prints
+        _wait_done(comm, printer, min(timeout_s, 30) + 15)
+        return None
+    states, silent = collect(group, rec.seq)
+    rep = build_report(group, rec, timeout_s, states, silent)
+    printer = min(rep["timed_out_ranks"] or [me])
+    if printer == me and comm is not None:  # full stacks from one rank of each group, for the JSON
+        reps = [g["representative"] for g in rep["groups"][:MAX_GROUPS]]
+        full = _ask([r for r in reps if r != me], ("", 0, True), 2.0)
+        full[me] = snapshot()
+        rep = build_report(group, rec, timeout_s, states, silent, full)
     if printer != me and comm is not None:
-        # let the printing rank finish before this one raises (an uncaught error here aborts the job)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and comm.iprobe(source=printer, tag=_TAG_DONE) is False:
-            time.sleep(0.05)
+        _wait_done(comm, printer, 10)
         return None
     text = format_report(rep)
     try:
@@ -280,8 +338,28 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
         sys.stderr.flush()
         time.sleep(1.0)  # let the launcher forward the report before the abort tears its pipes down
-        _mpi.MPI().COMM_WORLD.Abort(1)
+        jobend.abort(1)
     return text
+
+
+def _printer_before(group: GroupLog, seq: int, me: int, tries: int = 3) -> Optional[int]:
+    """One of the group's first ranks (before this one) that is inside operation ``seq`` too, so
+    it times out and reports: asking it costs one message, while every rank gathering from every
+    rank would cost ranks² of them."""
+    for r in group.ranks[:tries]:
+        if r == me:
+            return None
+        answer = _ask([r], (group.name, seq, False), 1.0).get(r)
+        if answer is not None and answer["state"] == "inside":
+            return r
+    return None
+
+
+def _wait_done(comm: Any, printer: int, wait_s: float) -> None:
+    """Let the printing rank finish before this one raises (an uncaught error here aborts the job)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and comm.iprobe(source=printer, tag=_TAG_DONE) is False:
+        time.sleep(0.05)
 
 
 def _abort_enabled() -> bool:

@@ -39,6 +39,10 @@ DOCKER0 = "172.17.0.1/16"
 # Variables a remote rank needs from the test (Open MPI forwards only what -x names).
 _FORWARD = ("HPCSYNC_", "BENCH_", "MPI4PY_", "PYTHON", "OMP_NUM_THREADS", "TORCH_", "LD_LIBRARY_PATH", "PATH", "HOME")
 
+# MPICH's UCX reaches every process on one machine by shared memory, whatever the namespaces
+# (it goes by boot id, not hostname): force the cluster network, as between real nodes.
+_MPICH_NETWORK = {"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": "eth0"}
+
 _AGENT = r"""#!/bin/sh
 # rsh/ssh agent for namespace nodes: agent [ssh options] NODE COMMAND...
 while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
@@ -68,6 +72,7 @@ class Cluster:
         self.agent = str(self.dir / "agent")
         self._started: List[str] = []
         self.slurm_env: Dict[str, str] = {}
+        self.slurm_dir = Path(f"/tmp/hpcsync-slurm-{tag}")
 
     def address(self, i: int) -> str:
         """Node ``i``'s cluster address (the first node's first one when it has two)."""
@@ -195,6 +200,23 @@ class Cluster:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         self._started.clear()
+        shutil.rmtree(self.slurm_dir, ignore_errors=True)
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def link_down(self, node: int) -> None:
+        """The node drops off the network (its processes live on, unreachable)."""
+        for dev in ("eth0", "eth1") if self.network == DUAL_HOMED and node == 0 else ("eth0",):
+            _sh("ip", "-n", self.names[node], "link", "set", dev, "down")
+
+    def kill_node(self, node: int) -> None:
+        """Every process of the node dies at once (SIGKILL), as when it crashes or is power-cycled."""
+        for pid in subprocess.run(["ip", "netns", "pids", self.names[node]], capture_output=True,
+                                  text=True).stdout.split():
+            try:
+                os.kill(int(pid), 9)
+            except (OSError, ValueError):
+                pass
 
     def on_node(self, node: int, *cmd: str) -> List[str]:
         """argv that runs ``cmd`` inside node ``node`` (its namespaces, hostname, node-local dir)."""
@@ -212,7 +234,7 @@ class Cluster:
         """
         import slurm_cluster
 
-        d = self.dir / "slurm"
+        d = self.slurm_dir  # short: slurmstepd's Unix socket paths must fit in 108 bytes
         nodes = [(name, self.address(i)) for i, name in enumerate(self.names)]
         text = slurm_cluster.config(d, nodes[0], nodes, cpus)
         (d / "state").mkdir(parents=True)
@@ -245,8 +267,8 @@ class Cluster:
         script = (f"hostname {name} && mount --bind {etc}/hosts /etc/hosts && "
                   f"mount --bind {etc}/resolv.conf /etc/resolv.conf && "
                   f"mount --bind '{self.dir}/nodes/{name}' '{self.dir}/nodelocal' && exec {shlex.join(cmd)}")
-        log = open(self.dir / "slurm" / f"{cmd[0]}.{name}.out", "w")
-        env = {**os.environ, "SLURM_CONF": str(self.dir / "slurm" / "etc" / name / "slurm.conf")}
+        log = open(self.slurm_dir / f"{cmd[0]}.{name}.out", "w")
+        env = {**os.environ, "SLURM_CONF": str(self.slurm_dir / "etc" / name / "slurm.conf")}
         subprocess.Popen(["nsenter", f"--net=/var/run/netns/{name}", "unshare", "--uts", "--mount", "sh", "-c",
                           script], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -262,6 +284,8 @@ class Cluster:
         if mpi == "pmix":  # tasks on two nodes talk TCP; docker0 has the same address everywhere
             env.update({"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader,tcp",
                         "OMPI_MCA_btl_tcp_if_include": "eth0"})
+        else:
+            env.update(_MPICH_NETWORK)
         return ClusterLauncher(f"srun-{mpi}", argv, env, self)
 
     def hosts(self, per_node: Sequence[int]) -> List[str]:
@@ -284,7 +308,7 @@ class Cluster:
         hosts = ",".join(self.hosts([1 if k else 0 for k in per_node]) if placement == "round-robin"
                          else self.hosts(per_node))
         argv = [str(exe), "-launcher", "ssh", "-launcher-exec", self.agent, "-hosts", hosts, "-iface", "eth0"]
-        return ClusterLauncher("mpich", argv, {}, self)
+        return ClusterLauncher("mpich", argv, dict(_MPICH_NETWORK), self)
 
 
 class ClusterLauncher(Launcher):

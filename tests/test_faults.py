@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -26,7 +27,8 @@ def test_stuck_rank_ends_the_job_with_a_report(launcher, tmp_path):
     assert took < timeout + 15, took
     err = res.stderr
     assert "HANG REPORT: all_reduce #3 (float32[4])" in err, res
-    assert "never entered #3: rank(s) 3" in err and "inside #3: rank(s) 0, 1, 2" in err
+    host = socket.gethostname()
+    assert f"never entered #3: rank(s) 3 on {host}" in err and f"inside #3: rank(s) 0-2 on {host}" in err
     assert "rank 3 (" in err and "last operation all_reduce #2 (finished" in err
     assert "STUCK HERE" in err and "time.sleep(timeout + 8)" in err  # rank 3's own line
     assert err.count("HANG REPORT") == 1  # one rank prints it
@@ -34,7 +36,11 @@ def test_stuck_rank_ends_the_job_with_a_report(launcher, tmp_path):
     assert len(files) == 1
     rep = json.loads(files[0].read_text())
     assert rep["never_entered"] == [3] and rep["inside"] == [0, 1, 2] and rep["operation"]["op"] == "all_reduce"
-    assert any("STUCK HERE" in line for line in rep["ranks"]["3"]["main_stack"])
+    stuck = [g for g in rep["groups"] if g["rank_list"] == [3]]
+    assert len(stuck) == 1 and stuck[0]["state"] == "never" and stuck[0]["nodes"] == [host], rep["groups"]
+    assert any("STUCK HERE" in line for line in stuck[0]["stacks"]["main"])  # the full stack, for the JSON
+    inside = [g for g in rep["groups"] if g["rank_list"] == [0, 1, 2]]  # one group: same state and line
+    assert len(inside) == 1 and inside[0]["state"] == "inside", rep["groups"]
 
 
 def reports_of_all(res, n):

@@ -4,15 +4,13 @@ See ``tests/netns_cluster.py`` for the nodes. Bridged and routed cluster network
 docker0 = 172.17.0.1 on every node and hostnames that resolve to 127.0.1.1; block and
 round-robin placement; Open MPI (mpirun + rsh agent) and MPICH (hydra + ssh launcher).
 """
-import csv
 import subprocess
 import time
 
-import h5py
-import numpy as np
 import pytest
 
-from launch import PY, clean_env, openmpi, run
+from launch import PY, clean_env, run
+from multinode_checks import check_multinode_job
 from netns_cluster import BRIDGED, DUAL_HOMED, ROUTED, Cluster
 
 
@@ -36,19 +34,6 @@ def expected_nodes(placement, n, nodes):
     return [r // per if placement == "block" else r % nodes for r in range(n)]
 
 
-_reference = {}
-
-
-def one_node_weights(backend, n, tmp_path):
-    """The same program on one node (no namespaces): the weights a multi-node run must reproduce."""
-    if (backend, n) not in _reference:
-        work = tmp_path / f"ref-{backend}"
-        (work / "local").mkdir(parents=True)
-        res = run(openmpi(), n, "multinode.py", backend, str(work), str(work / "local"), tmp_path=work)
-        _reference[backend, n] = res.ranks[0]["weights"]
-    return _reference[backend, n]
-
-
 CASES = [  # network, launcher, placement, backend, nodes, ranks
     (BRIDGED, "openmpi", "block", "gloo", 2, 4),
     (BRIDGED, "openmpi", "round-robin", "hpcsync", 2, 4),
@@ -68,42 +53,8 @@ def test_job_across_nodes(clusters, network, launcher, placement, backend, nodes
     work = tmp_path / "work"
     work.mkdir()
     res = run(lau, n, "multinode.py", backend, str(work), cluster.node_local, tmp_path=tmp_path, timeout=300)
-    where = expected_nodes(placement, n, nodes)
-    for r, d in enumerate(res.ranks):
-        t = d["topology"]
-        # topology: real nodes, from MPI
-        assert (t["rank"], t["node_rank"], t["num_nodes"]) == (r, where[r], nodes), d
-        assert t["local_size"] == n // nodes and t["local_rank"] == where[:r].count(where[r])
-        assert d["hostname"] == t["hostname"] == cluster.names[where[r]]
-        # address: the cluster network, never docker0 / loopback / link-local, reachable from all nodes
-        rank0_node = 0
-        assert d["master"]["address"] == cluster.address(rank0_node), d["master"]
-        assert d["master"]["ifname"] == "eth0"
-        assert ("routed" in d["master"]["reason"]) == (network == ROUTED)
-        assert "reached from every node" in d["master"]["reason"]
-        assert d["backend"] == backend and d["allreduce"] == n * (n + 1) / 2
-        assert d["env_master"] == (None if backend == "hpcsync" else cluster.address(0))
-        assert d["gathered_hosts"] == [cluster.names[k] for k in where]
-        assert d["local_group_ranks"] == [k for k in range(n) if where[k] == where[r]]
-        assert d["sync_gather"] == "gather" and d["sync_mpiio"] == "mpiio" and d["sync_copy"] == "copy"
-        # shared folder, small merge: the root copies; node-local parts (same path, another file on
-        # each node): the root must not copy its own files for the other nodes' -> gather
-        assert d["sync_auto"] == "copy" and d["sync_nodelocal"] == "gather"
-        # node-local parts: each node's folder holds only its own ranks' parts
-        mine = sorted(f"rank{k:05d}.csv" for k in range(n) if where[k] == where[r])
-        assert d["nodelocal_visible_here"] == mine
-        assert d["h5_parallel"] == (launcher == "openmpi")  # MPICH job: h5py links Open MPI -> fallback
-    # DDP: identical on every rank and equal to a one-node run with the same ranks
-    weights = np.array(res.ranks[0]["weights"])
-    assert all(np.array_equal(weights, np.array(d["weights"])) for d in res.ranks)
-    np.testing.assert_allclose(weights, one_node_weights(backend, n, tmp_path), rtol=1e-5, atol=1e-6)
-    # merged outputs: every rank's rows in rank order, one header, whatever the method
-    want = [["rank", "i", "host"]] + [[str(r), str(i), cluster.names[where[r]]] for r in range(n) for i in range(r + 1)]
-    for name in ("copy", "gather", "mpiio", "auto", "nodelocal"):
-        with open(work / f"metrics-{name}.csv", newline="") as f:
-            assert list(csv.reader(f)) == want, name
-    with h5py.File(work / "rows.h5") as f:
-        assert f["x"][:, 0].tolist() == [r for r in range(n) for _ in range(r + 1)]
+    check_multinode_job(res, cluster, expected_nodes(placement, n, nodes), backend, launcher == "openmpi", work,
+                        tmp_path)
 
 
 def _cli(cluster, lau, n, *args, env=None, timeout=180):

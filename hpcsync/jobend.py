@@ -1,0 +1,88 @@
+"""End a broken job for sure: ``MPI_Abort``, then make sure the launcher does not wait forever.
+
+``MPI_Abort`` asks the launcher to kill every rank, and the launcher then waits until every
+node's daemon confirms. A node that dropped off the network never confirms: Open MPI's
+``mpirun`` waits for its out-of-band keepalive (300 s idle + 9 x 20 s probes by default), so the
+job outlives its report by many minutes and burns the allocation. Before aborting, a rank that
+runs under its launcher (``mpirun``/``mpiexec`` is an ancestor: the ranks on the launcher's node)
+leaves a detached watcher: if that launcher is still alive ``HPCSYNC_ABORT_GRACE`` seconds
+(default 10) later, the watcher sends it SIGTERM (it kills what it can reach and exits; Open MPI 4.1's
+``mpirun`` may crash on its way out, which ends the job all the same), and SIGKILL after as
+long again. A rank whose own ``MPI_Abort`` has not returned or ended it within
+the grace ends itself.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from typing import NoReturn, Optional, Tuple
+
+from . import _mpi
+
+log = logging.getLogger(__name__)
+
+# Process names (``/proc/PID/comm``, at most 15 characters) of launchers that wait for their nodes.
+LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiexec.openmpi", "mpiexec.hydra",
+             "mpiexec.mpich", "mpirun.mpich")
+
+
+def grace_s() -> float:
+    return float(os.environ.get("HPCSYNC_ABORT_GRACE", 10))
+
+
+def _stat(pid: int) -> Tuple[str, int]:
+    """(comm, parent pid) of ``pid`` from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    return comm, int(text[text.rindex(")") + 2:].split()[1])
+
+
+def launcher_pid(pid: Optional[int] = None) -> Optional[Tuple[int, str]]:
+    """The nearest ancestor of ``pid`` (default: this process) that is an MPI launcher, or None
+    (ranks on other nodes descend from a per-node daemon; under srun, from slurmstepd)."""
+    try:
+        pid = _stat(pid or os.getpid())[1]
+        for _ in range(64):
+            if pid <= 1:
+                return None
+            comm, parent = _stat(pid)
+            if comm in LAUNCHERS:
+                return pid, comm
+            pid = parent
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def watch_launcher(pid: int, comm: str, grace: float) -> None:
+    """Start the detached watcher (its own session and no open pipes, so it neither dies with this
+    rank nor keeps the launcher's output forwarding open)."""
+    check = f'[ "$(cat /proc/{pid}/comm 2>/dev/null)" = "{comm}" ]'
+    script = f"sleep {grace}; {check} || exit 0; kill -TERM {pid}; sleep {grace}; {check} && kill -KILL {pid}"
+    subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def abort(code: int = 1) -> NoReturn:
+    """``MPI_Abort(COMM_WORLD)``, bounded as the module docstring says. Never returns."""
+    grace = grace_s()
+    rank = _mpi.MPI().COMM_WORLD.Get_rank()
+    launcher = launcher_pid()
+    if launcher is not None and grace > 0:
+        try:
+            watch_launcher(*launcher, grace)
+            sys.stderr.write(f"[hpcsync] rank {rank}: if {launcher[1]} (pid {launcher[0]}) still waits {grace:g} s "
+                             "after this abort (a lost node), hpcsync sends it SIGTERM\n")
+            sys.stderr.flush()
+        except OSError as exc:
+            log.warning("hpcsync: cannot watch the launcher: %s", exc)
+    if grace > 0:
+        stopper = threading.Timer(grace, os._exit, args=(code,))
+        stopper.daemon = True
+        stopper.start()
+    _mpi.MPI().COMM_WORLD.Abort(code)
+    os._exit(code)
