@@ -118,18 +118,20 @@ def stop(d: Path) -> None:
                 pass
 
 
-def wait_job(job_id: str, env: dict, timeout: float = 300) -> dict:
-    """Poll until the job left the queue; return its scontrol fields (JobState, ExitCode, ...)."""
+def wait_job(job_id: str, env: dict, timeout: float = 300, on=lambda *argv: list(argv)) -> dict:
+    """Poll until the job left the queue; return its scontrol fields (JobState, ExitCode, ...).
+
+    ``on(*argv)``: the argv that runs a client command where the controller is reachable."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        q = subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True)
+        q = subprocess.run(on("squeue", "-h", "-j", job_id), env=env, capture_output=True, text=True)
         if q.returncode == 0 and not q.stdout.strip():
             break
         time.sleep(0.3)
     else:
-        subprocess.run(["scancel", job_id], env=env)
+        subprocess.run(on("scancel", job_id), env=env)
         raise TimeoutError(f"job {job_id} still queued or running after {timeout}s")
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True,
+    out = subprocess.run(on("scontrol", "show", "job", "-o", job_id), env=env, capture_output=True, text=True,
                          check=True).stdout
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
