@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from . import _mpi, jobend, watchdog
+from . import _mpi, jobend, nodemap, watchdog
 from .errors import ranks_by_value
 
 log = logging.getLogger(__name__)
@@ -468,7 +468,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
             self._broken = f"hpcsync backend: group {self._log.name!r} is broken after a collective mismatch (desync)"
             self._mark_broken()
         groups = ranks_by_value(rows, self._log.ranks)
-        detail = "; ".join(f"rank(s) {rs}: {_explain(row)}" for row, rs in groups.items())
+        detail = "; ".join(f"rank(s) {nodemap.describe(rs)}: {_explain(row)}" for row, rs in groups.items())
         raise dist.DistBackendError(
             f"hpcsync backend: collective mismatch (desync) at operation #{rec.seq} of group "
             f"{self._log.name!r}: {detail}. Every rank must call the same collectives in the same order "

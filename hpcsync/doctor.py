@@ -101,6 +101,34 @@ def _address_checks(topo: Any, checks: List[Check], connect: bool) -> None:
                             f"every rank connected to {choice.address} (a TCP test; --no-connect skips it)"))
 
 
+KEEPALIVE_FLAGS = "--mca oob_tcp_keepalive_time 5 --mca oob_tcp_keepalive_intvl 2 --mca oob_tcp_keepalive_probes 3"
+
+
+def _lost_node_check(topo: Any, checks: List[Check], env: Any = None) -> None:
+    """Does the launcher notice a lost node, or a rank that died, soon enough to end the job?"""
+    import os
+
+    env = os.environ if env is None else env
+    name = "lost node"
+    if topo.launcher == "openmpi":
+        idle = float(env.get("OMPI_MCA_oob_tcp_keepalive_time", 300))
+        probes = float(env.get("OMPI_MCA_oob_tcp_keepalive_probes", 9)) * float(env.get("OMPI_MCA_oob_tcp_keepalive_intvl", 20))
+        if topo.num_nodes > 1 and idle + probes > 60:
+            checks.append(Check(name, WARN, f"mpirun notices a node that dropped off the network after ~{idle + probes:g} s "
+                                            "(oob keepalive); hpcsync ends the job itself HPCSYNC_ABORT_GRACE s after "
+                                            f"its abort, from mpirun's node only. Add: mpirun {KEEPALIVE_FLAGS}"))
+        else:
+            checks.append(Check(name, OK, f"mpirun notices a lost node within ~{idle + probes:g} s"
+                                          if topo.num_nodes > 1 else "one node: nothing to lose"))
+    elif topo.launcher == "slurm" and topo.world_size > 1:
+        if env.get("SLURM_KILL_BAD_EXIT") == "1":
+            checks.append(Check(name, OK, "SLURM_KILL_BAD_EXIT=1: a task that fails ends the step"))
+        else:
+            checks.append(Check(name, WARN, "srun keeps the other tasks running when one exits with an error "
+                                            "(unless it aborts through MPI): srun --kill-on-bad-exit=1, or "
+                                            "export SLURM_KILL_BAD_EXIT=1 in the batch script"))
+
+
 def _torch_checks(topo: Any, checks: List[Check]) -> None:
     try:
         import torch
@@ -212,6 +240,7 @@ def run(connect: bool = True) -> int:
     if topo is not None:
         _hostname_check(topo, checks)
         _address_checks(topo, checks, connect)
+        _lost_node_check(topo, checks)
     _torch_checks(topo, checks)
     if topo is not None:
         _hdf5_check(checks)

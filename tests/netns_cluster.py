@@ -17,8 +17,10 @@ on each node). The cluster network is either
 
 MPI is launched across the nodes as on a cluster: Open MPI's ``mpirun`` (rsh agent) or MPICH's
 hydra ``mpiexec`` (``-launcher ssh -launcher-exec``) runs inside the first node and starts the
-others through ``agent``, which enters the node's namespaces. Needs root (CI has it); without it
-the fixture fails with the reason instead of skipping.
+others through ``agent``, which enters the node's namespaces. :meth:`Cluster.start_slurm` runs a
+``slurmctld`` in the first node and a ``slurmd`` in every node, and :meth:`Cluster.srun` launches
+with ``srun`` from the first node. :meth:`Cluster.link_down` and :meth:`Cluster.kill_node` break a
+node. Needs root (CI has it); without it the fixture fails with the reason instead of skipping.
 """
 from __future__ import annotations
 

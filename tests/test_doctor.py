@@ -79,3 +79,25 @@ def test_doctor_reports_huge_pages_for_torch_tensors():
     else:
         assert "ok  huge pages      torch CPU tensors >= 2 MiB use transparent huge pages" in on, on
         assert "warn  huge pages      torch CPU tensors use 4 KiB pages" in off, off
+
+
+def test_lost_node_check_reads_the_launcher_settings():
+    """In process: mpirun's default oob keepalive (~8 min) and srun without kill-on-bad-exit warn."""
+    from types import SimpleNamespace
+
+    from hpcsync.doctor import KEEPALIVE_FLAGS, OK, WARN, _lost_node_check
+
+    def check(launcher, nodes, env):
+        out = []
+        _lost_node_check(SimpleNamespace(launcher=launcher, num_nodes=nodes, world_size=4), out, env)
+        return out[0] if out else None
+
+    warn = check("openmpi", 2, {})
+    assert warn.status == WARN and "~480 s" in warn.detail and KEEPALIVE_FLAGS in warn.detail
+    tuned = {"OMPI_MCA_oob_tcp_keepalive_time": "5", "OMPI_MCA_oob_tcp_keepalive_intvl": "2",
+             "OMPI_MCA_oob_tcp_keepalive_probes": "3"}
+    assert check("openmpi", 2, tuned).status == OK and "~11 s" in check("openmpi", 2, tuned).detail
+    assert check("openmpi", 1, {}).status == OK
+    assert check("slurm", 2, {}).status == WARN and "--kill-on-bad-exit=1" in check("slurm", 2, {}).detail
+    assert check("slurm", 2, {"SLURM_KILL_BAD_EXIT": "1"}).status == OK
+    assert check("hydra", 2, {}) is None  # hydra notices a lost proxy by itself (measured)

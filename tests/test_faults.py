@@ -105,7 +105,7 @@ def test_mismatched_collectives_raise_on_every_rank(launcher, case, differs, deb
         assert d["results"] == [], d  # no rank returned data
         first = d["errors"][0]
         assert first.startswith("DistBackendError") and "collective mismatch (desync) at operation #1" in first
-        assert "rank(s) [0]: #1 all_reduce dtype=float32 count=4" in first and differs in first
+        assert f"rank(s) 0 on {socket.gethostname()}: #1 all_reduce dtype=float32 count=4" in first and differs in first
         assert d["seconds"] < 10  # found at once, not at the timeout
     assert res.ranks[0]["errors"][0] == res.ranks[1]["errors"][0]  # the same error everywhere
 
@@ -152,3 +152,26 @@ def test_sigkilled_rank_ends_the_job(launcher, mode, tmp_path, request):
         parts = sorted((work / ".merged.bin.parts").iterdir())
         assert [p.name for p in parts] == ["rank00000.bin", "rank00001.bin", "rank00002.bin"]
         assert all(p.stat().st_size == 8 << 20 for p in parts)
+
+
+def test_hang_report_of_32_ranks_stays_small(tmp_path):
+    """32 ranks, the last stuck: one report of two groups of ranks (ranges, with the node), a few
+    lines and a small JSON, not a stack per rank; printed once; the job ends."""
+    n, timeout = 32, 5
+    host = socket.gethostname()
+    t0 = time.monotonic()
+    res = run(openmpi(), n, "wide_hang.py", str(timeout), tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=180)
+    assert res.returncode != 0 and time.monotonic() - t0 < 90, res
+    err = res.stderr
+    assert err.count("HANG REPORT") == 1, res
+    report = err[err.index("[hpcsync] HANG REPORT"):].split("\n[hpcsync] report written")[0].splitlines()
+    assert report[1:3] == [f"  never entered #3: rank(s) 31 on {host}", f"  inside #3: rank(s) 0-30 on {host}"], report
+    assert f"  rank 31 ({host}): last operation all_reduce #2 (finished" in err and "STUCK HERE" in err
+    assert f"  ranks 0-30 ({host}): last operation all_reduce #3 (running" in err
+    assert len(report) <= 10, report  # a stack per rank would be ~100 lines
+    files = list(tmp_path.glob("hpcsync-hang-*.json"))
+    assert len(files) == 1 and files[0].stat().st_size < 40_000, [f.stat().st_size for f in files]
+    rep = json.loads(files[0].read_text())
+    assert [g["ranks"] for g in rep["groups"]] == ["31", "0-30"] and rep["never_entered_nodes"] == {host: "31"}
+    assert rep["timed_out_ranks"] and set(rep["timed_out_ranks"]) <= set(range(31))

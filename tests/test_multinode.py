@@ -72,6 +72,7 @@ def test_doctor_and_info_across_nodes(clusters, network):
     assert "FAIL" not in p.stdout
     assert f"master address  {cluster.address(0)} (eth0)" in p.stdout, p.stdout
     assert "every rank connected to" in p.stdout
+    assert "warn  lost node" in p.stdout and "oob_tcp_keepalive_time 5" in p.stdout  # plain mpirun, 2 nodes
     # hostnames resolve to 127.0.1.1 on these nodes: the doctor says so, and it does not matter
     assert "127.0.1.1 (loopback)" in p.stdout
     # the node-local bridge would be wrong: forcing it makes the doctor fail reachability
@@ -140,3 +141,18 @@ def test_dual_homed_rank0_node_finds_an_address_every_node_reaches(clusters, tmp
     masters = {d["master"] for d in res.ranks}
     assert len(masters) == 1 and masters <= set(cluster.addresses(0)), masters
     assert "reached from every node" in res.ranks[0]["reason"] and "of 2 other node(s)" in res.ranks[0]["reason"]
+
+
+def test_connect_proof_on_40_nodes_with_a_small_accept_queue(tmp_path):
+    """40 namespace nodes, rank 0's node with net.core.somaxconn=16 (older kernels: 128): 39 node
+    leaders connect at once; rank 0 accepts while the proof runs, so every node reaches the
+    address instead of timing out in a full accept queue."""
+    cluster = Cluster(tmp_path, 40, ROUTED).start()
+    try:
+        subprocess.run(["ip", "netns", "exec", cluster.names[0], "sysctl", "-qw", "net.core.somaxconn=16"], check=True)
+        res = run(cluster.openmpi([1] * 40), 40, "proof.py", tmp_path=tmp_path, timeout=300)
+        assert {d.get("master") for d in res.ranks} == {cluster.address(0)}, [d.get("error") for d in res.ranks][:3]
+        assert {d["num_nodes"] for d in res.ranks} == {40}
+        assert "reached from every node" in res.ranks[0]["reason"]
+    finally:
+        cluster.stop()

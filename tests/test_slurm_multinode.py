@@ -29,7 +29,6 @@ def cluster(tmp_path_factory):
 CASES = [  # srun --mpi, backend, tasks per node
     ("pmix", "hpcsync", [2, 2]),  # Open MPI
     ("pmi2", "gloo", [2, 2]),  # MPICH
-    ("pmix", "gloo", [2, 1]),  # uneven: 3 tasks on 2 nodes
 ]
 
 
@@ -44,6 +43,16 @@ def test_srun_job_across_nodes(cluster, mpi, backend, per_node, tmp_path):
     where = [node for node, k in enumerate(per_node) for _ in range(k)]  # srun's block distribution
     check_multinode_job(res, cluster, where, backend, mpi == "pmix", work, tmp_path)
     assert {d["topology"]["launcher"] for d in res.ranks} == {"slurm"}
+
+
+def test_srun_uneven_tasks_topology(cluster, tmp_path):
+    """3 tasks on 2 nodes: node and local ranks from the step as MPI sees it, not from even division."""
+    res = run(cluster.srun([2, 1]), 3, "topo.py", tmp_path=tmp_path, timeout=120)
+    want = [(0, 0, 2), (0, 1, 2), (1, 0, 1)]  # node, local rank, local size
+    for r, d in enumerate(res.ranks):
+        assert (d["rank"], d["num_nodes"], d["launcher"]) == (r, 2, "slurm"), d
+        assert (d["node_rank"], d["local_rank"], d["local_size"]) == want[r], d
+        assert d["hostname"] == cluster.names[want[r][0]] and d["env_slurm_procid"] == str(r)
 
 
 def test_srun_hang_report_names_the_rank_and_its_node(cluster, tmp_path):
