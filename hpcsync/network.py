@@ -191,8 +191,8 @@ def master_candidates(
     if not own:
         why = f" (addresses found on several nodes, i.e. node-local bridges: {', '.join(sorted(dup))})" if dup else ""
         raise AddressError(
-            "rank 0's node has no address another node could connect to (only loopback, link-local, down or "
-            f"duplicated ones{why}); set HPCSYNC_MASTER_ADDR (a routable address of rank 0's node) or "
+            f"rank 0's node {nodes[0].hostname} has no address another node could connect to (only loopback, "
+            f"link-local, down or duplicated ones{why}); set HPCSYNC_MASTER_ADDR (a routable address of rank 0's node) or "
             f"HPCSYNC_IFNAME. Interfaces per node:\n{describe_nodes(nodes)}"
         )
     # per candidate: the other nodes it shares a subnet with, and those rank 0's kernel reaches from it
