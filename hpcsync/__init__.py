@@ -58,6 +58,10 @@ _EXPORTS = {
     "MissingDependencyError": "errors",
 }
 
+# submodules reachable as attributes (``hpcsync.filesync.part_path``), imported on first use
+_SUBMODULES = ("backend", "bootstrap", "cli", "comm", "doctor", "environments", "errors", "filesync", "h5",
+               "jobend", "lightning", "network", "nodemap", "staging", "store", "watchdog")
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
@@ -79,6 +83,8 @@ from .topology import Topology, local_comm, topology  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hpcsync' has no attribute {name!r}")
@@ -88,4 +94,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list:
-    return __all__
+    return __all__ + list(_SUBMODULES)

@@ -35,7 +35,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _bigmpi, _mpi
 from .errors import SyncError, raise_if_any, raise_if_settings_differ
@@ -535,16 +535,31 @@ def sync_file(
     part: Optional[PathLike] = None,
     *,
     parts_dir: Optional[PathLike] = None,
-    **options: Any,
+    root: int = 0,
+    strip_header: bool = False,
+    check_headers: bool = True,
+    text: bool = True,
+    allow_missing: bool = False,
+    keep_parts: bool = False,
+    method: str = "auto",
+    round_bytes: int = _bigmpi.DEFAULT_ROUND_BYTES,
+    progress: Optional[bool] = None,
 ) -> SyncResult:
     """Join every rank's part of ``path`` into ``path`` on the root rank (collective).
 
     ``part``: this rank's part; a path, or a pattern with ``{rank}`` (e.g. ``"out.rank{rank}.csv"``);
-    default :func:`part_path`. Options: ``root``, ``strip_header`` (drop the first line of every
-    part but the first non-empty one), ``check_headers``, ``text`` (add a newline after a part
-    that lacks one; ``False`` for byte-exact binary), ``allow_missing``, ``keep_parts``,
-    ``method`` (``auto``/``copy``/``gather``/``mpiio``), ``round_bytes``, ``progress``.
+    default :func:`part_path` (under ``parts_dir`` if given). ``root``: the rank that writes
+    ``path``. ``strip_header``: drop the first line of every part but the first non-empty one;
+    ``check_headers``: then require those lines to be equal. ``text``: add a newline after a part
+    that lacks one (``False`` for byte-exact binary). ``allow_missing``: a rank without a part
+    contributes nothing instead of failing. ``keep_parts``: do not delete the parts. ``method``:
+    ``auto``, ``copy`` (the root reads the parts), ``gather`` (MPI ``Gatherv``) or ``mpiio``.
+    ``round_bytes``: bytes per gather round (bounds the root's memory). ``progress``: a progress
+    bar on the root (default: when stderr is a terminal).
     """
+    options = dict(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
+                   allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
+                   progress=progress)
     comm = _world()
     rank = comm.Get_rank() if comm is not None else 0
     if part is None:
@@ -581,11 +596,18 @@ class SyncedFile:
     """
 
     def __init__(self, path: PathLike, *, parts_dir: Optional[PathLike] = None, mode: str = "w",
-                 **options: Any) -> None:
+                 root: int = 0, strip_header: bool = False, check_headers: bool = True, text: bool = True,
+                 allow_missing: bool = False, keep_parts: bool = False, method: str = "auto",
+                 round_bytes: int = _bigmpi.DEFAULT_ROUND_BYTES, progress: Optional[bool] = None) -> None:
+        """``mode``: ``"w"`` starts a new part, ``"a"`` appends to this rank's existing one; the
+        other arguments are :func:`sync_file`'s."""
         if mode not in ("w", "a"):
             raise ValueError("mode must be 'w' (start a new part) or 'a' (append to an existing one)")
         self.target = os.path.abspath(os.fspath(path))
-        self.options = options
+        self.options: Dict[str, Any] = dict(
+            root=root, strip_header=strip_header, check_headers=check_headers, text=text,
+            allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
+            progress=progress)
         self.parts_dir = parts_dir
         self.path = part_path(self.target, None, parts_dir)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

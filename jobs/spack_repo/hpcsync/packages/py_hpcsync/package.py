@@ -28,10 +28,10 @@ class PyHpcsync(PythonPackage):
     variant("lightning", default=False, description="Lightning Trainer/Fabric integration")
     variant("bench", default=False, description="plots for bench/")
 
-    # pyproject.toml: requires-python >=3.9, setuptools>=68, numpy>=1.22, psutil>=5.9;
+    # pyproject.toml: requires-python >=3.9, setuptools>=77, numpy>=1.22, psutil>=5.9;
     # extras mpi4py>=4.0, torch>=2.2, h5py>=3.8, lightning>=2.2, pytest>=7, pyyaml>=6
     depends_on("python@3.9:", type=("build", "run"))
-    depends_on("py-setuptools@68:", type="build")
+    depends_on("py-setuptools@77:", type="build")
     depends_on("py-numpy@1.22:", type=("build", "run"))
     depends_on("py-psutil@5.9:", type=("build", "run"))
     depends_on("py-mpi4py@4.0:", type=("build", "run"))
