@@ -79,7 +79,7 @@ _register_backend_if_torch_loaded()
 # ``topology`` names both a submodule and its main function. Bound eagerly (the module is light:
 # no MPI, no torch), so that a later ``import hpcsync.topology`` -- which every other module does --
 # cannot replace the function with the module (``hpcsync.topology()`` -> "module is not callable").
-from .topology import Topology, local_comm, topology  # noqa: E402
+from .topology import Topology, local_comm, topology  # noqa: E402, F401
 
 
 def __getattr__(name: str) -> Any:

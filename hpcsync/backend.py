@@ -605,7 +605,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
 
         def fn() -> None:
-            for dtype, group in itertools.groupby(sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype)),
+            for _dtype, group in itertools.groupby(sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype)),
                                                   key=lambda i: str(tensors[i].dtype)):
                 ts = [tensors[i] for i in group]
                 flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])

@@ -499,7 +499,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def _write_mpiio(comm: Any, tmp: str, src: _Source, sizes: List[int], round_bytes: int,
                  bar: Optional[Progress]) -> Optional[str]:
     MPI = _mpi.MPI()
-    me, n = comm.Get_rank(), comm.Get_size()
+    me = comm.Get_rank()
     offset = sum(sizes[:me])
     step = max(1, min(round_bytes, _bigmpi.INT_MAX))
     rounds = max((s + step - 1) // step for s in sizes)

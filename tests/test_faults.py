@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launch import LAUNCHERS, PY, clean_env, mpich, openmpi, run
+from launch import LAUNCHERS, PY, clean_env, openmpi, run
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "stall.py")
 

@@ -1,9 +1,7 @@
 """On a real single-node Slurm that this test session starts: srun with PMIx / PMI-2, the job
 scripts in jobs/ submitted with sbatch, silent singletons, and a failing job."""
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -1,5 +1,5 @@
 """Ranks that disagree on the root of gather / broadcast_object: an error on every rank, not wrong data."""
-import hpcsync
+import hpcsync  # noqa: F401  (as a user program does; registers the backend if torch is loaded)
 from hpcsync import comm
 from _report import report
 

@@ -26,7 +26,7 @@ def listening_ports():
     return sorted(ports)
 
 
-from mpi4py import MPI  # noqa: E402  the MPI runtime's own sockets, counted separately
+from mpi4py import MPI  # noqa: E402, F401  the MPI runtime's own sockets, counted separately
 
 after_mpi = listening_ports()
 import torch  # noqa: E402

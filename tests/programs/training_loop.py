@@ -21,7 +21,7 @@ backend, timeout, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 topo = hpcsync.init(backend=backend, timeout=timeout)
 out = os.environ["HPCSYNC_TEST_OUT"]
 t = torch.ones(16)
-for i in range(3):
+for _ in range(3):
     dist.all_reduce(t)
 with open(os.path.join(out, f"ready{topo.rank}"), "w") as f:
     f.write(f"{os.getpid()} {socket.gethostname()}\n")
