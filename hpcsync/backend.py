@@ -998,7 +998,7 @@ def _at_exit() -> None:
     MPI = _mpi.MPI()
     if MPI.Is_finalized():
         return
-    resp = watchdog._responder
+    resp = watchdog.responder()
     if resp is not None:
         req = resp.comm.Ibarrier()
         deadline = time.monotonic() + (max(t for _, t, _ in _broken_groups) + 20 if _broken_groups else 30)

@@ -243,12 +243,12 @@ def init(
             _export_env(topo, choice.address, port)
             dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
-        _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice,
-                      abort=abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0")
+        _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice)
+        jobend.set_abort_on_error(abort_on_exception)
         # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
         # the process ("terminate called without an active exception"), measured under torchrun.
         atexit.register(shutdown)
-        if abort_on_exception and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0":
+        if jobend.abort_on_error():
             install_abort_hook()
         if topo.rank == 0:
             log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
@@ -316,6 +316,7 @@ def shutdown() -> None:
             if close is not None:
                 close()
         uninstall_abort_hook()
+        jobend.set_abort_on_error(True)
         _state.clear()
 
 

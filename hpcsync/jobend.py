@@ -29,6 +29,20 @@ LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiex
              "mpiexec.mpich", "mpirun.mpich")
 
 
+_abort_on_error = True  # init(abort_on_exception=...) sets it for the job
+
+
+def set_abort_on_error(on: bool) -> None:
+    """Whether an uncaught error or a timed-out collective ends the job (``MPI_Abort``) or raises."""
+    global _abort_on_error
+    _abort_on_error = bool(on)
+
+
+def abort_on_error() -> bool:
+    """The policy: ``init(abort_on_exception=)``, and ``HPCSYNC_ABORT_ON_EXCEPTION=0`` turns it off."""
+    return _abort_on_error and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0"
+
+
 def grace_s() -> float:
     return float(os.environ.get("HPCSYNC_ABORT_GRACE", 10))
 

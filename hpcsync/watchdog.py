@@ -333,7 +333,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         for r in group.ranks:
             if r != me:
                 _inflight.append(comm.isend(None, dest=r, tag=_TAG_DONE))
-    if _abort_enabled():
+    if jobend.abort_on_error():
         sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
         sys.stderr.flush()
@@ -362,9 +362,6 @@ def _wait_done(comm: Any, printer: int, wait_s: float) -> None:
         time.sleep(0.05)
 
 
-def _abort_enabled() -> bool:
-    if os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") == "0":
-        return False
-    from . import bootstrap
-
-    return bool(bootstrap._state.get("abort", True))
+def responder() -> Optional[Responder]:
+    """This process's responder, once :func:`start` ran (None without THREAD_MULTIPLE)."""
+    return _responder

@@ -1,0 +1,59 @@
+"""The package's shape: no import cycle between hpcsync's modules (module-level or deferred)."""
+import ast
+from pathlib import Path
+
+from launch import ROOT
+
+PKG = ROOT / "hpcsync"
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports() -> dict:
+    """module -> the hpcsync modules it imports anywhere in its body (package __init__ excluded
+    as a target: importing a submodule always runs it, which is not a dependency of the submodule)."""
+    graph = {}
+    for path in PKG.rglob("*.py"):
+        name = _module(path)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    deps.add(sub if (PKG.parent / (sub.replace(".", "/") + ".py")).exists()
+                             or (PKG.parent / sub.replace(".", "/")).is_dir() else target)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("hpcsync."))
+        graph[name] = {d for d in deps if d != name and d != "hpcsync"}
+    return graph
+
+
+def test_no_import_cycle():
+    graph = imports()
+    assert "hpcsync.watchdog" in graph and "hpcsync.jobend" in graph["hpcsync.watchdog"]
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
