@@ -14,6 +14,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+from . import settings  # noqa: E402  (no dependencies: the table of HPCSYNC_* variables)
+
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # Huge pages for torch's large CPU tensors (torch's own switch, read once, at its first CPU
@@ -21,7 +23,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # 2 ranks took 2.6 ms on a torch tensor and 1.5 ms on a numpy array (numpy madvises huge pages
 # itself); with huge pages the torch tensor took 1.5 ms too. HPCSYNC_HUGEPAGES=0 opts out;
 # `hpcsync doctor` says whether it took effect (import hpcsync before torch allocates anything).
-if os.environ.get("HPCSYNC_HUGEPAGES", "1") != "0":
+if settings.flag("HPCSYNC_HUGEPAGES"):
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # public name -> module that defines it (resolved lazily, PEP 562)

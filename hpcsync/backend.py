@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from . import _mpi, jobend, nodemap, watchdog
+from . import _mpi, jobend, nodemap, settings, watchdog
 from .errors import ranks_by_value
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class ProcessGroupHpcsync(dist.ProcessGroup):
         self._log = watchdog.group_log(id(self), name, list(global_ranks or range(comm.Get_size())))
         self._broken: Optional[str] = None
         self._debug = debug_mode()
-        self._fingerprints = os.environ.get("HPCSYNC_DESYNC_CHECK", "1") != "0"
+        self._fingerprints = settings.flag("HPCSYNC_DESYNC_CHECK")
         self._worker_ident = -1
         self._deadline = float("inf")
         self._spin_s = 1.0
@@ -934,7 +934,7 @@ def _explain(row: Tuple[int, ...]) -> str:
 
 def debug_mode() -> bool:
     """Full pre-agreement of every collective: ``HPCSYNC_DEBUG=1`` or torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
-    return (os.environ.get("HPCSYNC_DEBUG", "0") not in ("", "0")
+    return (settings.flag("HPCSYNC_DEBUG")
             or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
 
 

@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, List, Optional, Union
 
-from . import _mpi, jobend
+from . import _mpi, jobend, settings
 from .errors import AddressError, HpcsyncError, MissingDependencyError
 from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
@@ -32,7 +32,7 @@ BACKENDS = ("auto", "nccl", "mpi", "hpcsync", "gloo")
 
 def _timeout(timeout: Union[None, float, _dt.timedelta]) -> _dt.timedelta:
     if timeout is None:
-        return _dt.timedelta(seconds=float(os.environ.get("HPCSYNC_TIMEOUT", 1800)))
+        return _dt.timedelta(seconds=settings.number("HPCSYNC_TIMEOUT"))
     if isinstance(timeout, _dt.timedelta):
         return timeout
     return _dt.timedelta(seconds=float(timeout))
@@ -48,8 +48,8 @@ def master_address(topo: Optional[Topology] = None, verify: bool = True) -> Mast
     :class:`AddressError` on every rank, with what each node has and what failed.
     """
     topo = topo or topology()
-    env_addr = os.environ.get("HPCSYNC_MASTER_ADDR") or None
-    ifname = os.environ.get("HPCSYNC_IFNAME") or None
+    env_addr = settings.text("HPCSYNC_MASTER_ADDR")
+    ifname = settings.text("HPCSYNC_IFNAME")
     if not topo.uses_mpi:
         launcher_addr = _env_master_addr()
         if env_addr or launcher_addr:
@@ -80,7 +80,7 @@ def master_address(topo: Optional[Topology] = None, verify: bool = True) -> Mast
 
 def _prove(comm: Any, topo: Topology, candidates: List[MasterChoice], nodes: List[NodeInterfaces]) -> MasterChoice:
     """Pick the first candidate that one rank on every other node can connect to (collective)."""
-    timeout = float(os.environ.get("HPCSYNC_CONNECT_TIMEOUT", 3))
+    timeout = settings.number("HPCSYNC_CONNECT_TIMEOUT")
     listeners: List[Any] = []
     ports: Any = None
     acceptor = None
@@ -184,7 +184,7 @@ def init(
     :class:`hpcsync.store.MPIStore` (MPI messages to rank 0, no listening port for the store).
     Calling it again returns the same topology; :func:`shutdown` undoes it.
     """
-    store_kind = (store or os.environ.get("HPCSYNC_STORE") or "tcp").lower()
+    store_kind = (store or settings.text("HPCSYNC_STORE") or "tcp").lower()
     if store_kind not in ("tcp", "mpi"):
         raise ValueError(f"store must be 'tcp' or 'mpi', got {store_kind!r}")
     with _lock:

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from . import _bigmpi, _mpi
+from . import _bigmpi, _mpi, settings
 from ._torchcomm import TorchComm, world
 from .topology import local_comm, topology
 
@@ -278,7 +278,7 @@ def _like(orig: Any, values: np.ndarray) -> Any:
     return type(orig)(values.item()) if values.size == 1 and isinstance(orig, (int, float)) else values
 
 
-_MB_TAG = 31200  # point-to-point tags reserved for monitored_barrier (31200..32199)
+_MB_TAG = settings.TAG_BARRIER_FIRST  # one tag per monitored_barrier call, cycling
 _mb_seq = 0
 
 
@@ -291,7 +291,6 @@ def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_a
     without torch.distributed and with any backend; ``group`` as for the other helpers.
     """
     global _mb_seq
-    import os
     import time
 
     comm = _comm(group)
@@ -308,8 +307,8 @@ def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_a
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         return
-    limit = float(timeout if timeout is not None else os.environ.get("HPCSYNC_TIMEOUT", 1800))
-    tag = _MB_TAG + _mb_seq % 1000
+    limit = float(timeout if timeout is not None else settings.number("HPCSYNC_TIMEOUT"))
+    tag = _MB_TAG + _mb_seq % settings.TAG_BARRIER_COUNT
     _mb_seq += 1
     MPI = _mpi.MPI()
     deadline = time.monotonic() + limit

@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import _bigmpi, _mpi
+from . import _bigmpi, _mpi, settings
 from .errors import SyncError, raise_if_any, raise_if_settings_differ
 from .progress import Progress
 
@@ -62,7 +62,7 @@ def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[Pa
         rank = comm.Get_rank() if comm is not None else 0
     path = os.path.abspath(os.fspath(path))
     folder, name = os.path.split(path)
-    base = parts_dir or os.environ.get("HPCSYNC_PARTS_DIR")
+    base = parts_dir or settings.text("HPCSYNC_PARTS_DIR")
     if base:  # one parts_dir serves many targets: out1/m.csv and out2/m.csv must not share parts
         tag = hashlib.sha1(path.encode()).hexdigest()[:8]
         where = os.path.join(os.fspath(base), f"{name}.{tag}.parts")

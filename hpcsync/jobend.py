@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import NoReturn, Optional, Tuple
 
-from . import _mpi
+from . import _mpi, settings
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,11 @@ def set_abort_on_error(on: bool) -> None:
 
 def abort_on_error() -> bool:
     """The policy: ``init(abort_on_exception=)``, and ``HPCSYNC_ABORT_ON_EXCEPTION=0`` turns it off."""
-    return _abort_on_error and os.environ.get("HPCSYNC_ABORT_ON_EXCEPTION", "1") != "0"
+    return _abort_on_error and settings.flag("HPCSYNC_ABORT_ON_EXCEPTION")
 
 
 def grace_s() -> float:
-    return float(os.environ.get("HPCSYNC_ABORT_GRACE", 10))
+    return settings.number("HPCSYNC_ABORT_GRACE")
 
 
 def _stat(pid: int) -> Tuple[str, int]:

@@ -1,10 +1,11 @@
 """A dependency-free progress bar for long merges, on the root rank's stderr."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Optional, TextIO
+
+from . import settings
 
 
 def _human(n: float) -> str:
@@ -25,7 +26,7 @@ class Progress:
     def __init__(self, label: str, total: int, enabled: Optional[bool] = None, stream: Optional[TextIO] = None):
         self.stream = stream or sys.stderr
         if enabled is None:
-            enabled = os.environ.get("HPCSYNC_PROGRESS", "1") != "0" and self.stream.isatty()
+            enabled = settings.flag("HPCSYNC_PROGRESS") and self.stream.isatty()
         self.enabled = enabled and total > 0
         self.label, self.total, self.done = label, total, 0
         self.t0 = self.last = time.monotonic()

@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from . import _mpi
+from . import _mpi, settings
 
-_TAG_REQ, _TAG_REP = 31301, 31302
+_TAG_REQ, _TAG_REP = settings.TAG_STORE_REQUEST, settings.TAG_STORE_REPLY
 
 
 class _Table:

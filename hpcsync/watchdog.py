@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from . import _mpi, jobend, nodemap
+from . import _mpi, jobend, nodemap, settings
 
 RING = 64  # operations kept per group
-_TAG_ASK, _TAG_STATE, _TAG_DONE = 31001, 31002, 31003
+_TAG_ASK, _TAG_STATE, _TAG_DONE = settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE
 POLL_S = 0.1
 
 
@@ -288,7 +288,7 @@ def user_frames(stack: List[str], keep: int = 3) -> List[str]:
 
 
 def write_report(rep: Dict[str, Any]) -> str:
-    folder = os.environ.get("HPCSYNC_REPORT_DIR") or os.getcwd()
+    folder = settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("OMPI_MCA_orte_ess_jobid") or str(os.getpid())
     path = os.path.join(folder, f"hpcsync-hang-{job}-{int(time.time())}.json")
     os.makedirs(folder, exist_ok=True)

@@ -57,3 +57,22 @@ def test_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_every_setting_in_one_table():
+    """Each HPCSYNC_* variable the code or the README names is in hpcsync.settings, and only there
+    is one read from os.environ (topology/_mpi take the launcher's environment as a mapping)."""
+    import re
+
+    from hpcsync import settings
+
+    named = set()
+    for path in [*PKG.rglob("*.py"), ROOT / "README.md"]:
+        text = path.read_text()
+        named |= set(re.findall(r"HPCSYNC_[A-Z_]*[A-Z]", text))
+        if path.suffix == ".py" and path.name != "settings.py":
+            assert not re.search(r"environ(\.get)?\(?\[?[\"']HPCSYNC_", text), path
+    assert named - {"HPCSYNC_TEST_OUT", "HPCSYNC_TEST_STAGE_OPTS"} <= set(settings.SETTINGS), named - set(settings.SETTINGS)
+    tags = [settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE, settings.TAG_STORE_REQUEST,
+            settings.TAG_STORE_REPLY, *range(settings.TAG_BARRIER_FIRST, settings.TAG_BARRIER_FIRST + settings.TAG_BARRIER_COUNT)]
+    assert len(tags) == len(set(tags)) and max(tags) <= 32767

@@ -1,0 +1,67 @@
+"""Every ``HPCSYNC_*`` environment variable in one table, and the MPI tags hpcsync reserves.
+
+Variables are read when used, not at import: a program may set them after ``import hpcsync``.
+``hpcsync.settings.describe()`` lists them (the API reference prints the same table).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str  # "" = unset
+    doc: str
+
+
+SETTINGS: Dict[str, Setting] = {s.name: s for s in (
+    Setting("HPCSYNC_MPI", "auto", "auto: use MPI when the launcher or the program started it; 1: always; 0: never"),
+    Setting("HPCSYNC_TIMEOUT", "1800", "hpcsync.init's default group timeout, seconds"),
+    Setting("HPCSYNC_MASTER_ADDR", "", "force the master address (gloo/nccl) instead of choosing one"),
+    Setting("HPCSYNC_IFNAME", "", "choose the master address among this interface of rank 0's node only"),
+    Setting("HPCSYNC_CONNECT_TIMEOUT", "3", "seconds each node leader tries a candidate master address"),
+    Setting("HPCSYNC_STORE", "tcp", "tcp (torch's TCPStore) or mpi (a store over MPI: no listening socket)"),
+    Setting("HPCSYNC_ABORT_ON_EXCEPTION", "1", "0: raise instead of ending the job with MPI_Abort"),
+    Setting("HPCSYNC_ABORT_GRACE", "10", "seconds after MPI_Abort before a still-waiting launcher gets SIGTERM"),
+    Setting("HPCSYNC_REPORT_DIR", "", "folder of hang reports (JSON); default: the working directory"),
+    Setting("HPCSYNC_DESYNC_CHECK", "1", "0: no fingerprint beside each collective (mismatches may then hang)"),
+    Setting("HPCSYNC_DEBUG", "0", "1: compare every collective's description before starting it"),
+    Setting("HPCSYNC_PARTS_DIR", "", "where sync_file's per-rank parts live; default: beside the target"),
+    Setting("HPCSYNC_PROGRESS", "1", "0: no progress bars (they show only on a terminal anyway)"),
+    Setting("HPCSYNC_HUGEPAGES", "1", "0: do not ask torch for transparent huge pages"),
+)}
+
+
+def text(name: str) -> Optional[str]:
+    """The variable's value, or its default; None when both are empty."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        value = SETTINGS[name].default
+    return value or None
+
+
+def flag(name: str) -> bool:
+    """On unless set to 0 / false / no / off (or off by default and not set)."""
+    return (text(name) or "0").strip().lower() not in ("0", "false", "no", "off")
+
+
+def number(name: str) -> float:
+    value = text(name)
+    try:
+        return float(value or 0)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def describe() -> str:
+    return "\n".join(f"{s.name} (default {s.default or 'unset'}): {s.doc}" for s in SETTINGS.values())
+
+
+# MPI point-to-point tags, each range on hpcsync's own duplicated communicator and disjoint anyway.
+# The MPI standard guarantees tags up to 32767.
+TAG_REPORT_ASK, TAG_REPORT_STATE, TAG_REPORT_DONE = 31001, 31002, 31003  # hang reports (watchdog)
+TAG_STORE_REQUEST, TAG_STORE_REPLY = 31101, 31102  # MPIStore
+TAG_BARRIER_FIRST, TAG_BARRIER_COUNT = 31200, 1000  # monitored_barrier: one tag per call, cycling
