@@ -15,6 +15,11 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
+def _exists(module: str) -> bool:
+    path = PKG.parent / module.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def imports() -> dict:
     """module -> the hpcsync modules it imports anywhere in its body (package __init__ excluded
     as a target: importing a submodule always runs it, which is not a dependency of the submodule)."""
@@ -30,8 +35,7 @@ def imports() -> dict:
                 target = ".".join(base + ([node.module] if node.module else []))
                 for alias in node.names:
                     sub = f"{target}.{alias.name}"
-                    deps.add(sub if (PKG.parent / (sub.replace(".", "/") + ".py")).exists()
-                             or (PKG.parent / sub.replace(".", "/")).is_dir() else target)
+                    deps.add(sub if _exists(sub) else target)
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name.startswith("hpcsync."))
         graph[name] = {d for d in deps if d != name and d != "hpcsync"}
@@ -40,6 +44,8 @@ def imports() -> dict:
 
 def test_no_import_cycle():
     graph = imports()
+    missing = {m: sorted(d for d in deps if not _exists(d)) for m, deps in graph.items()}
+    assert not any(missing.values()), {m: d for m, d in missing.items() if d}  # also deferred imports
     assert "hpcsync.watchdog" in graph and "hpcsync.jobend" in graph["hpcsync.watchdog"]
     state, stack = {}, []
 

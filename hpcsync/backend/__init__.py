@@ -1,0 +1,127 @@
+"""``hpcsync``: a socket-free torch.distributed backend that moves tensors with mpi4py.
+
+Works with stock pip wheels of torch (which have no MPI backend) and opens no listening socket:
+ranks come from MPI, rendezvous uses an in-process ``HashStore``, data goes through MPI.
+
+    import hpcsync.backend                      # registers "hpcsync" (also done by hpcsync.init)
+    dist.init_process_group("hpcsync", init_method="hpcsync://")
+
+How it works. Each process group owns a private duplicate of its MPI communicator for
+collectives and another for point-to-point, so torch's traffic never matches the program's own
+MPI messages. Collectives run in issue order on one worker thread per group with blocking mpi4py
+calls (the GIL is released inside MPI): ``async_op=True`` (and DDP's bucket all-reduces) return at
+once and overlap with the caller's computation; a blocking call with nothing queued runs inline,
+with no thread hand-off. Point-to-point uses ``Isend``/``Irecv`` started in the caller's thread,
+so sends and receives never block each other.
+
+Types: every torch dtype. MPI has no float16/bfloat16: reductions on them are computed in
+float32 and rounded once (at least as accurate as reducing in 16 bits). CUDA tensors are staged
+through host memory (a CUDA-aware MPI could take them directly; not detected yet).
+Errors: an exception inside an operation fails its work (``wait()`` raises). Every operation is
+bounded by the group's timeout: past it the waiting ranks raise ``DistBackendError``, the group is
+broken for good (MPI cannot cancel a collective) and :mod:`hpcsync.watchdog` reports who is
+stuck where. Mismatched collectives are detected (a fingerprint travels beside each one) and
+raise on every rank instead of returning wrong data.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import zlib
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from .. import _mpi, jobend, watchdog
+from .desync import _describe, _explain, debug_mode  # noqa: F401  (re-exported)
+from .engine import BACKEND_NAME, _broken_groups
+from .group import ProcessGroupHpcsync
+from .work import MPIWork  # noqa: F401  (re-exported)
+
+log = logging.getLogger(__name__)
+
+INIT_METHOD = "hpcsync://"
+
+
+def _group_comm(world: Any, ranks: Sequence[int], group_id: str) -> Any:
+    """An MPI communicator of ``ranks`` (world ranks, in that order); collective over them only."""
+    if list(ranks) == list(range(world.Get_size())):
+        return world
+    group = world.Get_group().Incl(list(ranks))
+    try:
+        tag = zlib.crc32(group_id.encode()) % 32768
+        return world.Create_group(group, tag)
+    finally:
+        group.Free()
+
+
+def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
+    from ..topology import topology
+
+    topology()  # silent-singleton check, MPI initialised
+    world = _mpi.MPI().COMM_WORLD
+    ranks = list(opts.global_ranks_in_group) or list(range(world.Get_size()))
+    comm = _group_comm(world, ranks, str(opts.group_id))
+    if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
+        raise RuntimeError(f"hpcsync backend: torch expects rank {opts.group_rank}/{opts.group_size} in group "
+                           f"{opts.group_id}, MPI gives {comm.Get_rank()}/{comm.Get_size()}")
+    if comm is world and _mpi.MPI().Query_thread() == _mpi.MPI().THREAD_MULTIPLE:
+        watchdog.start()  # collective over the world: the default group is created by every rank
+    pg = ProcessGroupHpcsync(comm, opts.timeout, str(opts.group_id), ranks)
+    if comm is not world:
+        comm.Free()  # the group keeps its own duplicates
+    return pg
+
+
+def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
+    """``hpcsync://``: rank and size from MPI, an in-process store: no TCP listener at all."""
+    from ..topology import topology
+
+    topo = topology()
+    yield dist.HashStore(), topo.rank, topo.world_size
+
+
+def _at_exit() -> None:
+    """Stop the watchdog before MPI_Finalize; end the job if a group is broken.
+
+    A group that timed out or desynchronised still has MPI operations in flight, and MPI_Finalize
+    would hang or crash on them. Every rank first meets the others in a bounded exit barrier (its
+    watchdog still answering): a broken rank waits up to that group's timeout + 20 s, so every
+    rank can finish handling its own error and report, then ends the job with MPI_Abort, saying
+    why; a healthy rank waits up to 30 s (MPI_Finalize would wait for the others anyway).
+    """
+    MPI = _mpi.MPI()
+    if MPI.Is_finalized():
+        return
+    resp = watchdog.responder()
+    if resp is not None:
+        req = resp.comm.Ibarrier()
+        deadline = time.monotonic() + (max(t for _, t, _ in _broken_groups) + 20 if _broken_groups else 30)
+        while not req.Test() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if resp is not None:
+        resp.stop()
+    if _broken_groups:
+        sys.stdout.flush()
+        sys.stderr.write(f"[hpcsync] rank {MPI.COMM_WORLD.Get_rank()}: exiting with a broken process group "
+                         f"({_broken_groups[0][0]}); MPI cannot finalize with collectives in flight: MPI_Abort\n")
+        sys.stderr.flush()
+        jobend.abort(1)
+
+
+def register() -> None:
+    """Register the backend and the ``hpcsync://`` rendezvous with torch (idempotent)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    try:
+        register_rendezvous_handler("hpcsync", _rendezvous)
+    except ValueError:
+        pass  # already registered
+
+
+register()
+__import__("atexit").register(_at_exit)

@@ -1,0 +1,138 @@
+"""Tensors as MPI buffers: dtype and reduce-op tables, staging of non-contiguous, device and
+16-bit tensors, aliasing checks, chunking past C-int counts."""
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _mpi
+
+log = logging.getLogger(__name__)
+
+_CHUNK_ELEMS = 1 << 30  # elements per MPI call: counts are C ints
+
+RedOp = dist.ReduceOp.RedOpType
+_HALF = (torch.float16, torch.bfloat16)
+
+
+_TYPES: dict = {}
+_OPS: dict = {}
+_BOOL_OPS: dict = {}
+
+
+def _tables() -> None:
+    """dtype -> MPI datatype and ReduceOp -> MPI.Op, built once (they sit on the hot path)."""
+    MPI = _mpi.MPI()
+    _TYPES.update({
+        torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
+        torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
+        torch.complex64: MPI.C_FLOAT_COMPLEX, torch.complex128: MPI.C_DOUBLE_COMPLEX,
+        torch.uint16: MPI.UINT16_T, torch.uint32: MPI.UINT32_T, torch.uint64: MPI.UINT64_T,
+        torch.float16: MPI.INT16_T, torch.bfloat16: MPI.INT16_T,  # moved as bits, reduced in float32
+    })
+    _BOOL_OPS.update({RedOp.SUM: MPI.LOR, RedOp.MAX: MPI.LOR, RedOp.BOR: MPI.LOR, RedOp.MIN: MPI.LAND,
+                      RedOp.PRODUCT: MPI.LAND, RedOp.BAND: MPI.LAND, RedOp.BXOR: MPI.LXOR, RedOp.AVG: MPI.LOR})
+    _OPS.update({RedOp.SUM: MPI.SUM, RedOp.AVG: MPI.SUM, RedOp.PREMUL_SUM: MPI.SUM, RedOp.PRODUCT: MPI.PROD,
+                 RedOp.MIN: MPI.MIN, RedOp.MAX: MPI.MAX, RedOp.BAND: MPI.BAND, RedOp.BOR: MPI.BOR,
+                 RedOp.BXOR: MPI.BXOR})
+
+
+def _mpi_type(dtype: torch.dtype) -> Any:
+    try:
+        return _TYPES[dtype]
+    except KeyError:
+        if not _TYPES:
+            _tables()
+            return _mpi_type(dtype)
+        raise TypeError(f"hpcsync backend: unsupported dtype {dtype}") from None
+
+
+def _kind(op: Any) -> Any:
+    return op.op if hasattr(op, "op") else op
+
+
+def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
+    if not _OPS:
+        _tables()
+    table = _BOOL_OPS if dtype == torch.bool else _OPS
+    try:
+        return table[_kind(op)]
+    except KeyError:
+        raise ValueError(f"hpcsync backend: unsupported reduce op {_kind(op)} for {dtype}") from None
+
+
+def _bytes(t: torch.Tensor, start: int = 0, nbytes: Optional[int] = None) -> Any:
+    """A writable buffer over a contiguous CPU tensor's memory, from byte ``start`` (no copy).
+
+    ``MPI.buffer.fromaddress`` costs ~0.3 µs where a numpy view costs ~3 µs: this is the hot path
+    of every small message. The caller keeps the tensor alive for the duration of the MPI call.
+    """
+    if not t.is_contiguous():  # a reshaped copy would receive the data instead of the tensor
+        raise AssertionError("hpcsync backend: internal error, buffer is not contiguous")
+    total = t.numel() * t.element_size()
+    size = total - start if nbytes is None else nbytes
+    if size == 0:
+        return bytearray(0)
+    return _mpi.MPI().buffer.fromaddress(t.data_ptr() + start, size)
+
+
+class _Staged:
+    """A contiguous CPU (and, for 16-bit floats under reduction, float32) stand-in for a tensor."""
+
+    def __init__(self, t: torch.Tensor, reduce: bool = False, read: bool = True) -> None:
+        self.orig = t
+        work = t.detach()
+        if work.device.type != "cpu":
+            work = work.cpu() if read else torch.empty(work.shape, dtype=work.dtype)
+        if reduce and work.dtype in _HALF:
+            work = work.to(torch.float32, memory_format=torch.contiguous_format)
+        elif not work.is_contiguous():
+            work = work.contiguous() if read else torch.empty(work.shape, dtype=work.dtype)
+        self.t = work
+
+    @property
+    def copied(self) -> bool:
+        return self.t.data_ptr() != self.orig.data_ptr() or self.t.dtype != self.orig.dtype
+
+    def spec(self, start: int = 0, count: Optional[int] = None) -> List[Any]:
+        """``[buffer, count, type]`` for a point-to-point / per-rank message."""
+        n = self.t.numel() - start if count is None else count
+        item = self.t.element_size()
+        return [_bytes(self.t, start * item, n * item), n, _mpi_type(self.t.dtype)]
+
+    def whole(self) -> List[Any]:
+        """``[buffer, type]``: mpi4py splits it evenly among the ranks (Allgather, Gather, Scatter)."""
+        return [_bytes(self.t), _mpi_type(self.t.dtype)]
+
+    def finish(self) -> None:
+        if self.copied:
+            with torch.no_grad():
+                self.orig.copy_(self.t)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share bytes (MPI forbids aliased send and receive buffers)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size() if a.is_contiguous() else a.untyped_storage().nbytes() + a0
+    b1 = b0 + b.numel() * b.element_size() if b.is_contiguous() else b.untyped_storage().nbytes() + b0
+    return a0 < b1 and b0 < a1
+
+
+def _chunks(n: int) -> Sequence[Tuple[int, int]]:
+    return [(s, min(_CHUNK_ELEMS, n - s)) for s in range(0, n, _CHUNK_ELEMS)] or [(0, 0)]
+
+
+
+def _divide(t: torch.Tensor, n: int) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.div_(n)
+    elif t.dtype != torch.bool:
+        t.copy_(torch.div(t, n, rounding_mode="trunc"))
+

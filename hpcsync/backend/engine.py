@@ -1,0 +1,359 @@
+"""The engine every hpcsync process group runs on: issue-order execution on one worker thread,
+inline blocking calls, deadlines, desync checks, point-to-point completion and shutdown."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from array import array
+from collections import deque
+from datetime import timedelta
+from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _mpi, jobend, nodemap, settings, watchdog
+from ..errors import ranks_by_value
+from .desync import _describe, _explain, debug_mode
+from .work import MPIWork
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "hpcsync"
+_INLINE_BYTES = 64 << 10  # blocking calls up to this size run in the caller's thread
+
+# Collectives whose non-blocking form is as fast as (or faster than) the blocking one at every
+# size, per MPI library (measured, 2 and 4 ranks, 64 KiB-16 MiB; bench/bench_backend.py). Those
+# run inline at any size (no thread hand-off) and non-blocking on the worker too. Open MPI 4.1's
+# blocking Reduce_scatter_block is 3-4x slower than its Ireduce_scatter_block from 1 MiB on, its
+# Iallreduce 1.7-2x slower than Allreduce; MPICH's Ireduce_scatter_block is 10x slower at 1 MiB.
+_NONBLOCKING_FAST = {"Open MPI": {"Bcast", "Reduce_scatter_block"}, "MPICH": {"Bcast", "Allgather"}}
+_NB_OPS = {"Bcast": "broadcast", "Reduce_scatter_block": "reduce_scatter", "Allgather": "all_gather"}
+
+
+def _nonblocking_fast() -> Set[str]:
+    version = _mpi.MPI().Get_library_version()
+    for name, calls in _NONBLOCKING_FAST.items():
+        if name in version:
+            return set(calls)
+    return set()
+
+
+_broken_groups: List[Tuple[str, float, Any]] = []  # (why, timeout, what to keep alive) of broken groups
+
+
+class GroupEngine(dist.ProcessGroup):
+    """A group's communicators, identity and engine: the queue and worker thread, one operation's
+    flight record, deadline and fingerprint, waits bounded by the timeout, the broken state, and
+    point-to-point requests. :class:`ProcessGroupHpcsync` adds the operations."""
+
+    def __init__(self, comm: Any, timeout: timedelta = timedelta(minutes=30), name: str = "0",
+                 global_ranks: Optional[Sequence[int]] = None) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self._coll = comm.Dup()
+        self._p2p_comm = comm.Dup()
+        self._check = comm.Dup()  # fingerprints and desync agreement, never mixed with the data
+        self._timeout = timeout
+        self._timeout_s = timeout.total_seconds() if timeout.total_seconds() > 0 else float("inf")
+        self._log = watchdog.group_log(id(self), name, list(global_ranks or range(comm.Get_size())))
+        self._broken: Optional[str] = None
+        self._debug = debug_mode()
+        self._fingerprints = settings.flag("HPCSYNC_DESYNC_CHECK")
+        self._worker_ident = -1
+        self._deadline = float("inf")
+        self._spin_s = 1.0
+        self._rec: Any = None
+        self._cv = threading.Condition()
+        self._queue: Deque[Tuple[Callable[[], None], MPIWork]] = deque()
+        self._pending = 0
+        self._worker: Optional[threading.Thread] = None
+        self._closed = False
+        self._p2p_cv = threading.Condition()
+        self._p2p_queue: Deque[Tuple[Any, MPIWork, Callable[[Any], None]]] = deque()
+        self._p2p_thread: Optional[threading.Thread] = None
+        self._fp = array("q", [0, 0])
+        self._fp_req: Any = None
+        self._vec: List[int] = []
+        MPI = _mpi.MPI()
+        self._int64 = MPI.INT64_T
+        self._max = MPI.MAX
+        self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._nb_calls = _nonblocking_fast()  # MPI calls made non-blocking everywhere
+        self._nb_any_size = {_NB_OPS[c] for c in self._nb_calls}  # torch ops run inline at any size
+        if not self._threads_ok:
+            log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
+
+    # -- identity ---------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def comm(self) -> Any:
+        return self._coll
+
+    # torch keeps a group's name in its C++ backends; this group is its own backend, so keep it here
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    @property
+    def group_name(self) -> str:
+        return self.getGroupName()
+
+    @property
+    def group_desc(self) -> str:
+        return self.getGroupDesc()
+
+    # -- execution --------------------------------------------------------------------------
+    def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any, what: Tuple[str, Any, int]
+             ) -> MPIWork:
+        async_op = getattr(opts, "asyncOp", True)
+        cv = self._cv
+        with cv:
+            if self._closed:
+                raise RuntimeError("hpcsync backend: process group was shut down")
+            if self._broken:
+                raise dist.DistBackendError(self._broken)
+            # A blocking call with nothing queued runs here (no thread hand-off) as a non-blocking MPI
+            # call polled against the deadline -- unless it is large and its non-blocking form is
+            # slow in this MPI (_NONBLOCKING_FAST): those go to the worker (blocking MPI) and the
+            # caller waits with the deadline.
+            t = what[1]
+            inline = not self._threads_ok or (not async_op and self._pending == 0 and (
+                t is None or t.numel() * t.element_size() <= _INLINE_BYTES or what[0] in self._nb_any_size))
+            self._pending += 1
+            if not inline:
+                work = MPIWork(outputs, cv)
+                work._group = self
+                self._queue.append((fn, what, work))
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work_loop, name="hpcsync-pg", daemon=True)
+                    self._worker.start()
+                cv.notify_all()
+                return work
+        # blocking call with nothing queued: run here, no thread hand-off
+        exc = None
+        try:
+            self._execute(fn, what, None)
+        except BaseException as e:  # surfaced by wait()
+            exc = e
+        with cv:
+            self._pending -= 1
+            if self._queue:
+                cv.notify_all()
+        return MPIWork(outputs, cv, done=True, exc=exc)
+
+    def _work_loop(self) -> None:
+        self._worker_ident = threading.get_ident()
+        cv = self._cv
+        while True:
+            with cv:
+                while not self._queue and not self._closed:
+                    cv.wait()
+                if not self._queue:
+                    return
+                fn, what, work = self._queue.popleft()
+            exc = None
+            try:
+                self._execute(fn, what, work)
+            except BaseException as e:
+                log.debug("hpcsync backend: operation failed: %s", e)
+                exc = e
+            with cv:
+                work._complete(exc)
+                self._pending -= 1
+                cv.notify_all()
+
+    # -- one operation: record, fingerprint, run, check ------------------------------------
+    def _execute(self, fn: Callable[[], None], what: Tuple[str, Any, int], work: Optional[MPIWork]) -> None:
+        """Run one collective with its flight record, deadline and desync check.
+
+        Default mode: a 16-byte ``Iallreduce(MAX)`` of ``[fp, -fp]`` (fp = hash of sequence number,
+        op, dtype, count, root) on a private communicator travels alongside the operation; if
+        max != -min the ranks disagree, and every rank raises the same error instead of returning
+        what MPI made of mismatched buffers. ``HPCSYNC_DEBUG=1`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``:
+        the full descriptions are all-gathered and compared *before* the operation starts.
+        """
+        if self._broken:
+            raise dist.DistBackendError(self._broken)
+        op, t, root = what
+        rec = self._log.start(op, str(t.dtype).replace("torch.", "") if t is not None else "-",
+                              tuple(t.shape) if t is not None else (), root)
+        self._rec, self._deadline = rec, time.monotonic() + self._timeout_s
+        # A large operation polled here spins all along: MPI progresses non-blocking collectives
+        # only inside MPI calls, so sleeping between polls would stall a multi-second broadcast.
+        self._spin_s = 1.0 if t is None or t.numel() * t.element_size() <= _INLINE_BYTES else float("inf")
+        if work is not None:
+            work._started = (rec, self._deadline)
+        vec = _describe(rec, t)
+        fp_req = None
+        if self._debug:
+            self._agree(rec, vec, in_flight=False)
+        elif self._fingerprints:
+            fp = hash(tuple(vec)) & 0x3FFFFFFFFFFFFFFF
+            buf = self._fp
+            buf[0], buf[1] = fp, -fp
+            fp_req = self._check.Iallreduce(_mpi.MPI().IN_PLACE, [buf, self._int64], op=self._max)
+        self._fp_req, self._vec = fp_req, vec
+        try:
+            fn()
+        except BaseException as exc:
+            if fp_req is not None and not isinstance(exc, dist.DistBackendError):
+                self._wait(fp_req)
+                if self._fp_differs:
+                    self._agree(rec, vec, from_exc=exc)
+            rec.error = f"{type(exc).__name__}: {exc}"
+            raise
+        if fp_req is not None:
+            self._wait(fp_req)
+            if self._fp_differs:
+                self._agree(rec, vec)
+        rec.finished = time.time()
+
+    @property
+    def _fp_differs(self) -> bool:
+        """After the fingerprint Iallreduce(MAX) of [fp, -fp]: max != min means the ranks disagree."""
+        return self._fp[0] != -self._fp[1]
+
+    def _agree(self, rec: Any, vec: List[int], from_exc: Optional[BaseException] = None,
+               in_flight: bool = True) -> None:
+        """All-gather every rank's description of this operation; raise the same error on all if they
+        differ. ``in_flight``: the operation itself was started, so the group is broken afterwards."""
+        self._fp_req = None
+        size = self._check.Get_size()
+        mine = array("q", vec)
+        every = array("q", bytes(8 * len(vec) * size))
+        self._wait(self._check.Iallgather([mine, self._int64], [every, self._int64]))
+        rows = [tuple(every[r * len(vec):(r + 1) * len(vec)]) for r in range(size)]
+        if len(set(rows)) == 1:
+            return
+        rec.error = "desync"
+        if in_flight and not self._broken:
+            self._broken = f"hpcsync backend: group {self._log.name!r} is broken after a collective mismatch (desync)"
+            self._mark_broken()
+        groups = ranks_by_value(rows, self._log.ranks)
+        detail = "; ".join(f"rank(s) {nodemap.describe(rs)}: {_explain(row)}" for row, rs in groups.items())
+        raise dist.DistBackendError(
+            f"hpcsync backend: collective mismatch (desync) at operation #{rec.seq} of group "
+            f"{self._log.name!r}: {detail}. Every rank must call the same collectives in the same order "
+            "with matching dtype, size and root.") from from_exc
+
+    def _mark_broken(self) -> None:
+        """Remember a broken group for good. Its MPI operations are still in flight and may complete
+        later (when a late rank arrives) by writing into their buffers: keep the group, the
+        operation and the frames holding its staged tensors alive, so MPI never writes into freed
+        memory."""
+        frames, f = [], sys._getframe(1)
+        while f is not None:
+            frames.append(f)
+            f = f.f_back
+        _broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
+
+    def _c(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """One MPI collective: blocking on the worker thread (its waiter enforces the deadline),
+        else non-blocking and polled against the deadline."""
+        if threading.get_ident() == self._worker_ident and name not in self._nb_calls:
+            return getattr(self._coll, name)(*args, **kwargs)
+        self._wait(getattr(self._coll, "I" + name[0].lower() + name[1:])(*args, **kwargs))
+
+    def _wait(self, req: Any) -> None:
+        if threading.get_ident() == self._worker_ident:
+            req.Wait()
+            return
+        if req.Test():
+            return
+        # Spin first (as a blocking MPI call would), then poll each millisecond: a long wait on a
+        # small message is a stuck rank and should not burn a core for minutes. Large messages
+        # spin throughout (see _execute), as a blocking MPI call would.
+        spin_until = time.monotonic() + self._spin_s
+        fp_req = self._fp_req if req is not self._fp_req else None
+        while not req.Test():
+            now = time.monotonic()
+            if fp_req is not None and fp_req.Test():
+                fp_req = self._fp_req = None
+                if self._fp_differs:  # mismatched operations may never complete: say so now
+                    self._agree(self._rec, self._vec)
+            if now > self._deadline:
+                self._timed_out(self._rec)
+            if now > spin_until:
+                time.sleep(0.001)
+
+    def _timed_out(self, rec: Any) -> None:
+        """Break the group, report the hang (and abort, unless turned off), raise DistBackendError."""
+        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after {self._timeout_s:g}s "
+               f"(the group's timeout is {self._timeout_s:g}s)")  # torch's tests match " timeout "
+        self._broken = (msg + "; the group is broken (MPI cannot cancel a collective): destroy it and end "
+                        "the job")
+        self._mark_broken()
+        rec.error = "timed out"
+        try:
+            watchdog.report_timeout(self._log, rec, self._timeout_s)
+        except Exception as exc:  # the report is best effort; the timeout error is not
+            log.warning("hpcsync: hang report failed: %s", exc)
+        raise dist.DistBackendError(msg)
+
+    # -- reductions -------------------------------------------------------------------------
+    # -- point to point ---------------------------------------------------------------------
+    def _track(self, request: Any, outputs: List[torch.Tensor], after: Callable[[Any], None]) -> MPIWork:
+        work = MPIWork(outputs, self._p2p_cv)
+        with self._p2p_cv:
+            self._p2p_queue.append((request, work, after))
+            if self._p2p_thread is None:
+                self._p2p_thread = threading.Thread(target=self._p2p_loop, name="hpcsync-p2p", daemon=True)
+                self._p2p_thread.start()
+            self._p2p_cv.notify_all()
+        return work
+
+    def _p2p_loop(self) -> None:
+        MPI = _mpi.MPI()
+        while True:
+            with self._p2p_cv:
+                while not self._p2p_queue and not self._closed:
+                    self._p2p_cv.wait()
+                if not self._p2p_queue:
+                    return
+                request, work, after = self._p2p_queue.popleft()
+            exc = None
+            try:
+                status = MPI.Status()
+                request.Wait(status)
+                after(status)
+            except BaseException as e:
+                exc = e
+            with self._p2p_cv:
+                work._complete(exc)
+                self._p2p_cv.notify_all()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        with self._p2p_cv:
+            self._p2p_cv.notify_all()
+        for t in (self._worker, self._p2p_thread):
+            if t is not None:
+                t.join(timeout=0.1 if self._broken else min(self._timeout_s, 3600))
+        watchdog.drop_group_log(id(self))
+        MPI = _mpi.MPI()
+        if not MPI.Is_finalized() and not self._broken:  # a broken group may still be inside MPI
+            for c in (self._coll, self._p2p_comm, self._check):
+                if c != MPI.COMM_NULL:
+                    c.Free()
+
+    def abort(self) -> None:
+        jobend.abort(1)
+

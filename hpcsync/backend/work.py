@@ -1,0 +1,98 @@
+"""``MPIWork``: the torch ``Work`` of one operation, completed by a group's worker or an MPI request."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+
+
+class MPIWork(dist.Work):
+    """Work completed by the group's worker (collectives) or an MPI request (point-to-point).
+
+    Completion is signalled on the owning group's condition variable: no lock or event per
+    operation (small messages are dominated by such per-call costs).
+    """
+
+    def __init__(self, outputs: List[torch.Tensor], cv: threading.Condition, done: bool = False,
+                 exc: Optional[BaseException] = None) -> None:
+        super().__init__()
+        self._cv = cv
+        self._done = done
+        self._exc = exc
+        self._outputs = outputs
+        self._future: Optional[Future] = None  # made on demand: most callers only wait()
+        self._source = -1
+        self._group: Any = None
+        self._started: Optional[Tuple[Any, float]] = None  # (record, deadline) once running
+
+    def _complete(self, exc: Optional[BaseException] = None) -> None:
+        """Called with ``self._cv`` held."""
+        self._exc = exc
+        self._done = True
+        if self._future is not None:
+            self._settle(self._future)
+
+    def _settle(self, fut: Future) -> None:
+        if self._exc is None:
+            fut.set_result(self._outputs)
+        else:
+            fut.set_exception(self._exc)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Wait for completion; past the group's timeout (from when the operation started) raise
+        torch's ``DistBackendError`` ("timed out"), break the group and report the hang."""
+        if not self._done:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+            mine = time.monotonic() + seconds if seconds > 0 else None
+            with self._cv:
+                while not self._done:
+                    if self._group is not None and self._group._broken and self._started is None:
+                        raise dist.DistBackendError(self._group._broken)  # queued behind a stuck operation
+                    started = self._started  # set by the worker when it begins this operation
+                    limit = min(x for x in (mine, started and started[1]) if x) if (mine or started) else None
+                    now = time.monotonic()
+                    if limit is not None and now >= limit:
+                        break
+                    self._cv.wait(min(1.0, limit - now) if limit is not None else 1.0)
+            if not self._done:
+                pg, rec = self._group, self._started and self._started[0]
+                if pg is not None and rec is not None and (mine is None or mine >= self._started[1]):
+                    pg._timed_out(rec)  # raises
+                raise dist.DistBackendError(f"hpcsync backend: wait() timed out after {seconds}s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def get_future(self) -> Future:
+        with self._cv:
+            if self._future is None:
+                self._future = Future()
+                if self._done:
+                    self._settle(self._future)
+            return self._future
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._exc is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._exc
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source_rank()
