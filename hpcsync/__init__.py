@@ -19,9 +19,8 @@ from . import settings  # noqa: E402  (no dependencies: the table of HPCSYNC_* v
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # Huge pages for torch's large CPU tensors (torch's own switch, read once, at its first CPU
-# allocation). MPI moves 2 MiB-page memory much faster than 4 KiB pages: a 16 MiB all_reduce on
-# 2 ranks took 2.6 ms on a torch tensor and 1.5 ms on a numpy array (numpy madvises huge pages
-# itself); with huge pages the torch tensor took 1.5 ms too. HPCSYNC_HUGEPAGES=0 opts out;
+# allocation): MPI moves 2 MiB-page memory much faster than 4 KiB pages, and numpy already asks
+# for them while torch does not (measured in docs/performance.md). HPCSYNC_HUGEPAGES=0 opts out;
 # `hpcsync doctor` says whether it took effect (import hpcsync before torch allocates anything).
 if settings.flag("HPCSYNC_HUGEPAGES"):
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

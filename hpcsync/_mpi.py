@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Mapping, Optional
+import zlib
+from typing import Any, Mapping, Optional, Sequence
 
 from .errors import MissingDependencyError
 
@@ -81,11 +82,31 @@ def MPI() -> Any:
     return _MODULE
 
 
+def library_version() -> str:
+    """The first line of ``MPI_Get_library_version`` ("Open MPI v4.1.4, package: ...", "MPICH Version: 5.0.2")."""
+    text = MPI().Get_library_version().strip("\x00 \n")
+    return text.splitlines()[0] if text else ""
+
+
+def sub_communicator(world: Any, ranks: Sequence[int], key: str) -> Any:
+    """The communicator of ``ranks`` (world ranks, in that order), collective over them only
+    (``MPI_Comm_create_group``); ``world`` itself when they are all of it. ``key`` names the
+    group: its hash is the creation tag, so two groups made at once do not mix."""
+    ranks = list(ranks)
+    if ranks == list(range(world.Get_size())):
+        return world
+    group = world.Get_group().Incl(ranks)
+    try:
+        return world.Create_group(group, zlib.crc32(key.encode()) % 32768)
+    finally:
+        group.Free()
+
+
 def library_name() -> Optional[str]:
     """Short MPI library name ('Open MPI 4.1.4', 'MPICH 5.0.2'), or None without MPI."""
     if not use_mpi():
         return None
-    first = MPI().Get_library_version().strip().splitlines()[0]
+    first = library_version()
     for prefix, name in (("Open MPI", "Open MPI"), ("MPICH Version:", "MPICH"), ("Intel", "Intel MPI"),
                          ("MVAPICH", "MVAPICH")):
         if first.startswith(prefix):

@@ -19,7 +19,6 @@ import functools
 import pickle
 import sys
 import weakref
-import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
@@ -68,13 +67,7 @@ def _mpi_subcomm(group: Any) -> Any:
         ranks = dist.get_process_group_ranks(group)
         if world_comm.Get_rank() not in ranks:
             raise ValueError(f"this rank ({world_comm.Get_rank()}) is not a member of the group {ranks}")
-        if ranks == list(range(world_comm.Get_size())):
-            comm = world_comm
-        else:
-            mpi_group = world_comm.Get_group().Incl(ranks)
-            comm = world_comm.Create_group(mpi_group, tag=zlib.crc32(str(ranks).encode()) % 32768)
-            mpi_group.Free()
-        _subcomms[group] = comm
+        comm = _subcomms[group] = _mpi.sub_communicator(world_comm, ranks, str(ranks))
     return comm
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _bigmpi, _mpi, settings
+from ._torchcomm import world as _world  # MPI's world, else torch.distributed's, else None
 from .errors import SyncError, raise_if_any, raise_if_settings_differ
 from .progress import Progress
 
@@ -47,12 +48,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 METHODS = ("auto", "copy", "gather", "mpiio")
 AUTO_MPIIO_BYTES = 256 * 2**20
 _HEADER_SCAN = 1 << 20
-
-
-def _world() -> Any:
-    from ._torchcomm import world
-
-    return world()
 
 
 def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[PathLike] = None) -> str:

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _mpi
+from ._torchcomm import world as _world  # MPI's world, else torch.distributed's, else None
 from .errors import MissingDependencyError, raise_if_any
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def mpi_abi_mismatch() -> str:
     h5py = _h5py()
     folder = os.path.dirname(h5py.__file__)
     stamp = [(n, os.stat(os.path.join(folder, n)).st_mtime_ns) for n in sorted(os.listdir(folder)) if n.endswith(".so")]
-    lib = _mpi.MPI().Get_library_version().strip("\x00 \n").splitlines()[0] if _mpi.mpi4py_importable() else "none"
+    lib = _mpi.library_version() if _mpi.mpi4py_importable() else "none"
     abi = [os.environ.get(k, "") for k in ("MPI4PY_MPIABI", "MPI4PY_LIBMPI", "LD_LIBRARY_PATH")]
     key = hashlib.sha256(json.dumps([folder, stamp, lib, abi, sys.executable]).encode()).hexdigest()[:20]
     if key in _probe_cache:
@@ -148,12 +149,6 @@ def parallel_available(comm: Any = None) -> Tuple[bool, str]:
         reasons = comm.allgather(reason)
         reason = next((r for r in reasons if r), "")
     return not reason, reason
-
-
-def _world() -> Any:
-    from ._torchcomm import world
-
-    return world()
 
 
 class CollectiveWriter:

@@ -117,7 +117,7 @@ def check_not_singleton(mpi_size: int, env: LauncherEnvironment) -> None:
         return
     lib = ""
     try:
-        lib = " ".join(_mpi.MPI().Get_library_version().split("\n")[0].split(",")[0].split())
+        lib = " ".join(_mpi.library_version().split(",")[0].split())
     except Exception:  # pragma: no cover
         pass
     if env.name == "slurm":

@@ -3,11 +3,14 @@
 Each process keeps, per process group, a ring buffer of its last operations (sequence number,
 op, dtype, shape, root, when it started, whether it finished). A responder thread per process
 listens on a private duplicate of ``COMM_WORLD`` (polled every 0.1 s: a few µs a second). When an
-operation passes its timeout, the rank that noticed asks every rank for its records and the
-Python stacks of its threads (like ``faulthandler``, but sent back over MPI), and builds one
-report: which ranks never entered operation #N and what they did last, which are inside it,
-which did not answer, and each rank's main-thread stack. The lowest timed-out rank prints it
-(stderr) and writes it as JSON to ``$HPCSYNC_REPORT_DIR`` (default: the working directory).
+operation passes its timeout, one rank (a lower rank inside the same operation, if one answers)
+asks every rank for a small digest (its state in that operation, its last operation, its
+innermost program frames), groups ranks with equal digests into rank ranges with their nodes,
+asks one rank per group for its full stacks (like ``faulthandler``, but sent back over MPI), and
+prints one report -- which ranks never entered operation #N and what they did last, which are
+inside it, which did not answer and on which nodes -- to stderr, and as JSON to
+``$HPCSYNC_REPORT_DIR`` (default: the working directory). Its size grows with the number of
+distinct groups, not with the number of ranks.
 """
 from __future__ import annotations
 

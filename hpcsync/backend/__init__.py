@@ -28,9 +28,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import zlib
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -45,25 +44,13 @@ log = logging.getLogger(__name__)
 INIT_METHOD = "hpcsync://"
 
 
-def _group_comm(world: Any, ranks: Sequence[int], group_id: str) -> Any:
-    """An MPI communicator of ``ranks`` (world ranks, in that order); collective over them only."""
-    if list(ranks) == list(range(world.Get_size())):
-        return world
-    group = world.Get_group().Incl(list(ranks))
-    try:
-        tag = zlib.crc32(group_id.encode()) % 32768
-        return world.Create_group(group, tag)
-    finally:
-        group.Free()
-
-
 def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
     from ..topology import topology
 
     topology()  # silent-singleton check, MPI initialised
     world = _mpi.MPI().COMM_WORLD
     ranks = list(opts.global_ranks_in_group) or list(range(world.Get_size()))
-    comm = _group_comm(world, ranks, str(opts.group_id))
+    comm = _mpi.sub_communicator(world, ranks, str(opts.group_id))
     if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
         raise RuntimeError(f"hpcsync backend: torch expects rank {opts.group_rank}/{opts.group_size} in group "
                            f"{opts.group_id}, MPI gives {comm.Get_rank()}/{comm.Get_size()}")

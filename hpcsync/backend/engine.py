@@ -25,16 +25,15 @@ BACKEND_NAME = "hpcsync"
 _INLINE_BYTES = 64 << 10  # blocking calls up to this size run in the caller's thread
 
 # Collectives whose non-blocking form is as fast as (or faster than) the blocking one at every
-# size, per MPI library (measured, 2 and 4 ranks, 64 KiB-16 MiB; bench/bench_backend.py). Those
-# run inline at any size (no thread hand-off) and non-blocking on the worker too. Open MPI 4.1's
-# blocking Reduce_scatter_block is 3-4x slower than its Ireduce_scatter_block from 1 MiB on, its
-# Iallreduce 1.7-2x slower than Allreduce; MPICH's Ireduce_scatter_block is 10x slower at 1 MiB.
+# size, per MPI library (bench/bench_backend.py; the figures are in docs/performance.md). Those
+# run inline at any size (no thread hand-off) and non-blocking on the worker too; the others go
+# to the worker as blocking calls when large.
 _NONBLOCKING_FAST = {"Open MPI": {"Bcast", "Reduce_scatter_block"}, "MPICH": {"Bcast", "Allgather"}}
 _NB_OPS = {"Bcast": "broadcast", "Reduce_scatter_block": "reduce_scatter", "Allgather": "all_gather"}
 
 
 def _nonblocking_fast() -> Set[str]:
-    version = _mpi.MPI().Get_library_version()
+    version = _mpi.library_version()
     for name, calls in _NONBLOCKING_FAST.items():
         if name in version:
             return set(calls)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _mpi
+from .._bigmpi import INT_MAX
 from .buffers import (_CHUNK_ELEMS, _HALF, RedOp, _bytes, _chunks, _divide, _kind, _mpi_op, _mpi_type, _overlap,
                       _Staged)
 from .work import MPIWork
@@ -144,7 +145,7 @@ class ProcessGroupHpcsync(GroupEngine):
                 si = None  # exactly this rank's slot: MPI_IN_PLACE
             else:
                 si.t = si.t.clone()
-        if n and n * size <= 2**31 - 1:
+        if n and n * size <= INT_MAX:
             self._c("Allgather", _mpi.MPI().IN_PLACE if si is None else si.spec(), so.whole())
         elif n:  # big counts: one broadcast per rank, in chunks
             for r in range(size):
@@ -278,7 +279,7 @@ class ProcessGroupHpcsync(GroupEngine):
         so, si = _Staged(out, read=False), _Staged(inp)
         if _overlap(so.t, si.t):
             si.t = si.t.clone()
-        if max(sum(send_counts), sum(recv_counts)) > 2**31 - 1:
+        if max(sum(send_counts), sum(recv_counts)) > INT_MAX:
             raise ValueError("all_to_all: more than 2**31-1 elements in one call is not supported")
         sd = [sum(send_counts[:r]) for r in range(len(send_counts))]
         rd = [sum(recv_counts[:r]) for r in range(len(recv_counts))]
