@@ -82,3 +82,13 @@ def test_every_setting_in_one_table():
     tags = [settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE, settings.TAG_STORE_REQUEST,
             settings.TAG_STORE_REPLY, *range(settings.TAG_BARRIER_FIRST, settings.TAG_BARRIER_FIRST + settings.TAG_BARRIER_COUNT)]
     assert len(tags) == len(set(tags)) and max(tags) <= 32767
+
+
+def test_modules_and_classes_stay_small():
+    """One concept per module: no module over 600 lines, no class over 350."""
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 600, (path, len(text.splitlines()))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno < 350, (path, node.name, node.end_lineno - node.lineno)
