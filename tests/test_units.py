@@ -1,0 +1,55 @@
+"""In process, no mpirun: the backend's pure pieces (fingerprints, aliasing, chunking) and the
+gather round schedule."""
+import torch
+
+from hpcsync import _bigmpi
+from hpcsync.backend import buffers, desync
+from hpcsync.watchdog import OpRecord
+
+
+def test_fingerprint_description_and_explanation():
+    rec = OpRecord(7, "all_reduce", "float32", (4,), -1, 0.0)
+    vec = desync._describe(rec, torch.ones(4))
+    assert vec[0] == 7 and vec[3] == 4 and vec[4] == -1
+    other = desync._describe(OpRecord(7, "all_reduce", "float64", (4,), -1, 0.0), torch.ones(4, dtype=torch.float64))
+    assert vec != other and hash(tuple(vec)) != hash(tuple(other))  # a dtype mismatch changes the fingerprint
+    assert desync._explain(tuple(vec)) == "#7 all_reduce dtype=float32 count=4"
+    bc = desync._describe(OpRecord(2, "broadcast", "int64", (3,), 1, 0.0), torch.ones(3, dtype=torch.int64))
+    assert desync._explain(tuple(bc)) == "#2 broadcast dtype=int64 count=3 root=1"
+    a2a = desync._describe(OpRecord(3, "all_to_all", "float32", (5,), -1, 0.0), torch.ones(5))
+    assert a2a[3] == -1  # all-to-all counts may differ between ranks: not part of the agreement
+
+
+def test_overlap_detects_shared_bytes_only():
+    base = torch.arange(10.0)
+    assert buffers._overlap(base[:6], base[4:])
+    assert not buffers._overlap(base[:5], base[5:])
+    assert not buffers._overlap(base, torch.arange(10.0))
+    assert buffers._overlap(base[::2], base[1::2])  # strided views of one storage: treated as aliased
+    assert not buffers._overlap(base[:0], base)
+
+
+def test_chunks_cover_every_element_within_c_int_counts(monkeypatch):
+    monkeypatch.setattr(buffers, "_CHUNK_ELEMS", 4)
+    assert buffers._chunks(10) == [(0, 4), (4, 4), (8, 2)]
+    assert buffers._chunks(0) == [(0, 0)]  # one empty call: every rank still takes part
+
+
+def test_staged_half_precision_reduces_in_float32_and_writes_back():
+    t = torch.tensor([1.5, 2.25], dtype=torch.bfloat16)
+    s = buffers._Staged(t, reduce=True)
+    assert s.t.dtype == torch.float32 and s.copied
+    s.t.mul_(2)
+    s.finish()
+    assert t.tolist() == [3.0, 4.5]
+    c = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: staged, then copied back
+    s = buffers._Staged(c)
+    assert s.t.is_contiguous() and s.copied
+
+
+def test_gather_rounds_split_the_budget_and_finish():
+    rounds = list(_bigmpi.schedule([10, 0, 3, 25], round_bytes=8))
+    assert all(sum(r) <= 8 for r in rounds)
+    assert [sum(r[i] for r in rounds) for i in range(4)] == [10, 0, 3, 25]
+    assert len(rounds) == 5  # ceil(38 / 8): unused shares are handed to the ranks with data left
+    assert list(_bigmpi.schedule([0, 0])) == []
