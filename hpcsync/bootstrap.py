@@ -6,7 +6,6 @@ the launcher's environment is used.
 """
 from __future__ import annotations
 
-import atexit
 import datetime as _dt
 import logging
 import os
@@ -247,7 +246,7 @@ def init(
         jobend.set_abort_on_error(abort_on_exception)
         # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
         # the process ("terminate called without an active exception"), measured under torchrun.
-        atexit.register(shutdown)
+        jobend.at_exit("torch", shutdown)
         if jobend.abort_on_error():
             install_abort_hook()
         if topo.rank == 0:

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import NoReturn, Optional, Tuple
+from typing import Callable, List, NoReturn, Optional, Tuple
 
 from . import _mpi, settings
 
@@ -30,6 +30,35 @@ LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiex
 
 
 _abort_on_error = True  # init(abort_on_exception=...) sets it for the job
+
+# The one ordered exit, before MPI_Finalize (mpi4py finalizes after every Python atexit handler):
+# torch's process group first (gloo threads must be joined while the interpreter is whole), then
+# hpcsync's own MPI users (the store's server thread), then the backend's bounded exit barrier
+# and watchdog, which may end a broken job with MPI_Abort.
+EXIT_STAGES = ("torch", "store", "backend")
+_exit_steps: List[Tuple[int, int, Callable[[], None]]] = []
+
+
+def at_exit(stage: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit, in :data:`EXIT_STAGES` order (then in registration order).
+
+    The one handler is re-registered on every call, so it runs before any Python exit handler
+    registered earlier (as the last ``atexit.register`` would): torch's group is destroyed first.
+    """
+    import atexit
+
+    _exit_steps.append((EXIT_STAGES.index(stage), len(_exit_steps), fn))
+    atexit.unregister(_run_exit)
+    atexit.register(_run_exit)
+
+
+def _run_exit() -> None:
+    for _, _, fn in sorted(_exit_steps, key=lambda s: s[:2]):
+        try:
+            fn()
+        except Exception as exc:  # one step failing must not skip the ones that end the job cleanly
+            log.warning("hpcsync: exit step %s failed: %s", getattr(fn, "__qualname__", fn), exc)
+    _exit_steps.clear()
 
 
 def set_abort_on_error(on: bool) -> None:

@@ -84,9 +84,9 @@ class MPIStore(dist.Store):
         if self._table is not None and self._comm.Get_size() > 1:
             self._thread = threading.Thread(target=self._serve, name="hpcsync-store", daemon=True)
             self._thread.start()
-            import atexit
+            from . import jobend
 
-            atexit.register(self.close)  # before MPI_Finalize
+            jobend.at_exit("store", self.close)  # before MPI_Finalize
 
     # -- rank 0: the server ----------------------------------------------------------------
     def _serve(self) -> None:

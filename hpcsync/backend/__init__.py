@@ -111,4 +111,4 @@ def register() -> None:
 
 
 register()
-__import__("atexit").register(_at_exit)
+jobend.at_exit("backend", _at_exit)
