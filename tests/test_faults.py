@@ -157,7 +157,7 @@ def test_sigkilled_rank_ends_the_job(launcher, mode, tmp_path, request):
 def test_hang_report_of_32_ranks_stays_small(tmp_path):
     """32 ranks, the last stuck: one report of two groups of ranks (ranges, with the node), a few
     lines and a small JSON, not a stack per rank; printed once; the job ends."""
-    n, timeout = 32, 5
+    n, timeout = 32, 2
     host = socket.gethostname()
     t0 = time.monotonic()
     res = run(openmpi(), n, "wide_hang.py", str(timeout), tmp_path=tmp_path, expect_ok=False,

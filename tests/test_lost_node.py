@@ -1,11 +1,12 @@
 """A node lost mid-training ends the job, under each launcher, with the plain command line.
 
-Two routed namespace nodes, 2 ranks each, the hpcsync backend in a loop of all_reduce
-(``programs/training_loop.py``). Node 1 then fails in one of three ways: its link goes down
-(its processes live on, unreachable), every process on it is SIGKILLed (a crash), or its ranks
-are SIGSTOPped (a swapping node, a stalled NFS). Each time the job must exit non-zero within the
-group timeout + 45 s. Where the survivors report (all but a crash under mpirun/mpiexec, which
-end the job themselves within seconds), the report names the silent ranks and their node.
+Two routed namespace nodes per launcher, 2 ranks each, the hpcsync backend in a loop of
+all_reduce (``programs/training_loop.py``). Node 1 then fails in one of three ways: its link
+goes down (its processes live on, unreachable), every process on it is SIGKILLed (a crash), or
+its ranks are SIGSTOPped (a swapping node, a stalled NFS). Each time the job must exit non-zero
+within the group timeout + 45 s. Where the survivors report (all but a crash under mpirun and
+mpiexec, which end the job themselves within seconds), the report names the silent ranks and
+their node. The three launchers run side by side, each on its own nodes (they mostly wait).
 """
 import os
 import signal
@@ -18,68 +19,85 @@ from launch import PY, PROGRAMS, clean_env
 from netns_cluster import ROUTED, Cluster
 
 TIMEOUT = 6  # the group's timeout
-FAILURES = ("link", "kill", "stop")
 LAUNCHERS = ("openmpi", "mpich", "srun")
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path, 2, ROUTED).start()
-    yield c
-    c.stop()
+class Job:
+    def __init__(self, launcher, base):
+        self.name = launcher
+        self.cluster = Cluster(base, 2, ROUTED).start()
+        if launcher == "srun":
+            self.cluster.start_slurm()
+            lau = self.cluster.srun([2, 2], "pmix")
+        else:
+            lau = getattr(self.cluster, launcher)([2, 2])
+        self.out = base / f"out-{launcher}"
+        self.out.mkdir()
+        env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(self.out), "HPCSYNC_REPORT_DIR": str(self.out)})
+        cmd = [*lau.command(4, env), PY, str(PROGRAMS / "training_loop.py"), "hpcsync", str(TIMEOUT), "300"]
+        self.log = base / f"{launcher}.log"
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=base)
+
+    def ready(self):
+        assert self.proc.poll() is None, f"{self.name} ended early:\n{self.log.read_text()[-3000:]}"
+        return len(list(self.out.glob("ready*"))) == 4
+
+    def break_node(self, failure):
+        c = self.cluster
+        if failure == "link":
+            c.link_down(1)
+        elif failure == "kill":
+            c.kill_node(1)
+        else:
+            for f in self.out.glob("ready*"):
+                pid, host = f.read_text().split()
+                if host == c.names[1]:
+                    os.kill(int(pid), signal.SIGSTOP)
+        self.broken = time.monotonic()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.cluster.stop()
 
 
-def break_node(cluster, failure, out):
-    if failure == "link":
-        cluster.link_down(1)
-    elif failure == "kill":
-        cluster.kill_node(1)
-    else:
-        for f in out.glob("ready*"):
-            pid, host = f.read_text().split()
-            if host == cluster.names[1]:
-                os.kill(int(pid), signal.SIGSTOP)
-
-
-@pytest.mark.parametrize("failure", FAILURES)
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_lost_node_ends_the_job(cluster, launcher, failure, tmp_path):
-    if launcher == "srun":
-        cluster.start_slurm()
-        lau = cluster.srun([2, 2], "pmix")
-    else:
-        lau = getattr(cluster, launcher)([2, 2])
-    out = tmp_path / "out"
-    out.mkdir()
-    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out), "HPCSYNC_REPORT_DIR": str(out)})
-    cmd = [*lau.command(4, env), PY, str(PROGRAMS / "training_loop.py"), "hpcsync", str(TIMEOUT), "300"]
-    log = tmp_path / "job.log"
-    with open(log, "w") as f:
-        job = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
+@pytest.mark.parametrize("failure", ["link", "kill", "stop"])
+def test_lost_node_ends_the_job(failure, tmp_path):
+    jobs = []
     try:
+        for name in LAUNCHERS:
+            (tmp_path / name).mkdir()
+            jobs.append(Job(name, tmp_path / name))
         t0 = time.monotonic()
-        while len(list(out.glob("ready*"))) < 4:  # every rank is training
-            assert job.poll() is None and time.monotonic() - t0 < 120, log.read_text()[-3000:]
+        while not all(j.ready() for j in jobs):  # every rank of every job is training
+            assert time.monotonic() - t0 < 150, {j.name: j.log.read_text()[-2000:] for j in jobs}
             time.sleep(0.1)
-        hosts = sorted(f.read_text().split()[1] for f in out.glob("ready*"))
-        assert hosts == sorted(cluster.names * 2)
-        broken = time.monotonic()
-        break_node(cluster, failure, out)
-        try:
-            rc = job.wait(timeout=TIMEOUT + 45)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{launcher}: the job still runs {TIMEOUT + 45} s after node 1 was lost ({failure})\n"
-                        + log.read_text()[-4000:])
-        took = time.monotonic() - broken
+        for j in jobs:
+            hosts = sorted(f.read_text().split()[1] for f in j.out.glob("ready*"))
+            assert hosts == sorted(j.cluster.names * 2), (j.name, hosts)
+            j.break_node(failure)
+        ended = {}
+        while len(ended) < len(jobs):  # each job's own end time, all watched at once
+            for j in jobs:
+                if j.name not in ended and j.proc.poll() is not None:
+                    ended[j.name] = (j.proc.returncode, time.monotonic() - j.broken)
+                elif j.name not in ended and time.monotonic() - j.broken > TIMEOUT + 45:
+                    pytest.fail(f"{j.name}: the job still runs {TIMEOUT + 45} s after node 1 was lost ({failure})\n"
+                                + j.log.read_text()[-4000:])
+            time.sleep(0.05)
+        print({k: f"rc={rc} after {s:.1f} s" for k, (rc, s) in ended.items()})
+        for j in jobs:
+            rc, took = ended[j.name]
+            text = j.log.read_text(errors="replace")
+            assert rc != 0, (j.name, text[-3000:])
+            assert not list(j.out.glob("rank*.json")), f"{j.name}: no rank may finish as if nothing happened"
+            if failure == "kill" and j.name != "srun":
+                assert took < 15, (j.name, took)  # the launcher sees its node daemon die and ends the job
+                continue
+            names = j.cluster.names
+            assert f"no reply: rank(s) 2-3 on {names[1]}" in text, (j.name, text[-4000:])
+            assert "inside #" in text and f"rank(s) 0-1 on {names[0]}" in text, (j.name, text[-4000:])
     finally:
-        if job.poll() is None:
-            job.kill()
-    text = log.read_text(errors="replace")
-    print(f"{launcher} {failure}: ended rc={rc} {took:.1f} s after the failure")
-    assert rc != 0, text[-3000:]
-    assert not list(out.glob("rank*.json")), "no rank may finish as if nothing happened"
-    if failure == "kill" and launcher != "srun":
-        assert took < 15, took  # the launcher sees its node daemon die and ends the job at once
-        return
-    assert f"no reply: rank(s) 2-3 on {cluster.names[1]}" in text, text[-4000:]
-    assert "inside #" in text and f"rank(s) 0-1 on {cluster.names[0]}" in text, text[-4000:]
+        for j in jobs:
+            j.stop()

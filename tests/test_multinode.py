@@ -35,10 +35,8 @@ def expected_nodes(placement, n, nodes):
 
 
 CASES = [  # network, launcher, placement, backend, nodes, ranks
-    (BRIDGED, "openmpi", "block", "gloo", 2, 4),
     (BRIDGED, "openmpi", "round-robin", "hpcsync", 2, 4),
     (ROUTED, "openmpi", "block", "hpcsync", 2, 4),
-    (ROUTED, "openmpi", "round-robin", "gloo", 2, 4),
     (ROUTED, "mpich", "block", "gloo", 2, 4),
     (BRIDGED, "mpich", "round-robin", "hpcsync", 2, 4),
     (ROUTED, "openmpi", "round-robin", "gloo", 3, 6),
@@ -143,16 +141,16 @@ def test_dual_homed_rank0_node_finds_an_address_every_node_reaches(clusters, tmp
     assert "reached from every node" in res.ranks[0]["reason"] and "of 2 other node(s)" in res.ranks[0]["reason"]
 
 
-def test_connect_proof_on_40_nodes_with_a_small_accept_queue(tmp_path):
-    """40 namespace nodes, rank 0's node with net.core.somaxconn=16 (older kernels: 128): 39 node
+def test_connect_proof_on_24_nodes_with_a_small_accept_queue(tmp_path):
+    """24 namespace nodes, rank 0's node with net.core.somaxconn=16 (older kernels: 128): 23 node
     leaders connect at once; rank 0 accepts while the proof runs, so every node reaches the
     address instead of timing out in a full accept queue."""
-    cluster = Cluster(tmp_path, 40, ROUTED).start()
+    cluster = Cluster(tmp_path, 24, ROUTED).start()
     try:
         subprocess.run(["ip", "netns", "exec", cluster.names[0], "sysctl", "-qw", "net.core.somaxconn=16"], check=True)
-        res = run(cluster.openmpi([1] * 40), 40, "proof.py", tmp_path=tmp_path, timeout=300)
+        res = run(cluster.openmpi([1] * 24), 24, "proof.py", tmp_path=tmp_path, timeout=300)
         assert {d.get("master") for d in res.ranks} == {cluster.address(0)}, [d.get("error") for d in res.ranks][:3]
-        assert {d["num_nodes"] for d in res.ranks} == {40}
+        assert {d["num_nodes"] for d in res.ranks} == {24}
         assert "reached from every node" in res.ranks[0]["reason"]
     finally:
         cluster.stop()

@@ -70,7 +70,7 @@ def test_srun_pmix_with_mpich_fails_loudly(slurm, tmp_path):
 
 
 def sbatch(slurm, script, tmp_path, env):
-    full = clean_env({**slurm, "PYTHON": PY, "TRAIN_ARGS": "--epochs 4 --samples 3000", **env})
+    full = clean_env({**slurm, "PYTHON": PY, "TRAIN_ARGS": "--epochs 3 --samples 1500", **env})
     jid = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", str(script)], env=full,
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     info = slurm_cluster.wait_job(jid, full, timeout=400)

@@ -83,7 +83,7 @@ def test_srun_wrong_mpi_plugin_is_caught_as_silent_singletons(cluster, tmp_path)
 
 def test_sbatch_two_nodes(cluster, tmp_path):
     """``sbatch -N 2 jobs/slurm_pmix.sbatch``: the batch script on the first node, srun across both."""
-    env = clean_env({**cluster.srun([2, 2]).env, "PYTHON": PY, "TRAIN_ARGS": "--epochs 3 --samples 2000"})
+    env = clean_env({**cluster.srun([2, 2]).env, "PYTHON": PY, "TRAIN_ARGS": "--epochs 3 --samples 1500"})
     sub = subprocess.run(cluster.on_node(0, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2",
                                          f"--output={tmp_path}/slurm-%j.out", str(ROOT / "jobs" / "slurm_pmix.sbatch")),
                          env=env, cwd=ROOT, capture_output=True, text=True)
