@@ -61,7 +61,7 @@ def _cli(cluster, lau, n, *args, env=None, timeout=180):
     return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("network", [BRIDGED, ROUTED])
+@pytest.mark.parametrize("network", [BRIDGED])
 def test_doctor_and_info_across_nodes(clusters, network):
     cluster = clusters(network)
     lau = cluster.openmpi([2, 2], "round-robin")

@@ -79,7 +79,6 @@ def sbatch(slurm, script, tmp_path, env):
 
 
 @pytest.mark.parametrize("script,env", [
-    ("slurm_pmix.sbatch", {}),
     ("slurm_pmi2.sbatch", {}),
     ("slurm_mpirun.sbatch", {"MPIRUN": "mpirun.openmpi", "OMPI_ALLOW_RUN_AS_ROOT": "1",
                              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,vader"}),
