@@ -249,13 +249,7 @@ def format_report(rep: Dict[str, Any]) -> str:
     """The report for people: a few lines per group of ranks, whatever the number of ranks."""
     op = rep["operation"]
     desc = OpRecord(**{k: op[k] for k in ("seq", "op", "dtype", "shape", "root", "started")}).describe()
-    nodes = nodemap.current()
-
-    def names(rs: List[int]) -> str:
-        if not rs:
-            return "none"
-        return nodes.describe(rs) if nodes is not None else nodemap.ranges(rs)
-
+    names = nodemap.describe  # ranges with their nodes ("none" when empty)
     lines = [f"[hpcsync] HANG REPORT: {desc} in group {rep['group']!r} (ranks {rep['group_ranks']}) "
              f"did not complete within {rep['timeout_s']:g} s",
              f"  never entered #{op['seq']}: rank(s) {names(rep['never_entered'])}",
