@@ -86,7 +86,7 @@ class _Source:
 def _choose_method(comm: Any, method: str, tmp: Optional[str], total: int, src: _Source, root: int
                    ) -> Tuple[str, Optional[_Source]]:
     """The method every rank uses, and for ``copy`` the root's view of every rank's pieces."""
-    if comm is None or comm.Get_size() == 1:
+    if comm.Get_size() == 1:
         return ("copy" if method == "copy" else "gather"), src
     if method in ("auto", "copy"):
         everything, why = _root_sees_parts(comm, src, root)
@@ -177,13 +177,13 @@ def _on_nfs(path: str) -> bool:
 def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int, round_bytes: int,
                   bar: Optional[Progress]) -> Optional[str]:
     """Root copies its own part file-to-file in the kernel, then receives the others in rounds."""
-    me = comm.Get_rank() if comm is not None else 0
+    me = comm.Get_rank()
     fd, err = (os.open(tmp, os.O_WRONLY), None) if me == root else (-1, None)
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
     try:
         if me == root:
             err = _copy_own(src, fd, starts[root], tmp, bar)
-        if comm is not None:
+        if comm.Get_size() > 1:
             others = [0 if r == root else n for r, n in enumerate(sizes)]  # same schedule on every rank
             err = _receive_and_write(comm, others, src, root, round_bytes, fd, starts, tmp, bar) or err
         if me == root and err is None:

@@ -1,8 +1,10 @@
-"""An mpi4py-like communicator over torch.distributed, for jobs without MPI (e.g. torchrun).
+"""mpi4py-like communicators for jobs without MPI: over torch.distributed (e.g. torchrun), and
+the one-process communicator.
 
-Only the object collectives that the comm helpers, file sync and the HDF5 fallback need; data
-moves with torch's object collectives (pickled), so it is a correctness fallback, not a fast path.
-:func:`world` is the one transport choice they all share.
+Only the object collectives that the comm helpers, file sync, stage-in and the HDF5 fallback
+need. :class:`TorchComm` moves data with torch's object collectives (pickled), so it is a
+correctness fallback, not a fast path; :class:`SelfComm` is the identity, so code written for N
+ranks runs unchanged in one process. :func:`world` is the one transport choice they all share.
 """
 from __future__ import annotations
 
@@ -47,9 +49,42 @@ class TorchComm:
         self._dist.barrier(group=self.group)
 
 
+class SelfComm:
+    """The communicator of a job of one process without MPI: rank 0 of 1, every collective the
+    identity (objects are not copied). Has no buffer methods (``Allgather``...), like TorchComm,
+    so code that needs MPI's can tell it apart."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def allgather(self, obj: Any) -> List[Any]:
+        return [obj]
+
+    def gather(self, obj: Any, root: int = 0) -> Optional[List[Any]]:
+        return [obj]
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def Barrier(self) -> None:
+        pass
+
+    def Free(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "SelfComm()"
+
+
+SELF = SelfComm()
+
+
 def world() -> Any:
     """MPI's COMM_WORLD when MPI is in use, a TorchComm when only torch.distributed runs several
-    processes, else None (one process)."""
+    processes, else :data:`SELF` (one process)."""
     from . import _mpi
 
     if _mpi.use_mpi():
@@ -71,4 +106,4 @@ def world() -> Any:
     if size > 1:  # never degrade a multi-rank job to N independent single-rank ones
         raise LaunchError(f"the launcher started {size} ranks but neither MPI (mpi4py) nor torch.distributed "
                           f"is in use: install mpi4py, or call hpcsync.init() first")
-    return None
+    return SELF

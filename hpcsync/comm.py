@@ -3,7 +3,7 @@
 Same names and behaviour as ``detectron2.utils.comm`` so users can switch imports. One transport
 underneath, shared with file sync and HDF5 (:func:`hpcsync._torchcomm.world`): MPI when it is in
 use (no torch.distributed needed), else torch.distributed when it is initialised (torchrun without
-mpi4py), else -- one process -- nothing. A multi-rank job with neither gets a clear error naming
+mpi4py), else -- one process -- the identity (``SelfComm``). A multi-rank job with neither gets a clear error naming
 ``hpcsync.init()``, never N one-rank answers. Object gathers pickle to bytes and move them with
 big-count-safe rounds under MPI, so any size works (past 2 GiB too).
 
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from . import _bigmpi, _mpi, settings
-from ._torchcomm import TorchComm, world
+from ._torchcomm import SELF, TorchComm, world
 from .topology import local_comm, topology
 
 _LOCAL_PROCESS_GROUP: Any = None
@@ -47,7 +47,7 @@ def _is_mpi_comm(comm: Any) -> bool:
 
 
 def _comm(group: Any = None) -> Any:
-    """The transport for ``group``: an MPI communicator, a TorchComm, or None (one process)."""
+    """The transport for ``group``: an MPI communicator, a TorchComm, or SELF (one process)."""
     if group is None:
         return world()
     if hasattr(group, "Get_rank"):  # an mpi4py communicator
@@ -61,14 +61,14 @@ def _mpi_subcomm(group: Any) -> Any:
     """The MPI communicator of a torch group's ranks (created once per group, by its members)."""
     import torch.distributed as dist
 
-    comm = _subcomms.get(group)
-    if comm is None:
+    sub = _subcomms.get(group)
+    if sub is None:
         world_comm = _mpi.MPI().COMM_WORLD
         ranks = dist.get_process_group_ranks(group)
         if world_comm.Get_rank() not in ranks:
             raise ValueError(f"this rank ({world_comm.Get_rank()}) is not a member of the group {ranks}")
-        comm = _subcomms[group] = _mpi.sub_communicator(world_comm, ranks, str(ranks))
-    return comm
+        sub = _subcomms[group] = _mpi.sub_communicator(world_comm, ranks, str(ranks))
+    return sub
 
 
 def get_world_size() -> int:
@@ -105,7 +105,7 @@ def create_local_process_group(num_workers_per_machine: Optional[int] = None) ->
     if not _torch_dist_ready():
         if topo.world_size > 1 and not topo.uses_mpi:
             world()  # raises: a multi-rank job needs MPI or hpcsync.init()
-        _LOCAL_PROCESS_GROUP = local_comm()
+        _LOCAL_PROCESS_GROUP = local_comm() if topo.uses_mpi else SELF
         return
     import torch.distributed as dist
 
@@ -161,7 +161,7 @@ def _get_global_gloo_group() -> Any:
 def synchronize(group: Any = None) -> None:
     """Barrier among all ranks (no-op in one process)."""
     comm = _comm(group)
-    if comm is not None and comm.Get_size() > 1:
+    if comm.Get_size() > 1:
         comm.Barrier()
 
 
@@ -180,7 +180,7 @@ def _loads_all(parts: List[bytearray]) -> List[Any]:
 def all_gather(data: Any, group: Any = None) -> List[Any]:
     """Gather any picklable object from every rank of ``group``; each gets the list in rank order."""
     comm = _comm(group)
-    if comm is None or comm.Get_size() == 1:
+    if comm.Get_size() == 1:
         return [data]
     if _is_mpi_comm(comm):
         return _loads_all(_bigmpi.allgatherv_bytes(comm, _dumps(data)))
@@ -190,7 +190,7 @@ def all_gather(data: Any, group: Any = None) -> List[Any]:
 def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
     """Gather any picklable object to rank ``dst`` of ``group``; it gets the list, the others ``[]``."""
     comm = _comm(group)
-    if comm is None or comm.Get_size() == 1:
+    if comm.Get_size() == 1:
         return [data]
     if _is_mpi_comm(comm):
         parts = _bigmpi.gatherv_bytes(comm, _dumps(data), root=dst)
@@ -202,7 +202,7 @@ def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
 def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
     """Return rank ``src``'s ``obj`` on every rank of ``group`` (any size)."""
     comm = _comm(group)
-    if comm is None or comm.Get_size() == 1:
+    if comm.Get_size() == 1:
         return obj
     if _is_mpi_comm(comm):
         is_src = comm.Get_rank() == src
@@ -224,7 +224,7 @@ def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str
     """
     keys = sorted(input_dict.keys())
     comm = _comm()
-    size = comm.Get_size() if comm is not None else 1
+    size = comm.Get_size()
     if size == 1:
         return dict(input_dict)
     every = all_gather(keys)
@@ -287,15 +287,13 @@ def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_a
     import time
 
     comm = _comm(group)
-    if comm is not None and not _is_mpi_comm(comm):  # torch.distributed without MPI: torch's own (gloo)
+    if isinstance(comm, TorchComm):  # torch.distributed without MPI: torch's own (gloo)
         import datetime
 
         import torch.distributed as dist
 
         dist.monitored_barrier(group=group, wait_all_ranks=wait_all_ranks,
                                timeout=None if timeout is None else datetime.timedelta(seconds=timeout))
-        return
-    if comm is None:
         return
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:

@@ -221,9 +221,10 @@ def _hdf5_check(checks: List[Check]) -> None:
         checks.append(Check("HDF5", WARN, "h5py not installed: hpcsync.h5 unavailable (pip install h5py)"))
         return
     from . import _mpi
+    from ._torchcomm import SELF
     from .h5 import parallel_available
 
-    comm = _mpi.MPI().COMM_WORLD if _mpi.use_mpi() else None
+    comm = _mpi.MPI().COMM_WORLD if _mpi.use_mpi() else SELF  # each process alone without MPI
     ok, why = parallel_available(comm)
     mismatch = "different MPI" in why or "another MPI's headers" in why
     fix = ("run under the MPI that h5py was built against, or rebuild h5py against this one (its mpicc and "

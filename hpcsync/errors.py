@@ -32,9 +32,8 @@ def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], wha
     """Collective: if any rank has an ``error``, raise the same ``exc_type`` on every rank.
 
     The message names each failing rank, so the cause is visible wherever the job is read.
-    ``comm`` None means one process.
     """
-    errors = comm.allgather(error) if comm is not None else [error]
+    errors = comm.allgather(error)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         lines = "; ".join(f"rank {r}: {e}" for r, e in bad[:8]) + (f"; ... {len(bad) - 8} more" if len(bad) > 8 else "")
@@ -45,7 +44,7 @@ def raise_if_settings_differ(comm: Any, settings: Dict[str, Any], exc_type: Type
     """Collective: every rank must call with the same ``settings``; otherwise the same ``exc_type``
     on every rank, ``what`` followed by which ranks gave which value for each differing setting
     (a rank that diverges is an error on all, never silently outvoted)."""
-    if comm is None or comm.Get_size() == 1:
+    if comm.Get_size() == 1:
         return
     every = comm.allgather(settings)
     differ = {k: by for k in settings if len(by := ranks_by_value([repr(s[k]) for s in every])) > 1}

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _bigmpi, settings
-from ._torchcomm import world as _world  # MPI's world, else torch.distributed's, else None
+from ._torchcomm import world as _world  # MPI's world, else torch.distributed's, else SELF
 from .errors import SyncError, raise_if_any, raise_if_settings_differ
 from ._join import _choose_method, _Part, _Source, _write_copy, _write_gather, _write_mpiio
 from .progress import Progress
@@ -53,8 +53,7 @@ _HEADER_SCAN = 1 << 20
 def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[PathLike] = None) -> str:
     """Where rank ``rank`` (default: this rank) keeps its part of ``path``."""
     if rank is None:
-        comm = _world()
-        rank = comm.Get_rank() if comm is not None else 0
+        rank = _world().Get_rank()
     path = os.path.abspath(os.fspath(path))
     folder, name = os.path.split(path)
     base = parts_dir or settings.text("HPCSYNC_PARTS_DIR")
@@ -116,7 +115,7 @@ def _agree(comm: Any, error: Optional[str], what: str) -> None:
 def _plan(comm: Any, my_parts: List[_Part], strip_header: bool, check_headers: bool, text: bool) -> None:
     """Decide header stripping and inserted newlines from every rank's part summaries."""
     summary = [(p.size, p.header, p.ends_newline) for p in my_parts]
-    every = comm.allgather(summary) if comm is not None else [summary]
+    every = comm.allgather(summary)
     flat = [(r, i, s) for r, parts in enumerate(every) for i, s in enumerate(parts)]
     nonempty = [(r, i, s) for r, i, s in flat if s[0] > 0]
     if strip_header and nonempty:
@@ -135,7 +134,7 @@ def _plan(comm: Any, my_parts: List[_Part], strip_header: bool, check_headers: b
         skip = len(header) if strip_header and (r, i) != keep_header_at and size else 0
         effective.append((r, i, size - skip, ends, skip))
     last_content = max((k for k, e in enumerate(effective) if e[2] > 0), default=-1)
-    me = comm.Get_rank() if comm is not None else 0
+    me = comm.Get_rank()
     for k, (r, i, eff, ends, skip) in enumerate(effective):
         if r != me:
             continue
@@ -191,8 +190,7 @@ def merge_parts(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     t0 = time.perf_counter()
     comm = comm if comm is not None else _world()
-    size = comm.Get_size() if comm is not None else 1
-    me = comm.Get_rank() if comm is not None else 0
+    size, me = comm.Get_size(), comm.Get_rank()
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
     target = os.path.abspath(os.fspath(target))
@@ -210,12 +208,11 @@ def merge_parts(
     _agree(comm, err, f"sync of {target}")
     _plan(comm, src.parts, strip_header, check_headers, text)
     mine = src.size
-    sizes = _bigmpi.allgather_sizes(comm, mine) if comm is not None else [mine]
+    sizes = _bigmpi.allgather_sizes(comm, mine)
     total = sum(sizes)
 
     tmp, err = _prepare_target(target, total) if me == root else (None, None)
-    if comm is not None:
-        tmp = comm.bcast(tmp, root=root)
+    tmp = comm.bcast(tmp, root=root)
     _agree(comm, err, f"sync of {target}")
     bar = Progress(f"merging {os.path.basename(target)}", total, enabled=progress) if me == root else None
     chosen = "gather"
@@ -251,7 +248,7 @@ def merge_parts(
                 log.warning("rank %d: could not delete part %s: %s", me, p.path, exc)
         deleted = True
     result = SyncResult(target, total, chosen, time.perf_counter() - t0, deleted, size)
-    return comm.bcast(result, root=root) if comm is not None else result
+    return comm.bcast(result, root=root)
 
 
 def sync_file(
@@ -285,7 +282,7 @@ def sync_file(
                    allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
                    progress=progress)
     comm = _world()
-    rank = comm.Get_rank() if comm is not None else 0
+    rank = comm.Get_rank()
     if part is None:
         mine = part_path(path, rank, parts_dir)
     else:
@@ -296,14 +293,12 @@ def sync_file(
         # create its next part there) before every rank's rmdir is done: without the second
         # barrier a fast rank's next SyncedFile raced a slow rank's rmdir (FileNotFoundError).
         folder = os.path.dirname(mine)
-        if comm is not None:
-            comm.Barrier()
+        comm.Barrier()
         try:
             os.rmdir(folder)
         except OSError:
             pass
-        if comm is not None:
-            comm.Barrier()
+        comm.Barrier()
     return result
 
 
@@ -354,7 +349,7 @@ class SyncedFile:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         comm = _world()
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
-        if exc_type is not None and comm is None:
+        if exc_type is not None and comm.Get_size() == 1:
             return False
         try:
             _agree(comm, failed, f"SyncedFile({self.target})")

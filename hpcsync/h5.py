@@ -130,12 +130,14 @@ def mpi_abi_mismatch() -> str:
 def parallel_available(comm: Any = None) -> Tuple[bool, str]:
     """Whether the collective path can run here, and why not. Agreed by every rank of ``comm``.
 
-    Checks, in order: MPI in use, h5py built with MPI, one MPI library in the process, and
-    (rank 0 of ``comm``, cached) :func:`mpi_abi_mismatch` -- never a segfault in HDF5.
+    ``comm``: default the world. Checks, in order: MPI in use, h5py built with MPI, one MPI library
+    in the process, and (rank 0 of ``comm``, cached) :func:`mpi_abi_mismatch` -- never a segfault
+    in HDF5.
     """
     h5py = _h5py()
+    comm = comm if comm is not None else _world()
     reason = ""
-    if comm is None or not hasattr(comm, "Allgather"):
+    if not hasattr(comm, "Allgather"):
         reason = "no MPI in use"
     elif not h5py.get_config().mpi:
         reason = "h5py was built without MPI (the PyPI wheel is serial)"
@@ -145,9 +147,7 @@ def parallel_available(comm: Any = None) -> Tuple[bool, str]:
             reason = f"h5py and mpi4py use different MPI libraries ({', '.join(libs)})"
         elif comm.Get_rank() == 0:
             reason = mpi_abi_mismatch()
-    if comm is not None:
-        reasons = comm.allgather(reason)
-        reason = next((r for r in reasons if r), "")
+    reason = next((r for r in comm.allgather(reason) if r), "")
     return not reason, reason
 
 
@@ -168,16 +168,14 @@ class CollectiveWriter:
         self.comm = comm if comm is not None else _world()
         self.root = root
         self.round_bytes = round_bytes  # fallback: bytes per gather round (bounds the root's memory)
-        self.rank = self.comm.Get_rank() if self.comm is not None else 0
+        self.rank = self.comm.Get_rank()
         ok, why = parallel_available(self.comm)
         if parallel and not ok:
             raise MissingDependencyError(f"parallel HDF5 requested but unavailable: {why}")
         self.parallel = ok if parallel is None else bool(parallel)
         self.path = os.path.abspath(path)
-        if self.comm is not None:
-            self.path = self.comm.bcast(self.path, root=root)
-        if not self.parallel and self.comm is not None and self.comm.Get_size() > 1 and not _warned \
-                and self.rank == root:
+        self.path = self.comm.bcast(self.path, root=root)
+        if not self.parallel and self.comm.Get_size() > 1 and not _warned and self.rank == root:
             warnings.warn(f"hpcsync.h5: {why}; gathering rows to rank {root} and writing serially", RuntimeWarning,
                           stacklevel=2)
             _warned = True
@@ -198,7 +196,7 @@ class CollectiveWriter:
     def _layout(self, name: str, rows: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...], List[int]]:
         """Validate collectively; return dtype, trailing shape and every rank's row count."""
         info = (rows.dtype.str, rows.shape[1:], rows.shape[0], rows.dtype.kind)
-        every = self.comm.allgather(info) if self.comm is not None else [info]
+        every = self.comm.allgather(info)
         with_rows = [(r, i) for r, i in enumerate(every) if i[2] > 0]
         ref_rank, ref = with_rows[0] if with_rows else (0, every[0])
         bad = [r for r, i in with_rows if (i[0], i[1]) != (ref[0], ref[1])]
@@ -240,8 +238,7 @@ class CollectiveWriter:
         else:
             base = self._create_or_grow(name, dtype, trailing, total) if self.rank == self.root else 0
             self._write_gathered(self.file[name] if self.rank == self.root else None, rows, base, counts)
-            base = self.comm.bcast(base if self.rank == self.root else None, root=self.root) \
-                if self.comm is not None else base
+            base = self.comm.bcast(base if self.rank == self.root else None, root=self.root)
         return base + start, rows.shape[0]
 
     def _create_or_grow(self, name: str, dtype: np.dtype, trailing: Tuple[int, ...], total: int) -> int:
@@ -260,7 +257,7 @@ class CollectiveWriter:
         h5py = self.h5py
         row_bytes = max(1, rows.itemsize * int(np.prod(rows.shape[1:] or (1,))))
         per = max(1, WRITE_PIECE_BYTES // row_bytes)
-        pieces = max(self.comm.allgather((rows.shape[0] + per - 1) // per)) if self.comm is not None else 1
+        pieces = max(self.comm.allgather((rows.shape[0] + per - 1) // per))
         dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
         dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
         trailing = rows.shape[1:]
@@ -282,7 +279,7 @@ class CollectiveWriter:
     def _write_gathered(self, dset: Any, rows: np.ndarray, base: int, counts: List[int]) -> None:
         """Fallback: rows travel to the root in rounds of Gatherv (root memory bounded by the round
         size, not the total) and the root writes whole rows as they arrive."""
-        if self.comm is None:
+        if self.comm.Get_size() == 1:
             if len(rows):
                 dset[base: base + len(rows)] = rows
             return
@@ -323,8 +320,7 @@ class CollectiveWriter:
 
     def attrs(self, values: Mapping[str, Any], dataset: Optional[str] = None) -> None:
         """Set attributes on the file or a dataset (root's values win). Collective."""
-        if self.comm is not None:
-            values = self.comm.bcast(dict(values), root=self.root)
+        values = self.comm.bcast(dict(values), root=self.root)
         if self.parallel or self.rank == self.root:
             target = self.file if dataset is None else self.file[dataset]
             for k, v in values.items():
@@ -334,8 +330,7 @@ class CollectiveWriter:
         if self.file is not None:
             self.file.close()
             self.file = None
-        if self.comm is not None:
-            self.comm.Barrier()  # the file is complete for every rank once close returns
+        self.comm.Barrier()  # the file is complete for every rank once close returns
 
     def __enter__(self) -> "CollectiveWriter":
         return self
@@ -350,7 +345,7 @@ def write_rows(path: str, datasets: Mapping[str, Any], attrs: Optional[Mapping[s
     out = {}
     with CollectiveWriter(path, mode=mode, **kwargs) as w:
         names = sorted(datasets)
-        every = w.comm.allgather(names) if w.comm is not None else [names]
+        every = w.comm.allgather(names)
         differ = [r for r, n in enumerate(every) if n != every[0]]
         if differ:
             raise ValueError(f"write_rows: rank(s) {differ} give datasets {every[differ[0]]}, rank 0 gives {every[0]}")

@@ -302,21 +302,21 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     """
     group.timed_out = rec.seq
     me = _mpi.MPI().COMM_WORLD.Get_rank()
-    comm = _responder.comm if _responder is not None else None
-    printer = _printer_before(group, rec.seq, me) if comm is not None else None
+    peers = _responder.comm if _responder is not None else None  # None: no responder threads
+    printer = _printer_before(group, rec.seq, me) if peers is not None else None
     if printer is not None:  # a lower rank inside the same operation gathers and prints
-        _wait_done(comm, printer, min(timeout_s, 30) + 15)
+        _wait_done(peers, printer, min(timeout_s, 30) + 15)
         return None
     states, silent = collect(group, rec.seq)
     rep = build_report(group, rec, timeout_s, states, silent)
     printer = min(rep["timed_out_ranks"] or [me])
-    if printer == me and comm is not None:  # full stacks from one rank of each group, for the JSON
+    if printer == me and peers is not None:  # full stacks from one rank of each group, for the JSON
         reps = [g["representative"] for g in rep["groups"][:MAX_GROUPS]]
         full = _ask([r for r in reps if r != me], ("", 0, True), 2.0)
         full[me] = snapshot()
         rep = build_report(group, rec, timeout_s, states, silent, full)
-    if printer != me and comm is not None:
-        _wait_done(comm, printer, 10)
+    if printer != me and peers is not None:
+        _wait_done(peers, printer, 10)
         return None
     text = format_report(rep)
     try:
@@ -326,10 +326,10 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
-    if comm is not None:  # every rank that may be waiting for this report (some time out just after)
+    if peers is not None:  # every rank that may be waiting for this report (some time out just after)
         for r in group.ranks:
             if r != me:
-                _inflight.append(comm.isend(None, dest=r, tag=_TAG_DONE))
+                _inflight.append(peers.isend(None, dest=r, tag=_TAG_DONE))
     if jobend.abort_on_error():
         sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")

@@ -42,6 +42,22 @@ def test_helpers_single_process(tmp_path):
     check(res, 1)
 
 
+def test_every_collective_feature_in_one_process_without_mpi(tmp_path):
+    """File sync, SyncedFile, the local group, HDF5 and stage-in through the one-process
+    communicator (no MPI, no torch.distributed)."""
+    res = run(None, 1, "one_process.py", str(tmp_path), tmp_path=tmp_path, env={"HPCSYNC_MPI": "0"})
+    d = res.ranks[0]
+    assert d["transport"] == "SelfComm()" and d["uses_mpi"] is False
+    assert d["merged"] == "step,loss\n0,1.5\n1,0.5"
+    assert not any(n.startswith(".m.csv") for n in d["parts_left"]), d["parts_left"]
+    assert d["own_exception"] == "KeyError('boom')" and d["bad_part_kept"]
+    assert "rank 0: " in d["missing_error"] and "missing.csv" in d["missing_error"]
+    assert d["local_group_size"] == 1 and d["gathered"] == [{"r": 0}]
+    assert d["h5_parallel"] is False and d["h5_why"] == "no MPI in use"
+    assert d["h5_rows"] == [[0, 1], [2, 3], [4, 5]] and d["h5_epoch"] == 3
+    assert d["staged_files"] == 1 and d["staged_same"]
+
+
 @pytest.mark.bigmem
 @pytest.mark.parametrize("mode", ["gather", "all_gather"])
 def test_object_gather_past_2gib(mode, tmp_path):

@@ -92,3 +92,18 @@ def test_modules_and_classes_stay_small():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef):
                 assert node.end_lineno - node.lineno < 350, (path, node.name, node.end_lineno - node.lineno)
+
+
+def test_one_process_is_a_communicator_not_a_branch():
+    """A job of one process without MPI gets ``SelfComm`` from ``_torchcomm.world()``: code takes
+    no ``comm is None`` branch (only ``comm if comm is not None else <default>`` for an argument)."""
+    import re
+
+    branch = re.compile(r"\bcomm\b\s+is\s+(not\s+)?None")
+    default = re.compile(r"\bcomm\s+if\s+comm\s+is\s+not\s+None\s+else\b")
+    found = []
+    for path in PKG.rglob("*.py"):
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            if branch.search(line) and not default.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -81,28 +81,6 @@ class StageResult:
     seconds: float
 
 
-class _Solo:
-    """The communicator of a job of one process without MPI: every collective is the identity."""
-
-    def Get_rank(self) -> int:
-        return 0
-
-    def Get_size(self) -> int:
-        return 1
-
-    def allgather(self, obj: Any) -> List[Any]:
-        return [obj]
-
-    def gather(self, obj: Any, root: int = 0) -> List[Any]:
-        return [obj]
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def Free(self) -> None:
-        pass
-
-
 def stage(
     src: PathLike,
     dst: PathLike,
@@ -157,14 +135,10 @@ def stage(
 
 
 def _transport(comm: Any) -> Any:
-    if comm is not None:
-        return comm
     from .._torchcomm import world
 
-    w = world()
-    if w is None:
-        return _Solo()
-    if not hasattr(w, "Bcast"):
+    w = comm if comm is not None else world()
+    if not hasattr(w, "Bcast") and w.Get_size() > 1:
         raise StageError("stage needs MPI (mpi4py) in a multi-rank job; this one runs on torch.distributed "
                          "only: launch it with mpirun/mpiexec/srun --mpi and install mpi4py")
     return w
