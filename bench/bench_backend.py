@@ -1,6 +1,6 @@
 """Benchmark: the hpcsync backend vs gloo vs raw mpi4py vs the memory limit, and DDP step time.
 
-    python bench/bench_backend.py [--ranks 2 4] [--quick]
+    python bench/bench_backend.py [--ranks 2 4] [--mpi openmpi|mpich] [--quick]
 
 Every rank runs, in one job and side by side: each collective on the hpcsync group and on a gloo
 group, the same MPI call with mpi4py on numpy (the MPI limit), and one ``np.add`` over the same
@@ -73,6 +73,7 @@ def worker(quick: bool, parts: str) -> None:
     rows = []
     ddp_only = parts == "ddp"
     coll_only = parts == "collectives"
+    no_ddp = parts in ("collectives", "no-ddp")
 
     def timed(fn, nbytes):
         iters = max(3, min(300, int((2e8 if not quick else 3e7) / max(nbytes, 1))))
@@ -216,7 +217,7 @@ def worker(quick: bool, parts: str) -> None:
             print("  4 KiB all_reduce: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in checks.items()), flush=True)
 
     ddp = []
-    for name, (mk, batch) in ({} if coll_only else models).items():
+    for name, (mk, batch) in ({} if no_ddp else models).items():
         steps = 3 if quick else 20 if "heavy" not in name else 8
         row = {"model": name}
         for _ in range(1 if quick else 2):  # interleaved rounds, best kept
@@ -228,7 +229,9 @@ def worker(quick: bool, parts: str) -> None:
         if R == 0:
             print(f"  DDP {name}: " + "  ".join(f"{k}={fmt_time(v)}" for k, v in row.items() if k != "model"), flush=True)
     if R == 0:
-        print(json.dumps({"world_size": W, "binding": os.environ.get("BENCH_BINDING", "none"),
+        print(json.dumps({"world_size": W, "mpi": os.environ.get("BENCH_MPI", "openmpi"),
+                          "mpi_library": MPI.Get_library_version().splitlines()[0][:60],
+                          "binding": os.environ.get("BENCH_BINDING", "none"),
                           "nodes": int(os.environ.get("BENCH_NODES", "1")), "collectives": rows,
                           "ddp": ddp, "checks": checks}))
     hpcsync.shutdown()
@@ -242,7 +245,8 @@ def report(results, out_json, out_png):
     lines = []
     for res in results:
         W = res["world_size"]
-        lines.append(f"\n### {W} ranks on {res.get('nodes', 1)} node(s), mpirun --bind-to {res.get('binding', 'none')}\n")
+        lines.append(f"\n### {W} ranks on {res.get('nodes', 1)} node(s), {res.get('mpi', 'openmpi')}, "
+                     f"--bind-to {res.get('binding', 'none')}\n")
         lines.append("| op | size | hpcsync | gloo | mpi4py | np.add | hpcsync GB/s | × gloo | × mpi4py |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in res["collectives"]:
@@ -319,8 +323,10 @@ def main() -> None:
     ap.add_argument("--bind-core", action="store_true",
                     help="also run the DDP part under mpirun --bind-to core (ranks that fit the cores)")
     ap.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default: 4 B - 256 MiB)")
-    ap.add_argument("--parts", choices=["all", "collectives"], default="all",
-                    help="collectives: skip the DDP and per-call-check parts (scaling curves)")
+    ap.add_argument("--parts", choices=["all", "collectives", "no-ddp"], default="all",
+                    help="collectives: skip the DDP and per-call-check parts (scaling curves); no-ddp: skip DDP")
+    ap.add_argument("--mpi", choices=["openmpi", "mpich"], default="openmpi",
+                    help="the MPI library: Debian's Open MPI (mpirun) or the venv's MPICH (mpiexec)")
     ap.add_argument("--nodes", type=int, default=1,
                     help="spread the ranks over this many network-namespace nodes (needs root; TCP between them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backend.json"))
@@ -332,6 +338,9 @@ def main() -> None:
         args.ranks = [2]
     env = mpirun_env(OMP_NUM_THREADS="1", **({"BENCH_QUICK": "1"} if args.quick else {}),
                      **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {}))
+    if args.mpi == "mpich":  # mpi4py loads the venv's libmpi.so.12 when MPI4PY_MPIABI is unset
+        env = {k: v for k, v in env.items() if k != "MPI4PY_MPIABI"}
+    env["BENCH_MPI"] = args.mpi
     runs = [(n, "none") for n in args.ranks]
     if args.bind_core:
         runs += [(n, "core") for n in args.ranks if n <= (os.cpu_count() or 1)]
@@ -354,6 +363,9 @@ def main() -> None:
                 lau = cluster.openmpi([n // args.nodes] * args.nodes, "round-robin")
                 run_env.update(lau.env)
                 cmd = [*lau.command(n, run_env), sys.executable, __file__, "--worker"]
+            elif args.mpi == "mpich":
+                cmd = [str(Path(sys.executable).parent / "mpiexec"), "-bind-to", binding, "-n", str(n),
+                       sys.executable, __file__, "--worker"]
             else:
                 cmd = ["mpirun.openmpi", *(["--oversubscribe"] if binding == "none" else []), "--bind-to", binding,
                        "-n", str(n), sys.executable, __file__, "--worker"]

@@ -203,6 +203,8 @@ def init(
             _state.update(topology=topo, owner=False)
             return topo
         name = _pick_backend(backend, topo)
+        # before any group exists: a group of the hpcsync backend fixes its wait mode at creation
+        jobend.set_abort_on_error(abort_on_exception)
         # The MPI-based backends need no address: do not pay for choosing and proving one.
         choice = None if name in ("mpi", "hpcsync") else master_address(topo)
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -243,7 +245,6 @@ def init(
             dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
         _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice)
-        jobend.set_abort_on_error(abort_on_exception)
         # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
         # the process ("terminate called without an active exception"), measured under torchrun.
         jobend.at_exit("torch", shutdown)

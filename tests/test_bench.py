@@ -70,10 +70,14 @@ def test_all_benchmarks_summary_quick(tmp_path):
     check_backend_json(out.with_name("all-backend-2.json"))
     check_filesync_json(out.with_name("all-filesync-2.json"))
     check_h5_json(out.with_name("all-h5-2.json"))
+    mpich = json.loads(out.with_name("all-backend-mpich-2.json").read_text())["results"][0]
+    assert mpich["mpi"] == "mpich" and "MPICH" in mpich["mpi_library"] and not mpich["ddp"]
+    assert {r["bytes"] for r in mpich["collectives"]} == {4096, 1 << 20}
     measures = {r["measure"] for r in rows}
-    assert "4 KiB all_reduce, times raw (floor: no-op group)" in measures
+    assert {"Open MPI: 4 KiB all_reduce, times raw", "MPICH: 4 KiB all_reduce, times raw"} <= measures
     assert {"sync_file hpcsync-copy vs cat", "HDF5 parallel vs gather fallback"} <= measures
-    assert any(m.startswith("all_reduce 1 MiB vs raw") for m in measures)
+    assert {f"{lib}: {op} 1 MiB vs raw mpi4py" for lib in ("Open MPI", "MPICH")
+            for op in ("all_reduce", "all_gather", "broadcast", "reduce_scatter")} <= measures
     assert any(m.startswith("DDP MLP") for m in measures) and all(r["ratio"] > 0 for r in rows)
     assert "| ranks | measure | ratio | target | met |" in stdout
 

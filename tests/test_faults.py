@@ -110,6 +110,21 @@ def test_mismatched_collectives_raise_on_every_rank(launcher, case, differs, deb
     assert res.ranks[0]["errors"][0] == res.ranks[1]["errors"][0]  # the same error everywhere
 
 
+@pytest.mark.parametrize("launcher,case,differs", [("openmpi", "count", "count=5"), ("mpich", "dtype", "dtype=float64")])
+def test_mismatched_collectives_raise_before_they_start_in_the_default_mode(launcher, case, differs, tmp_path):
+    """Default mode (a timeout aborts the job; operations block inside MPI): the fingerprint is
+    agreed before the operation starts, so a mismatch raises on every rank, MPI never sees the
+    mismatched buffers, and the group stays usable (the next matching all_reduce works)."""
+    res = run(LAUNCHERS[launcher](), 2, "stall.py", "hpcsync", case, "30", tmp_path=tmp_path, timeout=120)
+    for d in res.ranks:
+        assert d["results"] == [] and len(d["errors"]) == 1, d  # no data returned; the next call worked
+        first = d["errors"][0]
+        assert first.startswith("DistBackendError") and "collective mismatch (desync) at operation #1" in first
+        assert f"rank(s) 0 on {socket.gethostname()}: #1 all_reduce dtype=float32 count=4" in first and differs in first
+        assert d["seconds"] < 10
+    assert res.ranks[0]["errors"][0] == res.ranks[1]["errors"][0]
+
+
 def _kill_one_rank(cmd, env, marker, victim_pid_file, timeout=90):
     """Start ``cmd``; when ``victim_pid_file`` exists, SIGKILL that pid; return (rc, seconds after kill)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -10,18 +10,19 @@ How it works. Each process group owns a private duplicate of its MPI communicato
 collectives and another for point-to-point, so torch's traffic never matches the program's own
 MPI messages. Collectives run in issue order on one worker thread per group with blocking mpi4py
 calls (the GIL is released inside MPI): ``async_op=True`` (and DDP's bucket all-reduces) return at
-once and overlap with the caller's computation; a blocking call with nothing queued runs inline,
-with no thread hand-off. Point-to-point uses ``Isend``/``Irecv`` started in the caller's thread,
+once and overlap with the caller's computation; a blocking call with nothing queued runs inline
+as the blocking MPI call, with no thread hand-off (:mod:`.engine`, :mod:`.deadline`). Point-to-point uses ``Isend``/``Irecv`` started in the caller's thread,
 so sends and receives never block each other.
 
 Types: every torch dtype. MPI has no float16/bfloat16: reductions on them are computed in
 float32 and rounded once (at least as accurate as reducing in 16 bits). CUDA tensors are staged
 through host memory (a CUDA-aware MPI could take them directly; not detected yet).
 Errors: an exception inside an operation fails its work (``wait()`` raises). Every operation is
-bounded by the group's timeout: past it the waiting ranks raise ``DistBackendError``, the group is
-broken for good (MPI cannot cancel a collective) and :mod:`hpcsync.watchdog` reports who is
-stuck where. Mismatched collectives are detected (a fingerprint travels beside each one) and
-raise on every rank instead of returning wrong data.
+bounded by the group's timeout: past it :mod:`hpcsync.watchdog` reports who is stuck where and,
+by default, the job ends (``MPI_Abort``); with ``abort_on_exception=False`` the waiting ranks
+raise ``DistBackendError`` instead and the group is broken for good (MPI cannot cancel a
+collective). Mismatched collectives are detected (a 16-byte fingerprint is agreed before each
+blocking one, travels beside the others) and raise on every rank instead of returning wrong data.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import _mpi, jobend, watchdog
+from . import deadline
 from .desync import _describe, _explain, debug_mode  # noqa: F401  (re-exported)
 from .engine import BACKEND_NAME, _broken_groups
 from .group import ProcessGroupHpcsync
@@ -85,9 +87,10 @@ def _at_exit() -> None:
     resp = watchdog.responder()
     if resp is not None:
         req = resp.comm.Ibarrier()
-        deadline = time.monotonic() + (max(t for _, t, _ in _broken_groups) + 20 if _broken_groups else 30)
-        while not req.Test() and time.monotonic() < deadline:
+        until = time.monotonic() + (max(t for _, t, _ in _broken_groups) + 20 if _broken_groups else 30)
+        while not req.Test() and time.monotonic() < until:
             time.sleep(0.01)
+    deadline.stop()  # it may call MPI (a report); the responder next, then MPI_Finalize
     if resp is not None:
         resp.stop()
     if _broken_groups:

@@ -64,6 +64,25 @@ def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
         raise ValueError(f"hpcsync backend: unsupported reduce op {_kind(op)} for {dtype}") from None
 
 
+_FAST: dict = {}
+
+
+def _fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
+    """``(MPI datatype, MPI op, item size)`` for reducing ``dtype`` with ``op`` straight from the
+    tensor's memory, or None when that cannot be done (16-bit floats are reduced in float32; AVG
+    and PREMUL_SUM need a pass over the data). Cached by ``(hash(op), dtype)``: a ReduceOp's hash
+    is its kind, and reading the kind through torch's binding costs more than this whole lookup
+    (the hot path of every small all_reduce)."""
+    key = (hash(op), dtype)
+    try:
+        return _FAST[key]
+    except KeyError:
+        ok = dtype not in _HALF and _kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM)
+        hit = _FAST[key] = (_mpi_type(dtype), _mpi_op(op, dtype), torch.empty(0, dtype=dtype).element_size()) \
+            if ok else None
+        return hit
+
+
 def _bytes(t: torch.Tensor, start: int = 0, nbytes: Optional[int] = None) -> Any:
     """A writable buffer over a contiguous CPU tensor's memory, from byte ``start`` (no copy).
 

@@ -15,6 +15,9 @@ _OP_IDS = {name: k for k, name in enumerate((
 _OP_NAMES = {k: name for name, k in _OP_IDS.items()}
 _DTYPE_IDS = {name: zlib.crc32(name.encode()) for name in sorted(
     {str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, torch.dtype)})}
+DTYPE_NAMES = {v: str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+DTYPE_IDS = {v: _DTYPE_IDS[name] for v, name in DTYPE_NAMES.items()}  # by torch dtype: the hot path
+OP_IDS = _OP_IDS
 
 
 def _describe(rec: Any, t: Optional[torch.Tensor]) -> List[int]:

@@ -1,5 +1,18 @@
 """The engine every hpcsync process group runs on: issue-order execution on one worker thread,
-inline blocking calls, deadlines, desync checks, point-to-point completion and shutdown."""
+inline blocking calls, deadlines, desync checks, point-to-point completion and shutdown.
+
+A blocking operation with nothing queued runs in the caller's thread, the others on the
+group's worker thread, in issue order. Which MPI call an operation makes never depends on that
+(or on anything else local: MPI does not match a blocking collective with a non-blocking one),
+only on the group's wait mode, fixed and agreed when the group is created:
+
+- *watched* (the default: a timeout ends the job, report then ``MPI_Abort``): blocking MPI calls
+  (the non-blocking form followed by ``Wait`` where this MPI does it faster), each preceded by a
+  16-byte fingerprint ``Allreduce``; :mod:`.deadline`'s thread enforces the deadline.
+- *polled* (``abort_on_exception=False``, or no THREAD_MULTIPLE): non-blocking calls, the
+  fingerprint ``Iallreduce`` beside each; the caller polls against the deadline, so a timeout
+  raises in the caller.
+"""
 from __future__ import annotations
 
 import logging
@@ -16,20 +29,20 @@ import torch.distributed as dist
 
 from .. import _mpi, jobend, nodemap, settings, watchdog
 from ..errors import ranks_by_value
-from .desync import _describe, _explain, debug_mode
-from .work import MPIWork
+from . import deadline
+from .desync import DTYPE_IDS, DTYPE_NAMES, OP_IDS, _describe, _explain, debug_mode
+from .work import DoneWork, MPIWork
+from ..watchdog import OpRecord
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "hpcsync"
-_INLINE_BYTES = 64 << 10  # blocking calls up to this size run in the caller's thread
+_INLINE_BYTES = 64 << 10  # a polled wait on more bytes than this spins throughout (see _execute)
 
-# Collectives whose non-blocking form is as fast as (or faster than) the blocking one at every
-# size, per MPI library (bench/bench_backend.py; the figures are in docs/performance.md). Those
-# run inline at any size (no thread hand-off) and non-blocking on the worker too; the others go
-# to the worker as blocking calls when large.
+# Collectives whose non-blocking form (then ``Wait``) is as fast as or faster than the blocking
+# one at every size, per MPI library (bench/bench_backend.py; the figures are in
+# docs/performance.md): a watched group calls them that way, in any thread.
 _NONBLOCKING_FAST = {"Open MPI": {"Bcast", "Reduce_scatter_block"}, "MPICH": {"Bcast", "Allgather"}}
-_NB_OPS = {"Bcast": "broadcast", "Reduce_scatter_block": "reduce_scatter", "Allgather": "all_gather"}
 
 
 def _nonblocking_fast() -> Set[str]:
@@ -39,6 +52,9 @@ def _nonblocking_fast() -> Set[str]:
             return set(calls)
     return set()
 
+
+_FP_MASK = 0x3FFFFFFFFFFFFFFF
+_monotonic, _now = time.monotonic, time.time
 
 _broken_groups: List[Tuple[str, float, Any]] = []  # (why, timeout, what to keep alive) of broken groups
 
@@ -64,6 +80,11 @@ class GroupEngine(dist.ProcessGroup):
         self._deadline = float("inf")
         self._spin_s = 1.0
         self._rec: Any = None
+        # (record, deadline, enforced by the deadline thread) of the caller's and the worker's operation
+        self._current: Optional[Tuple[Any, float, bool]] = None
+        self._current_worker: Optional[Tuple[Any, float, bool]] = None
+        self._timeout_once = threading.Lock()
+        self._calls: dict = {}  # MPI call name -> (bound call, returns a request): see _bind
         self._cv = threading.Condition()
         self._queue: Deque[Tuple[Callable[[], None], MPIWork]] = deque()
         self._pending = 0
@@ -80,9 +101,19 @@ class GroupEngine(dist.ProcessGroup):
         self._max = MPI.MAX
         self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._nb_calls = _nonblocking_fast()  # MPI calls made non-blocking everywhere
-        self._nb_any_size = {_NB_OPS[c] for c in self._nb_calls}  # torch ops run inline at any size
+        self._in_place = MPI.IN_PLACE
+        self._address = MPI.buffer.fromaddress  # (pointer, bytes) -> buffer: the cheapest wrapper
+        self._me, self._size = comm.Get_rank(), comm.Get_size()
+        self._fp_spec = [self._fp, self._int64]
+        # The wait mode, fixed for the group's life and agreed by its ranks (a blocking collective
+        # never matches a non-blocking one): blocking MPI calls watched by the deadline thread when
+        # a timeout ends the job anyway; polled calls when the caller wants the exception.
+        self._watched = bool(self._check.allreduce(int(self._threads_ok and jobend.abort_on_error()), op=MPI.MIN))
+        self._hot = self._watched and self._fingerprints and not self._debug  # see _blocking_op
         if not self._threads_ok:
             log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
+        if self._watched:
+            deadline.watch(self)
 
     # -- identity ---------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -120,19 +151,26 @@ class GroupEngine(dist.ProcessGroup):
     def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any, what: Tuple[str, Any, int]
              ) -> MPIWork:
         async_op = getattr(opts, "asyncOp", True)
+        if not async_op and self._pending == 0 and self._watched:
+            # blocking MPI in this thread, no thread hand-off; the deadline thread enforces the timeout
+            if self._closed:
+                raise RuntimeError("hpcsync backend: process group was shut down")
+            if self._broken:
+                raise dist.DistBackendError(self._broken)
+            try:
+                self._execute(fn, what, None)
+            except BaseException as e:  # surfaced by wait()
+                return DoneWork(outputs, e)
+            return DoneWork(outputs)
         cv = self._cv
         with cv:
             if self._closed:
                 raise RuntimeError("hpcsync backend: process group was shut down")
             if self._broken:
                 raise dist.DistBackendError(self._broken)
-            # A blocking call with nothing queued runs here (no thread hand-off) as a non-blocking MPI
-            # call polled against the deadline -- unless it is large and its non-blocking form is
-            # slow in this MPI (_NONBLOCKING_FAST): those go to the worker (blocking MPI) and the
-            # caller waits with the deadline.
-            t = what[1]
-            inline = not self._threads_ok or (not async_op and self._pending == 0 and (
-                t is None or t.numel() * t.element_size() <= _INLINE_BYTES or what[0] in self._nb_any_size))
+            # A blocking call with nothing queued runs here (no thread hand-off); the others queue
+            # behind the operations in flight, on the worker.
+            inline = not self._threads_ok or (not async_op and self._pending == 0)
             self._pending += 1
             if not inline:
                 work = MPIWork(outputs, cv)
@@ -189,12 +227,19 @@ class GroupEngine(dist.ProcessGroup):
         if self._broken:
             raise dist.DistBackendError(self._broken)
         op, t, root = what
-        rec = self._log.start(op, str(t.dtype).replace("torch.", "") if t is not None else "-",
+        rec = self._log.start(op, DTYPE_NAMES[t.dtype] if t is not None else "-",
                               tuple(t.shape) if t is not None else (), root)
+        watched = self._watched
         self._rec, self._deadline = rec, time.monotonic() + self._timeout_s
-        # A large operation polled here spins all along: MPI progresses non-blocking collectives
-        # only inside MPI calls, so sleeping between polls would stall a multi-second broadcast.
-        self._spin_s = 1.0 if t is None or t.numel() * t.element_size() <= _INLINE_BYTES else float("inf")
+        if watched:  # what the deadline thread reads
+            if work is None:
+                self._current = (rec, self._deadline, True)
+            else:
+                self._current_worker = (rec, self._deadline, True)
+        else:
+            # A large operation polled here spins all along: MPI progresses non-blocking collectives
+            # only inside MPI calls, so sleeping between polls would stall a multi-second broadcast.
+            self._spin_s = 1.0 if t is None or t.numel() * t.element_size() <= _INLINE_BYTES else float("inf")
         if work is not None:
             work._started = (rec, self._deadline)
         vec = _describe(rec, t)
@@ -202,10 +247,15 @@ class GroupEngine(dist.ProcessGroup):
         if self._debug:
             self._agree(rec, vec, in_flight=False)
         elif self._fingerprints:
-            fp = hash(tuple(vec)) & 0x3FFFFFFFFFFFFFFF
+            fp = hash(tuple(vec)) & _FP_MASK
             buf = self._fp
             buf[0], buf[1] = fp, -fp
-            fp_req = self._check.Iallreduce(_mpi.MPI().IN_PLACE, [buf, self._int64], op=self._max)
+            if watched:  # agreed before the operation starts: a mismatch never reaches MPI
+                self._check.Allreduce(_mpi.MPI().IN_PLACE, [buf, self._int64], op=self._max)
+                if self._fp_differs:
+                    self._agree(rec, vec, in_flight=False)
+            else:  # travels alongside the operation; a mismatch is caught while it is in flight
+                fp_req = self._check.Iallreduce(_mpi.MPI().IN_PLACE, [buf, self._int64], op=self._max)
         self._fp_req, self._vec = fp_req, vec
         try:
             fn()
@@ -221,6 +271,47 @@ class GroupEngine(dist.ProcessGroup):
             if self._fp_differs:
                 self._agree(rec, vec)
         rec.finished = time.time()
+
+    def _blocking_op(self, op: str, t: torch.Tensor, root: int, call: str, args: Tuple[Any, ...],
+                     kwargs: Any, outputs: List[torch.Tensor], count: int = -1) -> MPIWork:
+        """The hot path: one MPI call ``call`` (its name) on ``t``'s memory, in the
+        caller's thread, with what :meth:`_execute` gives every operation in the default mode --
+        flight record, deadline (enforced by the deadline thread), 16-byte fingerprint agreed
+        before the call -- written out flat, because at 4 KiB every µs of Python shows. The
+        fingerprint equals :func:`~.desync._describe`'s, so ranks on the general path match.
+        Callers check ``self._hot``, ``self._pending == 0`` and a blocking request first;
+        ``count``: ``t.numel()`` when the caller has it."""
+        if self._broken:
+            raise dist.DistBackendError(self._broken)
+        if self._closed:
+            raise RuntimeError("hpcsync backend: process group was shut down")
+        flight = self._log  # GroupLog.start, inlined
+        flight.seq = seq = flight.seq + 1
+        dtype = t.dtype
+        rec = OpRecord(seq, op, DTYPE_NAMES[dtype], tuple(t.shape), root, _now())
+        flight.ops.append(rec)
+        self._rec = rec
+        self._current = (rec, _monotonic() + self._timeout_s, True)
+        vec = (seq, OP_IDS[op], DTYPE_IDS[dtype], t.numel() if count < 0 else count, root)
+        fp = hash(vec) & _FP_MASK
+        buf = self._fp
+        buf[0] = fp
+        buf[1] = -fp
+        try:
+            self._check.Allreduce(self._in_place, self._fp_spec, op=self._max)
+            if buf[0] != -buf[1]:
+                self._agree(rec, list(vec), in_flight=False)
+            fn, request = self._calls.get(call) or self._bind(call)
+            if request:
+                fn(*args, **kwargs).Wait()
+            else:
+                fn(*args, **kwargs)
+        except BaseException as exc:  # surfaced by wait()
+            if rec.error is None:
+                rec.error = f"{type(exc).__name__}: {exc}"
+            return DoneWork(outputs, exc)
+        rec.finished = _now()
+        return DoneWork(outputs)
 
     @property
     def _fp_differs(self) -> bool:
@@ -261,15 +352,27 @@ class GroupEngine(dist.ProcessGroup):
             f = f.f_back
         _broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
 
-    def _c(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """One MPI collective: blocking on the worker thread (its waiter enforces the deadline),
-        else non-blocking and polled against the deadline."""
-        if threading.get_ident() == self._worker_ident and name not in self._nb_calls:
-            return getattr(self._coll, name)(*args, **kwargs)
-        self._wait(getattr(self._coll, "I" + name[0].lower() + name[1:])(*args, **kwargs))
+    def _bind(self, name: str) -> Tuple[Callable[..., Any], bool]:
+        """``(call, returns a request)`` for MPI collective ``name`` in this group's wait mode: in a
+        watched group the blocking call, or the non-blocking one where this MPI does it faster
+        (``_NONBLOCKING_FAST``); in a polled group always the non-blocking one. The same on every
+        rank and thread, whichever runs the operation."""
+        request = not self._watched or name in self._nb_calls
+        bound = self._calls[name] = (getattr(self._coll, ("I" + name[0].lower() + name[1:]) if request else name),
+                                     request)
+        return bound
+
+    def _c(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """One MPI collective (see :meth:`_bind`), waited for: blocking in a watched group and on
+        the worker, polled against the deadline by a caller in a polled group."""
+        fn, request = self._calls.get(name) or self._bind(name)
+        if request:
+            self._wait(fn(*args, **kwargs))
+        else:
+            fn(*args, **kwargs)
 
     def _wait(self, req: Any) -> None:
-        if threading.get_ident() == self._worker_ident:
+        if self._watched or threading.get_ident() == self._worker_ident:
             req.Wait()
             return
         if req.Test():
@@ -290,14 +393,28 @@ class GroupEngine(dist.ProcessGroup):
             if now > spin_until:
                 time.sleep(0.001)
 
+    def _expired(self, rec: Any) -> None:
+        """On the deadline thread: the caller is blocked inside MPI past the deadline. Report the
+        hang and end the job (the mode that lets an operation block promised it)."""
+        try:
+            self._timed_out(rec)
+        except dist.DistBackendError:  # another rank printed the report (or the policy changed)
+            time.sleep(1.0)  # as the printer does: let the launcher forward the report first
+        jobend.abort(1)  # the group's mode promised it, whatever the policy is now
+
     def _timed_out(self, rec: Any) -> None:
-        """Break the group, report the hang (and abort, unless turned off), raise DistBackendError."""
+        """Break the group, report the hang (and abort, unless turned off), raise DistBackendError.
+        Once per operation: a worker's waiter and the deadline thread may both see its deadline."""
         msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after {self._timeout_s:g}s "
                f"(the group's timeout is {self._timeout_s:g}s)")  # torch's tests match " timeout "
+        with self._timeout_once:
+            first = rec.error != "timed out"
+            rec.error = "timed out"
+        if not first:
+            raise dist.DistBackendError(msg)
         self._broken = (msg + "; the group is broken (MPI cannot cancel a collective): destroy it and end "
                         "the job")
         self._mark_broken()
-        rec.error = "timed out"
         try:
             watchdog.report_timeout(self._log, rec, self._timeout_s)
         except Exception as exc:  # the report is best effort; the timeout error is not

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from .. import _mpi
 from .._bigmpi import INT_MAX
-from .buffers import (_CHUNK_ELEMS, _HALF, RedOp, _bytes, _chunks, _divide, _kind, _mpi_op, _mpi_type, _overlap,
-                      _Staged)
+from .buffers import (_CHUNK_ELEMS, _HALF, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
+                      _overlap, _Staged)
 from .work import MPIWork
 from .engine import GroupEngine
 
@@ -43,22 +43,35 @@ class ProcessGroupHpcsync(GroupEngine):
         if root is None or self._coll.Get_rank() == root:
             s.finish()
 
+    def _direct(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s own memory can be the MPI buffer: a dense contiguous CPU tensor, not 16-bit
+        (reduced in float32), whose count fits one call."""
+        return t.is_cpu and not t.is_sparse and t.is_contiguous() and 0 < t.numel() <= _CHUNK_ELEMS
+
+    def _hot_now(self, opts: Any) -> bool:
+        """A blocking request with nothing queued, in the default mode: :meth:`_blocking_op`."""
+        return self._hot and self._pending == 0 and not getattr(opts, "asyncOp", True)
+
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if len(tensors) == 1:  # the common case, with as few calls into torch as possible
+            t = tensors[0]
+            fast = _fast_types(op, t.dtype)
+            if fast is not None and t.is_cpu and t.is_contiguous() and not t.is_sparse and 0 < (n := t.numel()) <= _CHUNK_ELEMS:
+                mtype, mop, item = fast
+                buf = [self._address(t.data_ptr(), n * item), n, mtype]
+                if self._hot and self._pending == 0 and opts is not None and not opts.asyncOp:
+                    return self._blocking_op("all_reduce", t, -1, "Allreduce", (self._in_place, buf),
+                                             {"op": mop}, tensors, n)
+                in_place = self._in_place
+                return self._run(lambda: self._c("Allreduce", in_place, buf, op=mop), tensors, opts,
+                                 ("all_reduce", t, -1))
         if any(t.is_sparse for t in tensors):
             def sparse() -> None:
                 for t in tensors:
                     self._allreduce_sparse(t, op)
 
             return self._run(sparse, tensors, opts, ("all_reduce", tensors[0], -1))
-        if len(tensors) == 1:  # the common case, with as little Python as possible
-            t = tensors[0]
-            if (t.device.type == "cpu" and t.is_contiguous() and t.dtype not in _HALF
-                    and 0 < t.numel() <= _CHUNK_ELEMS and _kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM)):
-                buf = [_bytes(t), t.numel(), _mpi_type(t.dtype)]
-                mop, in_place = _mpi_op(op, t.dtype), _mpi.MPI().IN_PLACE
-                return self._run(lambda: self._c("Allreduce", in_place, buf, op=mop), tensors, opts,
-                                 ("all_reduce", t, -1))
 
         def fn() -> None:
             for t in tensors:
@@ -119,6 +132,9 @@ class ProcessGroupHpcsync(GroupEngine):
     # -- data movement ----------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
         root = opts.rootRank
+        if len(tensors) == 1 and self._hot_now(opts) and self._direct(t := tensors[0]):
+            buf = [self._address(t.data_ptr(), t.numel() * t.element_size()), t.numel(), _mpi_type(t.dtype)]
+            return self._blocking_op("broadcast", t, root, "Bcast", (buf,), {"root": root}, tensors)
 
         def fn() -> None:
             me = self._coll.Get_rank()
@@ -156,6 +172,18 @@ class ProcessGroupHpcsync(GroupEngine):
         so.finish()
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
+        n = input.numel()
+        if (self._hot_now(opts) and self._direct(input) and self._direct(output) and input.dtype == output.dtype
+                and output.numel() == n * self._size and output.numel() <= INT_MAX):
+            out = [self._address(output.data_ptr(), output.numel() * output.element_size()), _mpi_type(output.dtype)]
+            mine = output.data_ptr() + self._me * n * output.element_size()
+            if input.data_ptr() == mine:  # exactly this rank's slot: MPI_IN_PLACE
+                send: Any = self._in_place
+            elif _overlap(output, input):
+                return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
+            else:
+                send = [self._address(input.data_ptr(), n * input.element_size()), n, out[1]]
+            return self._blocking_op("all_gather", input, -1, "Allgather", (send, out), {}, [output])
         return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
 
     _allgather_base = all_gather_single
@@ -247,6 +275,14 @@ class ProcessGroupHpcsync(GroupEngine):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if (self._hot_now(opts) and self._direct(input) and self._direct(output) and input.dtype == output.dtype
+                and input.dtype not in _HALF and input.numel() == output.numel() * self._size
+                and _kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM) and not _overlap(input, output)):
+            t = _mpi_type(input.dtype)
+            send = [self._address(input.data_ptr(), input.numel() * input.element_size()), t]
+            recv = [self._address(output.data_ptr(), output.numel() * output.element_size()), output.numel(), t]
+            return self._blocking_op("reduce_scatter", input, -1, "Reduce_scatter_block", (send, recv),
+                                     {"op": _mpi_op(op, input.dtype)}, [output])
         return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts,
                          ("reduce_scatter", input, -1))
 

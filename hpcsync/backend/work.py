@@ -1,4 +1,5 @@
-"""``MPIWork``: the torch ``Work`` of one operation, completed by a group's worker or an MPI request."""
+"""``MPIWork``: the torch ``Work`` of one operation, completed by a group's worker or an MPI request;
+``DoneWork``: the one of an operation that ran to its end in the caller's thread."""
 from __future__ import annotations
 
 import threading
@@ -96,3 +97,31 @@ class MPIWork(dist.Work):
 
     def source_rank(self) -> int:
         return self._source_rank()
+
+
+class DoneWork(MPIWork):
+    """The Work of an operation that already ran in the caller's thread (the hot path: the least
+    a torch ``Work`` can cost; its outputs and error as for :class:`MPIWork`)."""
+
+    _done = True
+    _cv = None
+    _future = None
+    _source = -1
+    _group = None
+    _started = None
+
+    def __init__(self, outputs: List[torch.Tensor], exc: Optional[BaseException] = None) -> None:
+        dist.Work.__init__(self)
+        self._outputs = outputs
+        self._exc = exc
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def get_future(self) -> Future:
+        if self._future is None:
+            self._future = Future()
+            self._settle(self._future)
+        return self._future
