@@ -55,7 +55,7 @@ def _noop_backend() -> None:
 def worker(quick: bool, parts: str) -> None:
     import warnings
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames *_into_tensor; same op
+    warnings.filterwarnings("ignore", category=FutureWarning)
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -86,6 +86,9 @@ def worker(quick: bool, parts: str) -> None:
         comm.Barrier()
         return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
 
+    # torch 2.13's names (the *_into_tensor / *_tensor ones are deprecated: each call pays a warning)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     sizes = [int(b) for b in os.environ["BENCH_SIZES"].split(",")] if os.environ.get("BENCH_SIZES") else (
         QUICK_SIZES if quick else SIZES)
     for nbytes in ([] if ddp_only else sizes):
@@ -110,8 +113,8 @@ def worker(quick: bool, parts: str) -> None:
                 "mpi4py": lambda: comm.Allreduce(MPI.IN_PLACE, xn),
             },
             "all_gather": {
-                "hpcsync": lambda: dist.all_gather_into_tensor(g_out, g_in, group=ours),
-                "gloo": lambda: dist.all_gather_into_tensor(g_out, g_in, group=gloo),
+                "hpcsync": lambda: all_gather(g_out, g_in, group=ours),
+                "gloo": lambda: all_gather(g_out, g_in, group=gloo),
                 "mpi4py": lambda: comm.Allgather(gn_in, gn_out),
             },
             "broadcast": {
@@ -120,8 +123,8 @@ def worker(quick: bool, parts: str) -> None:
                 "mpi4py": lambda: comm.Bcast(xn, root=0),
             },
             "reduce_scatter": {
-                "hpcsync": lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=ours),
-                "gloo": lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=gloo),
+                "hpcsync": lambda: reduce_scatter(rs_out, rs_in, group=ours),
+                "gloo": lambda: reduce_scatter(rs_out, rs_in, group=gloo),
                 "mpi4py": lambda: comm.Reduce_scatter_block(rsn_in, rsn_out),
             },
         }

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import _mpi
 from .._bigmpi import INT_MAX
-from .buffers import (_CHUNK_ELEMS, _HALF, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
+from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
                       _overlap, _Staged)
 from .work import MPIWork
 from .engine import GroupEngine
@@ -176,13 +176,13 @@ class ProcessGroupHpcsync(GroupEngine):
         if (self._hot_now(opts) and self._direct(input) and self._direct(output) and input.dtype == output.dtype
                 and output.numel() == n * self._size and output.numel() <= INT_MAX):
             out = [self._address(output.data_ptr(), output.numel() * output.element_size()), _mpi_type(output.dtype)]
-            mine = output.data_ptr() + self._me * n * output.element_size()
-            if input.data_ptr() == mine:  # exactly this rank's slot: MPI_IN_PLACE
+            item, o0, i0 = output.element_size(), output.data_ptr(), input.data_ptr()
+            if i0 == o0 + self._me * n * item:  # exactly this rank's slot: MPI_IN_PLACE
                 send: Any = self._in_place
-            elif _overlap(output, input):
+            elif i0 < o0 + n * self._size * item and o0 < i0 + n * item:  # both contiguous: overlap
                 return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
             else:
-                send = [self._address(input.data_ptr(), n * input.element_size()), n, out[1]]
+                send = [self._address(i0, n * item), n, out[1]]
             return self._blocking_op("all_gather", input, -1, "Allgather", (send, out), {}, [output])
         return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
 
@@ -275,14 +275,16 @@ class ProcessGroupHpcsync(GroupEngine):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        if (self._hot_now(opts) and self._direct(input) and self._direct(output) and input.dtype == output.dtype
-                and input.dtype not in _HALF and input.numel() == output.numel() * self._size
-                and _kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM) and not _overlap(input, output)):
-            t = _mpi_type(input.dtype)
-            send = [self._address(input.data_ptr(), input.numel() * input.element_size()), t]
-            recv = [self._address(output.data_ptr(), output.numel() * output.element_size()), output.numel(), t]
-            return self._blocking_op("reduce_scatter", input, -1, "Reduce_scatter_block", (send, recv),
-                                     {"op": _mpi_op(op, input.dtype)}, [output])
+        if (self._hot_now(opts) and (fast := _fast_types(op, input.dtype)) is not None and self._direct(input)
+                and self._direct(output) and input.dtype == output.dtype
+                and (n := output.numel()) * self._size == input.numel()):
+            t, mop, item = fast
+            i0, o0 = input.data_ptr(), output.data_ptr()
+            if not (i0 < o0 + n * item and o0 < i0 + n * self._size * item):  # both contiguous: no overlap
+                send = [self._address(i0, n * self._size * item), t]
+                recv = [self._address(o0, n * item), n, t]
+                return self._blocking_op("reduce_scatter", input, -1, "Reduce_scatter_block", (send, recv),
+                                         {"op": mop}, [output])
         return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts,
                          ("reduce_scatter", input, -1))
 
