@@ -31,6 +31,7 @@ from .. import _mpi, jobend, nodemap, settings, watchdog
 from ..errors import ranks_by_value
 from . import deadline
 from .desync import DTYPE_IDS, DTYPE_NAMES, OP_IDS, _describe, _explain, debug_mode
+from .p2p import PointToPoint
 from .work import DoneWork, MPIWork
 from ..watchdog import OpRecord
 
@@ -59,7 +60,42 @@ _monotonic, _now = time.monotonic, time.time
 _broken_groups: List[Tuple[str, float, Any]] = []  # (why, timeout, what to keep alive) of broken groups
 
 
-class GroupEngine(dist.ProcessGroup):
+class GroupIdentity(dist.ProcessGroup):
+    """What torch asks a backend about itself: its name, the group's name and description."""
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def comm(self) -> Any:
+        return self._coll
+
+    # torch keeps a group's name in its C++ backends; this group is its own backend, so keep it here
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    @property
+    def group_name(self) -> str:
+        return self.getGroupName()
+
+    @property
+    def group_desc(self) -> str:
+        return self.getGroupDesc()
+
+
+class GroupEngine(PointToPoint, GroupIdentity):
     """A group's communicators, identity and engine: the queue and worker thread, one operation's
     flight record, deadline and fingerprint, waits bounded by the timeout, the broken state, and
     point-to-point requests. :class:`ProcessGroupHpcsync` adds the operations."""
@@ -114,38 +150,6 @@ class GroupEngine(dist.ProcessGroup):
             log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
         if self._watched:
             deadline.watch(self)
-
-    # -- identity ---------------------------------------------------------------------------
-    def getBackendName(self) -> str:
-        return BACKEND_NAME
-
-    def name(self) -> str:
-        return BACKEND_NAME
-
-    @property
-    def comm(self) -> Any:
-        return self._coll
-
-    # torch keeps a group's name in its C++ backends; this group is its own backend, so keep it here
-    def _set_group_name(self, name: str) -> None:
-        self._group_name = name
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    def getGroupName(self) -> str:
-        return getattr(self, "_group_name", "")
-
-    def getGroupDesc(self) -> str:
-        return getattr(self, "_group_desc", "")
-
-    @property
-    def group_name(self) -> str:
-        return self.getGroupName()
-
-    @property
-    def group_desc(self) -> str:
-        return self.getGroupDesc()
 
     # -- execution --------------------------------------------------------------------------
     def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any, what: Tuple[str, Any, int]
@@ -420,38 +424,6 @@ class GroupEngine(dist.ProcessGroup):
         except Exception as exc:  # the report is best effort; the timeout error is not
             log.warning("hpcsync: hang report failed: %s", exc)
         raise dist.DistBackendError(msg)
-
-    # -- reductions -------------------------------------------------------------------------
-    # -- point to point ---------------------------------------------------------------------
-    def _track(self, request: Any, outputs: List[torch.Tensor], after: Callable[[Any], None]) -> MPIWork:
-        work = MPIWork(outputs, self._p2p_cv)
-        with self._p2p_cv:
-            self._p2p_queue.append((request, work, after))
-            if self._p2p_thread is None:
-                self._p2p_thread = threading.Thread(target=self._p2p_loop, name="hpcsync-p2p", daemon=True)
-                self._p2p_thread.start()
-            self._p2p_cv.notify_all()
-        return work
-
-    def _p2p_loop(self) -> None:
-        MPI = _mpi.MPI()
-        while True:
-            with self._p2p_cv:
-                while not self._p2p_queue and not self._closed:
-                    self._p2p_cv.wait()
-                if not self._p2p_queue:
-                    return
-                request, work, after = self._p2p_queue.popleft()
-            exc = None
-            try:
-                status = MPI.Status()
-                request.Wait(status)
-                after(status)
-            except BaseException as e:
-                exc = e
-            with self._p2p_cv:
-                work._complete(exc)
-                self._p2p_cv.notify_all()
 
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -362,28 +362,3 @@ class ProcessGroupHpcsync(GroupEngine):
 
     def barrier(self, opts: Any = None) -> MPIWork:
         return self._run(lambda: self._c("Barrier"), [], opts, ("barrier", None, -1))
-
-    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> MPIWork:
-        s = _Staged(tensors[0])
-        req = self._p2p_comm.Isend(s.spec(), dest=dst, tag=tag)
-        return self._track(req, tensors, lambda status, keep=s: None)
-
-    def _recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> MPIWork:
-        s = _Staged(tensors[0], read=False)
-        req = self._p2p_comm.Irecv(s.spec(), source=src, tag=tag)
-        holder: List[MPIWork] = []
-
-        def after(status: Any) -> None:
-            s.finish()
-            holder[0]._source = status.Get_source()
-
-        work = self._track(req, tensors, after)
-        holder.append(work)
-        return work
-
-    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> MPIWork:
-        return self._recv(tensors, src, tag)
-
-    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> MPIWork:
-        return self._recv(tensors, _mpi.MPI().ANY_SOURCE, tag)
-
