@@ -33,7 +33,6 @@ from . import deadline
 from .desync import DTYPE_IDS, DTYPE_NAMES, OP_IDS, _describe, _explain, debug_mode
 from .p2p import PointToPoint
 from .work import DoneWork, MPIWork
-from ..watchdog import OpRecord
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +288,9 @@ class GroupEngine(PointToPoint, GroupIdentity):
             raise dist.DistBackendError(self._broken)
         if self._closed:
             raise RuntimeError("hpcsync backend: process group was shut down")
-        flight = self._log  # GroupLog.start, inlined
-        flight.seq = seq = flight.seq + 1
         dtype = t.dtype
-        rec = OpRecord(seq, op, DTYPE_NAMES[dtype], tuple(t.shape), root, _now())
-        flight.ops.append(rec)
+        rec = self._log.start(op, DTYPE_NAMES[dtype], tuple(t.shape), root)
+        seq = rec.seq
         self._rec = rec
         self._current = (rec, _monotonic() + self._timeout_s, True)
         vec = (seq, OP_IDS[op], DTYPE_IDS[dtype], t.numel() if count < 0 else count, root)
