@@ -144,6 +144,12 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _spans_overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    """Whether the byte ranges ``[a, a + a_bytes)`` and ``[b, b + b_bytes)`` meet: :func:`_overlap`
+    for two contiguous tensors whose addresses and sizes the caller already has."""
+    return a < b + b_bytes and b < a + a_bytes
+
+
 def _chunks(n: int) -> Sequence[Tuple[int, int]]:
     return [(s, min(_CHUNK_ELEMS, n - s)) for s in range(0, n, _CHUNK_ELEMS)] or [(0, 0)]
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import _mpi
 from .._bigmpi import INT_MAX
 from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
-                      _overlap, _Staged)
+                      _overlap, _spans_overlap, _Staged)
 from .work import MPIWork
 from .engine import GroupEngine
 
@@ -44,8 +44,8 @@ class ProcessGroupHpcsync(GroupEngine):
             s.finish()
 
     def _direct(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s own memory can be the MPI buffer: a dense contiguous CPU tensor, not 16-bit
-        (reduced in float32), whose count fits one call."""
+        """Whether ``t``'s own memory can be the MPI buffer: a dense contiguous CPU tensor whose
+        count fits one call (reductions also need :func:`_fast_types`: no 16-bit floats)."""
         return t.is_cpu and not t.is_sparse and t.is_contiguous() and 0 < t.numel() <= _CHUNK_ELEMS
 
     def _hot_now(self, opts: Any) -> bool:
@@ -179,7 +179,7 @@ class ProcessGroupHpcsync(GroupEngine):
             item, o0, i0 = output.element_size(), output.data_ptr(), input.data_ptr()
             if i0 == o0 + self._me * n * item:  # exactly this rank's slot: MPI_IN_PLACE
                 send: Any = self._in_place
-            elif i0 < o0 + n * self._size * item and o0 < i0 + n * item:  # both contiguous: overlap
+            elif _spans_overlap(i0, n * item, o0, n * self._size * item):
                 return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
             else:
                 send = [self._address(i0, n * item), n, out[1]]
@@ -280,7 +280,7 @@ class ProcessGroupHpcsync(GroupEngine):
                 and (n := output.numel()) * self._size == input.numel()):
             t, mop, item = fast
             i0, o0 = input.data_ptr(), output.data_ptr()
-            if not (i0 < o0 + n * item and o0 < i0 + n * self._size * item):  # both contiguous: no overlap
+            if not _spans_overlap(i0, n * self._size * item, o0, n * item):
                 send = [self._address(i0, n * self._size * item), t]
                 recv = [self._address(o0, n * item), n, t]
                 return self._blocking_op("reduce_scatter", input, -1, "Reduce_scatter_block", (send, recv),
