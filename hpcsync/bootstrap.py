@@ -31,10 +31,12 @@ BACKENDS = ("auto", "nccl", "mpi", "hpcsync", "gloo")
 
 def _timeout(timeout: Union[None, float, _dt.timedelta]) -> _dt.timedelta:
     if timeout is None:
-        return _dt.timedelta(seconds=settings.number("HPCSYNC_TIMEOUT"))
-    if isinstance(timeout, _dt.timedelta):
-        return timeout
-    return _dt.timedelta(seconds=float(timeout))
+        td = _dt.timedelta(seconds=settings.number("HPCSYNC_TIMEOUT"))
+    else:
+        td = timeout if isinstance(timeout, _dt.timedelta) else _dt.timedelta(seconds=float(timeout))
+    if td.total_seconds() <= 0:
+        raise ValueError(f"hpcsync.init: timeout must be positive (it bounds every collective), got {timeout!r}")
+    return td
 
 
 def master_address(topo: Optional[Topology] = None, verify: bool = True) -> MasterChoice:
@@ -183,12 +185,19 @@ def init(
     :class:`hpcsync.store.MPIStore` (MPI messages to rank 0, no listening port for the store).
     Calling it again returns the same topology; :func:`shutdown` undoes it.
     """
-    store_kind = (store or settings.text("HPCSYNC_STORE") or "tcp").lower()
-    if store_kind not in ("tcp", "mpi"):
-        raise ValueError(f"store must be 'tcp' or 'mpi', got {store_kind!r}")
     with _lock:
         if _state.get("topology") is not None:
             return _state["topology"]
+        # Before anything that can fail on one rank only (a setting, MPI itself): an exception
+        # escaping init ends the job as one from training does, instead of leaving the other
+        # ranks waiting in MPI (a launcher need not end the job when one rank exits).
+        jobend.set_abort_on_error(abort_on_exception)
+        if jobend.abort_on_error():
+            install_abort_hook()
+        settings.validate()
+        store_kind = (store or settings.text("HPCSYNC_STORE") or "tcp").lower()
+        if store_kind not in ("tcp", "mpi"):
+            raise ValueError(f"store must be 'tcp' or 'mpi', got {store_kind!r}")
         try:
             import torch
             import torch.distributed as dist
@@ -203,8 +212,6 @@ def init(
             _state.update(topology=topo, owner=False)
             return topo
         name = _pick_backend(backend, topo)
-        # before any group exists: a group of the hpcsync backend fixes its wait mode at creation
-        jobend.set_abort_on_error(abort_on_exception)
         # The MPI-based backends need no address: do not pay for choosing and proving one.
         choice = None if name in ("mpi", "hpcsync") else master_address(topo)
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -245,11 +252,15 @@ def init(
             dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
         _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice)
+        if _our_backend_available():  # groups created without timeout= (any backend) follow init's
+            from .backend import follow_default_timeout
+
+            follow_default_timeout(td)
         # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
         # the process ("terminate called without an active exception"), measured under torchrun.
         jobend.at_exit("torch", shutdown)
         if jobend.abort_on_error():
-            install_abort_hook()
+            install_abort_hook()  # again: on top of the hook torch's init_process_group wrapped around it
         if topo.rank == 0:
             log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
                      topo.num_nodes, f"{choice.address}:{port} ({choice.reason})" if choice else "none (MPI)")
@@ -317,23 +328,31 @@ def shutdown() -> None:
                 close()
         uninstall_abort_hook()
         jobend.set_abort_on_error(True)
+        if _state.get("owner") and _our_backend_available():
+            from .backend import follow_default_timeout
+
+            follow_default_timeout(None)
         _state.clear()
 
 
 # -- abort on uncaught exception ---------------------------------------------------------------
 
 _prev_hook: Any = None
+_hook: Any = None
 
 
 def install_abort_hook() -> None:
     """On an uncaught exception print the traceback with the rank, then ``MPI_Abort`` the job.
 
-    Without it the other ranks wait forever in their next collective. Installed after
-    ``init_process_group`` on purpose: torch wraps the hook that is current at init time and
-    holds back stderr until it returns, which would swallow the traceback before the abort.
+    Without it the other ranks wait forever in their next collective. :func:`init` installs it
+    first thing (an error inside init ends the job too) and again after ``init_process_group``:
+    torch wraps the hook that is current at init time and holds back stderr until it returns,
+    which would swallow the traceback before the abort, so ours must be outermost.
     """
-    global _prev_hook
+    global _prev_hook, _hook
     if _prev_hook is not None:
+        if _hook is not None and sys.excepthook is not _hook:
+            sys.excepthook = _hook  # back on top of whatever wrapped it (its output is ours anyway)
         return
     _prev_hook = sys.excepthook
 
@@ -353,11 +372,11 @@ def install_abort_hook() -> None:
                 time.sleep(0.25)
                 jobend.abort(1)
 
-    sys.excepthook = hook
+    sys.excepthook = _hook = hook
 
 
 def uninstall_abort_hook() -> None:
-    global _prev_hook
+    global _prev_hook, _hook
     if _prev_hook is not None:
         sys.excepthook = _prev_hook
-        _prev_hook = None
+        _prev_hook = _hook = None

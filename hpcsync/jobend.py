@@ -8,8 +8,8 @@ runs under its launcher (``mpirun``/``mpiexec`` is an ancestor: the ranks on the
 leaves a detached watcher: if that launcher is still alive ``HPCSYNC_ABORT_GRACE`` seconds
 (default 10) later, the watcher sends it SIGTERM (it kills what it can reach and exits; Open MPI 4.1's
 ``mpirun`` may crash on its way out, which ends the job all the same), and SIGKILL after as
-long again. A rank whose own ``MPI_Abort`` has not returned or ended it within
-the grace ends itself.
+long again. A rank whose own ``MPI_Abort`` has not ended it within the grace ends itself
+(:func:`end_within`: no Python thread, which a blocked ``MPI_Abort`` holding the GIL would stop).
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from typing import Callable, List, NoReturn, Optional, Tuple
 
 from . import _mpi, settings
@@ -73,7 +72,22 @@ def abort_on_error() -> bool:
 
 
 def grace_s() -> float:
-    return settings.number("HPCSYNC_ABORT_GRACE")
+    """``HPCSYNC_ABORT_GRACE``; its default when malformed or not positive (an abort must never
+    wait on a typo: :func:`hpcsync.settings.validate` rejects it at ``init``)."""
+    try:
+        grace = settings.number("HPCSYNC_ABORT_GRACE")
+    except ValueError:
+        grace = 0.0
+    return grace if 0 < grace < float("inf") else float(settings.SETTINGS["HPCSYNC_ABORT_GRACE"].default)
+
+
+def end_within(seconds: float) -> None:
+    """End this process ``seconds`` from now whatever it is doing then: faulthandler's watchdog is
+    a C thread that needs no GIL (mpi4py's ``Abort`` and a stuck report may hold it), writes every
+    thread's stack to stderr, then calls ``_exit(1)``. A later call replaces the deadline."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(seconds, 0.1), exit=True)
 
 
 def _stat(pid: int) -> Tuple[str, int]:
@@ -115,7 +129,7 @@ def abort(code: int = 1) -> NoReturn:
     grace = grace_s()
     rank = _mpi.MPI().COMM_WORLD.Get_rank()
     launcher = launcher_pid()
-    if launcher is not None and grace > 0:
+    if launcher is not None:
         try:
             watch_launcher(*launcher, grace)
             sys.stderr.write(f"[hpcsync] rank {rank}: if {launcher[1]} (pid {launcher[0]}) still waits {grace:g} s "
@@ -123,9 +137,6 @@ def abort(code: int = 1) -> NoReturn:
             sys.stderr.flush()
         except OSError as exc:
             log.warning("hpcsync: cannot watch the launcher: %s", exc)
-    if grace > 0:
-        stopper = threading.Timer(grace, os._exit, args=(code,))
-        stopper.daemon = True
-        stopper.start()
+    end_within(grace)  # if MPI_Abort has not ended this rank by then
     _mpi.MPI().COMM_WORLD.Abort(code)
     os._exit(code)

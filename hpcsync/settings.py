@@ -15,24 +15,57 @@ class Setting:
     name: str
     default: str  # "" = unset
     doc: str
+    kind: str = "text"  # flag, seconds (a positive number), text, or "a|b|c" (one of these words)
 
+
+_FLAG_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in (
-    Setting("HPCSYNC_MPI", "auto", "auto: use MPI when the launcher or the program started it; 1: always; 0: never"),
-    Setting("HPCSYNC_TIMEOUT", "1800", "hpcsync.init's default group timeout, seconds"),
+    Setting("HPCSYNC_MPI", "auto", "auto: use MPI when the launcher or the program started it; 1: always; 0: never",
+            "auto|1|0|true|false|yes|no|on|off"),
+    Setting("HPCSYNC_TIMEOUT", "1800", "hpcsync.init's default group timeout, seconds", "seconds"),
     Setting("HPCSYNC_MASTER_ADDR", "", "force the master address (gloo/nccl) instead of choosing one"),
     Setting("HPCSYNC_IFNAME", "", "choose the master address among this interface of rank 0's node only"),
-    Setting("HPCSYNC_CONNECT_TIMEOUT", "3", "seconds each node leader tries a candidate master address"),
-    Setting("HPCSYNC_STORE", "tcp", "tcp (torch's TCPStore) or mpi (a store over MPI: no listening socket)"),
-    Setting("HPCSYNC_ABORT_ON_EXCEPTION", "1", "0: raise instead of ending the job with MPI_Abort"),
-    Setting("HPCSYNC_ABORT_GRACE", "10", "seconds after MPI_Abort before a still-waiting launcher gets SIGTERM"),
+    Setting("HPCSYNC_CONNECT_TIMEOUT", "3", "seconds each node leader tries a candidate master address", "seconds"),
+    Setting("HPCSYNC_STORE", "tcp", "tcp (torch's TCPStore) or mpi (a store over MPI: no listening socket)",
+            "tcp|mpi"),
+    Setting("HPCSYNC_ABORT_ON_EXCEPTION", "1", "0: raise instead of ending the job with MPI_Abort", "flag"),
+    Setting("HPCSYNC_ABORT_GRACE", "10", "seconds after MPI_Abort before a still-waiting launcher gets SIGTERM "
+            "and an aborting rank that is still alive ends itself", "seconds"),
     Setting("HPCSYNC_REPORT_DIR", "", "folder of hang reports (JSON); default: the working directory"),
-    Setting("HPCSYNC_DESYNC_CHECK", "1", "0: no fingerprint beside each collective (mismatches may then hang)"),
-    Setting("HPCSYNC_DEBUG", "0", "1: compare every collective's description before starting it"),
+    Setting("HPCSYNC_DESYNC_CHECK", "1", "0: no fingerprint beside each collective (mismatches may then hang); "
+            "the same on every rank", "flag"),
+    Setting("HPCSYNC_DEBUG", "0", "1: compare every collective's description before starting it; the same on "
+            "every rank", "flag"),
     Setting("HPCSYNC_PARTS_DIR", "", "where sync_file's per-rank parts live; default: beside the target"),
-    Setting("HPCSYNC_PROGRESS", "1", "0: no progress bars (they show only on a terminal anyway)"),
-    Setting("HPCSYNC_HUGEPAGES", "1", "0: do not ask torch for transparent huge pages"),
+    Setting("HPCSYNC_PROGRESS", "1", "0: no progress bars (they show only on a terminal anyway)", "flag"),
+    Setting("HPCSYNC_HUGEPAGES", "1", "0: do not ask torch for transparent huge pages", "flag"),
 )}
+
+
+def validate() -> None:
+    """Raise ``ValueError`` naming every ``HPCSYNC_*`` variable whose value is malformed (a flag
+    that is no yes/no word, a number of seconds that is not positive, a word not among its
+    choices): ``hpcsync.init`` calls it first, so a typo fails at once instead of deep in a job."""
+    bad = []
+    for s in SETTINGS.values():
+        value = os.environ.get(s.name)
+        if value is None or value.strip() == "":
+            continue
+        v = value.strip().lower()
+        if s.kind == "flag" and v not in _FLAG_WORDS:
+            bad.append(f"{s.name}={value!r} (expected one of {', '.join(_FLAG_WORDS)})")
+        elif s.kind == "seconds":
+            try:
+                ok = float(v) > 0 and float(v) != float("inf")
+            except ValueError:
+                ok = False
+            if not ok:
+                bad.append(f"{s.name}={value!r} (expected a positive number of seconds)")
+        elif "|" in s.kind and v not in s.kind.split("|"):
+            bad.append(f"{s.name}={value!r} (expected one of {s.kind.replace('|', ', ')})")
+    if bad:
+        raise ValueError("hpcsync: malformed settings: " + "; ".join(bad))
 
 
 def text(name: str) -> Optional[str]:

@@ -190,3 +190,133 @@ def test_hang_report_of_32_ranks_stays_small(tmp_path):
     rep = json.loads(files[0].read_text())
     assert [g["ranks"] for g in rep["groups"]] == ["31", "0-30"] and rep["never_entered_nodes"] == {host: "31"}
     assert rep["timed_out_ranks"] and set(rep["timed_out_ranks"]) <= set(range(31))
+
+
+_DESYNCS = {  # case -> what the error must say about the two ranks
+    "redop_small": ("op=SUM", "op=MAX"), "redop_async": ("op=SUM", "op=MAX"), "avg_vs_sum": ("op=AVG", "op=SUM"),
+    "reduce_redop": ("#1 reduce", "op=MAX"), "rs_redop": ("#1 reduce_scatter", "op=MAX"),
+    "coalesced_second_tensor": ("tensors=2", "sizes="), "gather_coalesced_second": ("#1 all_gather_coalesced", "sizes="),
+    "sparse_vs_dense": ("#1 all_reduce", " sparse"),
+}
+_INVALID = {"a2a_bad_splits": "split sizes [2, 1] do not add up to its dim 0 (4)",
+            "gather_bad_size": "all_gather: the output has 5 elements, expected 6"}
+
+
+@pytest.mark.parametrize("mode", ["default", "debug", "polled"])
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_disagreeing_ranks_get_one_error_never_wrong_data(launcher, mode, tmp_path):
+    """Reduce op, multi-tensor, sparse-vs-dense mismatches and one rank's invalid arguments: every
+    rank raises at once (no timeout), never returns data; two forms of one operation are no
+    mismatch; integer AVG is exact. In each wait mode (default, HPCSYNC_DEBUG=1, polled)."""
+    env = {"default": {}, "debug": {"HPCSYNC_DEBUG": "1"}, "polled": {"HPCSYNC_ABORT_ON_EXCEPTION": "0"}}[mode]
+    res = run(LAUNCHERS[launcher](), 2, "mismatch.py", tmp_path=tmp_path, env=env, timeout=240,
+              expect_ok=mode != "polled")  # polled: a mismatch in flight breaks its group; exit then aborts
+    assert all(d is not None for d in res.ranks), res
+    r0, r1 = (d["cases"] for d in res.ranks)
+    host = socket.gethostname()
+    for case, (a, b) in _DESYNCS.items():
+        e0, e1 = r0[case]["error"], r1[case]["error"]
+        assert e0 == e1 and e0 and e0.startswith("DistBackendError") and "collective mismatch (desync)" in e0, (case, e0, e1)
+        assert a in e0 and b in e0 and f"rank(s) 1 on {host}" in e0, (case, e0)
+        assert r0[case]["result"] is None and r1[case]["result"] is None
+        assert r0[case]["seconds"] < 10 and r1[case]["seconds"] < 10, case  # at once, not at the timeout
+    for case, why in _INVALID.items():
+        assert r1[case]["error"].startswith("ValueError") and why in r1[case]["error"], (case, r1[case])
+        e0 = r0[case]["error"]
+        assert e0.startswith("DistBackendError") and f"rank(s) 1 on {host}" in e0 and "invalid arguments" in e0, e0
+        assert r0[case]["seconds"] < 10 and r1[case]["seconds"] < 10, case
+    assert r0["rs_forms"] == {**r0["rs_forms"], "result": [10.0, 12.0], "error": None}
+    assert r1["rs_forms"]["result"] == [14.0, 16.0] and r1["rs_forms"]["error"] is None
+    assert r0["ag_forms"]["result"] == r1["ag_forms"]["result"] == [0.0, 0.5, 1.0, 1.5]
+    for d in (r0, r1):
+        got = d["avg_ints"]
+        assert got["error"] is None, got
+        avg = got["result"]
+        assert avg["int8"] == [100] * 3 and avg["uint8"] == [225] * 3 and avg["int32"] == [-1] * 3  # trunc(-1.5)
+        assert avg["int64"] == [2**62 + 2] * 3 and avg["int64_min"] == [-2**63 + 1] * 3  # sums past int64
+        assert avg["int8_async"] == [100] and avg["int64_async"] == [2**62 + 2]
+        assert avg["rs_int8"] == [105, 105]
+        assert d["avg_uint64"]["error"].startswith("ValueError") and "AVG of uint64" in d["avg_uint64"]["error"]
+    assert r0["avg_ints"]["result"]["reduce_int16_root"] == [7]
+    assert res.ranks[0]["world_after"] == res.ranks[1]["world_after"] == [2.0, 2.0]
+
+
+_POLLED = {"HPCSYNC_ABORT_ON_EXCEPTION": "0"}
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_groups_made_without_a_timeout_follow_inits(launcher, tmp_path):
+    """init(timeout=3), then new_group() without timeout=: its collective times out after 3 s,
+    not after torch's default of 30 minutes."""
+    res = run(LAUNCHERS[launcher](), 2, "stall.py", "hpcsync", "newgroup", "3", tmp_path=tmp_path, expect_ok=False,
+              env={**_POLLED, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    reports_of_all(res, 2)
+    err = res.ranks[0]["errors"][0]
+    assert err.startswith("DistBackendError") and "timed out after 3s (the group's timeout is 3s)" in err, err
+    assert res.ranks[0]["seconds"] < 3 + 8
+
+
+def test_a_per_call_barrier_timeout_bounds_the_barrier(tmp_path):
+    """BarrierOptions.timeout = 1 s on a group whose timeout is 5 s: the barrier gives up after 1 s."""
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "barrier_opts", "5", tmp_path=tmp_path, expect_ok=False,
+              env={**_POLLED, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    reports_of_all(res, 2)
+    err = res.ranks[0]["errors"][0]
+    assert err.startswith("DistBackendError") and "barrier #1" in err and "timed out" in err, err
+    assert res.ranks[0]["seconds"] < 4, res.ranks[0]
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_group_creation_is_bounded_when_a_rank_never_joins(launcher, tmp_path):
+    res = run(LAUNCHERS[launcher](), 2, "stall.py", "hpcsync", "never_joins", "3", tmp_path=tmp_path, expect_ok=False,
+              env={**_POLLED, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert res.ranks[0] is not None, res
+    err = res.ranks[0]["errors"][0]
+    assert err.startswith("DistBackendError") and "creating" in err and "timed out after 3s" in err, err
+    assert res.ranks[0]["seconds"] < 3 + 8
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_ddp_with_the_powersgd_hook_never_waits_on_itself(launcher, tmp_path):
+    """PowerSGD's future callbacks issue and wait on all_reduces on the backend's worker thread:
+    60 steps with several buckets end, with equal weights on every rank and a falling loss."""
+    res = run(LAUNCHERS[launcher](), 2, "powersgd.py", "60", tmp_path=tmp_path, timeout=150)
+    for d in res.ranks:
+        assert d["same_weights"] and d["finite"] and d["last_loss"] < d["first_loss"], d
+
+
+@pytest.mark.parametrize("name,value", [("HPCSYNC_DESYNC_CHECK", "0"), ("TORCH_DISTRIBUTED_DEBUG", "DETAIL")])
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_settings_that_change_the_mpi_calls_must_agree(launcher, name, value, tmp_path):
+    """One rank without the desync check, or in debug mode: every rank's init raises the same
+    ValueError naming the ranks, at once, instead of the ranks making different MPI calls."""
+    res = run(LAUNCHERS[launcher](), 2, "odd_setting.py", name, value, "last", "catch", tmp_path=tmp_path)
+    e0, e1 = res.ranks[0]["error"], res.ranks[1]["error"]
+    assert e0 == e1 and e0.startswith("ValueError") and "differs between the ranks" in e0, (e0, e1)
+    assert f"rank(s) 0 on {socket.gethostname()}: " in e0 and "rank(s) 1 on" in e0
+    assert all(d["seconds"] < 10 for d in res.ranks)
+
+
+def test_malformed_settings_are_rejected_by_init(tmp_path):
+    res = run(openmpi(), 2, "odd_setting.py", "HPCSYNC_ABORT_GRACE", "soon", "all", "catch", tmp_path=tmp_path)
+    for d in res.ranks:
+        assert d["error"].startswith("ValueError") and "HPCSYNC_ABORT_GRACE='soon'" in d["error"], d
+        assert "expected a positive number of seconds" in d["error"] and d["seconds"] < 5
+
+
+@pytest.mark.slurm
+def test_an_error_inside_init_on_one_rank_ends_the_job(slurm, tmp_path):
+    """srun without --kill-on-bad-exit does not end a job when one task exits: a malformed setting
+    on one task makes its init raise, and the abort hook (installed first thing) ends the job."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env({**slurm, "HPCSYNC_TEST_OUT": str(out), "MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader"})
+    t0 = time.monotonic()
+    proc = subprocess.run(["srun", "--mpi=pmix", "-n", "3", PY, os.path.join(os.path.dirname(__file__), "programs",
+                                                                            "odd_setting.py"), "HPCSYNC_TIMEOUT", "-5", "last"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and took < 60, (took, proc.stderr[-3000:])
+    assert "[hpcsync] uncaught exception on rank" in proc.stderr and "HPCSYNC_TIMEOUT='-5'" in proc.stderr
+    assert "calling MPI_Abort" in proc.stderr
+    assert not list(out.glob("rank*.json"))  # no rank got past init

@@ -44,3 +44,56 @@ def test_watcher_leaves_a_finished_launcher_alone(tmp_path):
         assert other.poll() is None
     finally:
         other.kill()
+
+
+_STUCK_ABORT = """
+import os, re, time, types
+from hpcsync import _mpi, jobend
+
+class World:  # an MPI_Abort that never returns and holds the GIL (mpi4py's Abort does not release it)
+    def Get_rank(self):
+        return 0
+    def Abort(self, code):
+        re.match(r"(a+)+$", "a" * 64 + "b")  # catastrophic backtracking: C code holding the GIL for ages
+
+_mpi.MPI = lambda: types.SimpleNamespace(COMM_WORLD=World())
+jobend.abort(3)
+"""
+
+
+def test_an_abort_that_blocks_holding_the_gil_still_ends_the_process():
+    """A Python timer cannot run while MPI_Abort holds the GIL; faulthandler's C thread can: the
+    process ends within the grace (1 s here), with every thread's stack on stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HPCSYNC_ABORT_GRACE": "1"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _STUCK_ABORT], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and time.monotonic() - t0 < 15, out
+    assert "Timeout" in out.stderr and "Abort" in out.stderr, out.stderr  # faulthandler's dump names the frame
+
+
+def test_the_abort_grace_never_means_forever(monkeypatch):
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv("HPCSYNC_ABORT_GRACE", bad)
+        assert jobend.grace_s() == 10.0
+    monkeypatch.setenv("HPCSYNC_ABORT_GRACE", "2.5")
+    assert jobend.grace_s() == 2.5
+
+
+def test_malformed_settings_are_named_together(monkeypatch):
+    from hpcsync import settings
+
+    monkeypatch.setenv("HPCSYNC_DEBUG", "maybe")
+    monkeypatch.setenv("HPCSYNC_TIMEOUT", "0")
+    monkeypatch.setenv("HPCSYNC_STORE", "redis")
+    monkeypatch.setenv("HPCSYNC_PROGRESS", "off")  # well-formed
+    try:
+        settings.validate()
+    except ValueError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("validate accepted malformed settings")
+    assert "HPCSYNC_DEBUG='maybe'" in msg and "HPCSYNC_TIMEOUT='0'" in msg and "HPCSYNC_STORE='redis'" in msg
+    assert "PROGRESS" not in msg
+    for name in ("HPCSYNC_DEBUG", "HPCSYNC_TIMEOUT", "HPCSYNC_STORE"):
+        monkeypatch.delenv(name)
+    settings.validate()

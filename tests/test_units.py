@@ -9,15 +9,52 @@ from hpcsync.watchdog import OpRecord
 
 def test_fingerprint_description_and_explanation():
     rec = OpRecord(7, "all_reduce", "float32", (4,), -1, 0.0)
-    vec = desync._describe(rec, torch.ones(4))
+    vec = desync._describe(rec, desync.Call("all_reduce", torch.ones(4)))
     assert vec[0] == 7 and vec[3] == 4 and vec[4] == -1
-    other = desync._describe(OpRecord(7, "all_reduce", "float64", (4,), -1, 0.0), torch.ones(4, dtype=torch.float64))
+    other = desync._describe(OpRecord(7, "all_reduce", "float64", (4,), -1, 0.0),
+                             desync.Call("all_reduce", torch.ones(4, dtype=torch.float64)))
     assert vec != other and hash(tuple(vec)) != hash(tuple(other))  # a dtype mismatch changes the fingerprint
     assert desync._explain(tuple(vec)) == "#7 all_reduce dtype=float32 count=4"
-    bc = desync._describe(OpRecord(2, "broadcast", "int64", (3,), 1, 0.0), torch.ones(3, dtype=torch.int64))
+    bc = desync._describe(OpRecord(2, "broadcast", "int64", (3,), 1, 0.0),
+                          desync.Call("broadcast", torch.ones(3, dtype=torch.int64), 1))
     assert desync._explain(tuple(bc)) == "#2 broadcast dtype=int64 count=3 root=1"
-    a2a = desync._describe(OpRecord(3, "all_to_all", "float32", (5,), -1, 0.0), torch.ones(5))
+    a2a = desync._describe(OpRecord(3, "all_to_all", "float32", (5,), -1, 0.0), desync.Call("all_to_all", torch.ones(5)))
     assert a2a[3] == -1  # all-to-all counts may differ between ranks: not part of the agreement
+
+
+def test_fingerprint_tells_apart_what_makes_different_mpi_calls():
+    """Reduce op, sparse vs dense, every tensor of a multi-tensor call, invalid arguments: each
+    changes the description; the hot path's row equals the general path's for one dense tensor."""
+    rec = OpRecord(1, "all_reduce", "float32", (4,), -1, 0.0)
+    SUM, MAX = int(torch.distributed.ReduceOp.SUM), int(torch.distributed.ReduceOp.MAX)
+    x = torch.ones(4)
+
+    def row(*args, **kw):
+        return tuple(desync._describe(rec, desync.Call("all_reduce", *args, **kw)))
+
+    base = row(x, -1, SUM)
+    assert base == desync.hot_vector(1, "all_reduce", torch.float32, 4, -1, SUM)
+    assert base == row(x, -1, SUM, tensors=[x])  # a list of one tensor is the same call
+    assert row(x, -1, MAX) != base and "op=MAX" in desync._explain(row(x, -1, MAX))
+    assert row(x.to_sparse(), -1, SUM) != base
+    assert row(x, -1, SUM, tensors=[x, torch.ones(4)]) != row(x, -1, SUM, tensors=[x, torch.ones(5)])
+    assert row(x, -1, SUM, tensors=[x, torch.ones(4)]) != row(x, -1, SUM, tensors=[x, torch.ones(4, dtype=torch.int32)])
+    bad = row(x, -1, SUM, invalid=ValueError("no"))
+    assert bad != base and "invalid arguments" in desync._explain(bad)
+    assert desync.redop_id(torch.distributed.ReduceOp.MAX) == MAX
+
+
+def test_integer_average_is_exact_at_the_type_limits():
+    for dtype in (torch.int8, torch.uint8, torch.int32, torch.int64):
+        info = torch.iinfo(dtype)
+        for n, values in ((2, (info.max, info.max)), (3, (info.min, info.min, info.min)), (2, (info.min, info.max)),
+                          (2, (-3, 0)), (4, (info.max, 1, info.max, 2))):
+            if info.min == 0 and min(values) < 0:
+                continue
+            xs = [torch.tensor([v], dtype=dtype) for v in values]
+            got = buffers.avg_result(sum(buffers.avg_parts(x, n) for x in xs), dtype, n).item()
+            total = sum(values)
+            assert got == abs(total) // n * (1 if total >= 0 else -1), (dtype, values, got)  # trunc toward 0
 
 
 def test_overlap_detects_shared_bytes_only():

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from .. import _mpi, jobend, watchdog
+from .. import _mpi, jobend, nodemap, watchdog
 from . import deadline
 from .desync import _describe, _explain, debug_mode  # noqa: F401  (re-exported)
 from .engine import BACKEND_NAME, _broken_groups
@@ -46,13 +47,75 @@ log = logging.getLogger(__name__)
 INIT_METHOD = "hpcsync://"
 
 
+_default_timeout: Optional[timedelta] = None  # the default group's (init's): see follow_default_timeout
+
+
+def follow_default_timeout(timeout: Optional[timedelta]) -> None:
+    """Give every group created without ``timeout=`` this timeout (the default group's, i.e.
+    ``init``'s) instead of torch's global default of 30 minutes (10 for nccl). Set when the
+    default hpcsync group is created and by :func:`hpcsync.init` for every backend; None undoes it."""
+    global _default_timeout
+    _default_timeout = timeout
+
+
+def _patch_default_timeout() -> None:
+    """torch asks ``distributed_c10d._get_default_timeout(backend)`` for the timeout of a group
+    created without one: answer with the default group's timeout when one was set."""
+    c10d = dist.distributed_c10d
+    torch_default = getattr(c10d, "_get_default_timeout", None)
+    if torch_default is None or getattr(torch_default, "_hpcsync", False):
+        if torch_default is None:
+            log.warning("hpcsync: this torch has no _get_default_timeout; groups created without timeout= "
+                        "get torch's default, not init's")
+        return
+
+    def default_timeout(backend: Any) -> timedelta:
+        return _default_timeout if _default_timeout is not None else torch_default(backend)
+
+    default_timeout._hpcsync = True  # type: ignore[attr-defined]
+    c10d._get_default_timeout = default_timeout
+
+
+def _bounded_call(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``fn()`` (a blocking MPI call of group creation), on a helper thread when MPI allows it, so
+    that a rank that never joins fails here within ``timeout_s`` instead of blocking forever
+    (the helper stays blocked inside MPI; the job must end)."""
+    MPI = _mpi.MPI()
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        return fn()
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001  re-raised in the caller
+            box["error"] = exc
+
+    helper = threading.Thread(target=target, name="hpcsync-create", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        _broken_groups.append((f"creating {what} timed out", 0.0, helper))
+        raise dist.DistBackendError(f"hpcsync backend: creating {what} timed out after {timeout_s:g}s: not every "
+                                    "rank of the group called new_group")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
     from ..topology import topology
 
     topology()  # silent-singleton check, MPI initialised
     world = _mpi.MPI().COMM_WORLD
     ranks = list(opts.global_ranks_in_group) or list(range(world.Get_size()))
-    comm = _mpi.sub_communicator(world, ranks, str(opts.group_id))
+    if opts.timeout.total_seconds() <= 0:
+        raise ValueError(f"hpcsync backend: a group's timeout must be positive, got {opts.timeout}")
+    if not dist.is_initialized():  # this is the default group: groups made without timeout= follow it
+        follow_default_timeout(opts.timeout)
+    what = f"group {opts.group_id} (ranks {nodemap.describe(ranks)})"
+    comm = _bounded_call(lambda: _mpi.sub_communicator(world, ranks, str(opts.group_id)),
+                         opts.timeout.total_seconds(), what)
     if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
         raise RuntimeError(f"hpcsync backend: torch expects rank {opts.group_rank}/{opts.group_size} in group "
                            f"{opts.group_id}, MPI gives {comm.Get_rank()}/{comm.Get_size()}")
@@ -103,6 +166,7 @@ def _at_exit() -> None:
 
 def register() -> None:
     """Register the backend and the ``hpcsync://`` rendezvous with torch (idempotent)."""
+    _patch_default_timeout()
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     from torch.distributed.rendezvous import register_rendezvous_handler

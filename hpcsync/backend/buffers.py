@@ -68,7 +68,7 @@ _FAST: dict = {}
 
 
 def _fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
-    """``(MPI datatype, MPI op, item size)`` for reducing ``dtype`` with ``op`` straight from the
+    """``(MPI datatype, MPI op, item size, op kind)`` for reducing ``dtype`` with ``op`` straight from the
     tensor's memory, or None when that cannot be done (16-bit floats are reduced in float32; AVG
     and PREMUL_SUM need a pass over the data). Cached by ``(hash(op), dtype)``: a ReduceOp's hash
     is its kind, and reading the kind through torch's binding costs more than this whole lookup
@@ -78,8 +78,8 @@ def _fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
         return _FAST[key]
     except KeyError:
         ok = dtype not in _HALF and _kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM)
-        hit = _FAST[key] = (_mpi_type(dtype), _mpi_op(op, dtype), torch.empty(0, dtype=dtype).element_size()) \
-            if ok else None
+        hit = _FAST[key] = (_mpi_type(dtype), _mpi_op(op, dtype), torch.empty(0, dtype=dtype).element_size(),
+                            key[0]) if ok else None
         return hit
 
 
@@ -160,4 +160,34 @@ def _divide(t: torch.Tensor, n: int) -> None:
         t.div_(n)
     elif t.dtype != torch.bool:
         t.copy_(torch.div(t, n, rounding_mode="trunc"))
+
+
+# AVG of integers, exactly (truncated toward zero, as torch divides integers), never overflowing:
+# types narrower than 64 bits are summed in int64; int64 sums each rank's quotient and remainder
+# by n separately (neither sum can overflow) and recombines them.
+_NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32)
+
+
+def avg_parts(x: torch.Tensor, n: int) -> torch.Tensor:
+    """What to SUM over ``n`` ranks for the AVG of integer tensor ``x`` (flat): ``x`` in int64 for
+    narrow types, else its quotients and remainders by ``n`` side by side (``(..., 2, len)``
+    when ``x`` is ``(rows, len)``: each row's pair stays together for reduce-scatter)."""
+    if x.dtype in _NARROW_INTS:
+        return x.to(torch.int64)
+    q = torch.div(x, n, rounding_mode="trunc")
+    return torch.stack([q, x - q * n], dim=-2).contiguous()
+
+
+def avg_result(summed: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """The average from :func:`avg_parts`' sums: trunc(S / n) in ``dtype``."""
+    if dtype in _NARROW_INTS:
+        return torch.div(summed, n, rounding_mode="trunc").to(dtype)
+    q, r = summed.unbind(-2)
+    a = torch.div(r, n, rounding_mode="trunc")
+    b, f = r - a * n, q + a  # S / n = f + b / n, |b| < n
+    return f + ((b > 0) & (f < 0)).to(f.dtype) - ((b < 0) & (f > 0)).to(f.dtype)
+
+
+def is_int_avg(op: Any, dtype: torch.dtype) -> bool:
+    return _kind(op) == RedOp.AVG and not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 

@@ -27,16 +27,16 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _mpi, jobend, nodemap, settings, watchdog
-from ..errors import ranks_by_value
+from .. import _mpi, jobend, settings, watchdog
 from . import deadline
-from .desync import DTYPE_IDS, DTYPE_NAMES, OP_IDS, _describe, _explain, debug_mode
+from .desync import DTYPE_NAMES, FP_MASK, Agreement, Call, _describe, debug_mode, hot_vector
 from .p2p import PointToPoint
 from .work import DoneWork, MPIWork
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "hpcsync"
+REPORT_S = 30.0  # at most this long to gather and print a hang report before the abort
 _INLINE_BYTES = 64 << 10  # a polled wait on more bytes than this spins throughout (see _execute)
 
 # Collectives whose non-blocking form (then ``Wait``) is as fast as or faster than the blocking
@@ -53,7 +53,6 @@ def _nonblocking_fast() -> Set[str]:
     return set()
 
 
-_FP_MASK = 0x3FFFFFFFFFFFFFFF
 _monotonic, _now = time.monotonic, time.time
 
 _broken_groups: List[Tuple[str, float, Any]] = []  # (why, timeout, what to keep alive) of broken groups
@@ -94,7 +93,7 @@ class GroupIdentity(dist.ProcessGroup):
         return self.getGroupDesc()
 
 
-class GroupEngine(PointToPoint, GroupIdentity):
+class GroupEngine(Agreement, PointToPoint, GroupIdentity):
     """A group's communicators, identity and engine: the queue and worker thread, one operation's
     flight record, deadline and fingerprint, waits bounded by the timeout, the broken state, and
     point-to-point requests. :class:`ProcessGroupHpcsync` adds the operations."""
@@ -102,12 +101,13 @@ class GroupEngine(PointToPoint, GroupIdentity):
     def __init__(self, comm: Any, timeout: timedelta = timedelta(minutes=30), name: str = "0",
                  global_ranks: Optional[Sequence[int]] = None) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size())
-        self._coll = comm.Dup()
-        self._p2p_comm = comm.Dup()
-        self._check = comm.Dup()  # fingerprints and desync agreement, never mixed with the data
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"hpcsync backend: the group timeout must be positive, got {timeout}")
         self._timeout = timeout
-        self._timeout_s = timeout.total_seconds() if timeout.total_seconds() > 0 else float("inf")
+        self._timeout_s = timeout.total_seconds()
         self._log = watchdog.group_log(id(self), name, list(global_ranks or range(comm.Get_size())))
+        # private duplicates, each bounded by the timeout: a rank that never joins is an error here
+        self._coll, self._p2p_comm, self._check = (self._dup(comm) for _ in range(3))  # _check: fingerprints
         self._broken: Optional[str] = None
         self._debug = debug_mode()
         self._fingerprints = settings.flag("HPCSYNC_DESYNC_CHECK")
@@ -143,7 +143,7 @@ class GroupEngine(PointToPoint, GroupIdentity):
         # The wait mode, fixed for the group's life and agreed by its ranks (a blocking collective
         # never matches a non-blocking one): blocking MPI calls watched by the deadline thread when
         # a timeout ends the job anyway; polled calls when the caller wants the exception.
-        self._watched = bool(self._check.allreduce(int(self._threads_ok and jobend.abort_on_error()), op=MPI.MIN))
+        self._watched = self._agree_mode()
         self._hot = self._watched and self._fingerprints and not self._debug  # see _blocking_op
         if not self._threads_ok:
             log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
@@ -151,17 +151,23 @@ class GroupEngine(PointToPoint, GroupIdentity):
             deadline.watch(self)
 
     # -- execution --------------------------------------------------------------------------
-    def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any, what: Tuple[str, Any, int]
-             ) -> MPIWork:
+    def _run(self, fn: Callable[[], None], outputs: List[torch.Tensor], opts: Any, call: Call) -> MPIWork:
         async_op = getattr(opts, "asyncOp", True)
-        if not async_op and self._pending == 0 and self._watched:
+        timeout = getattr(opts, "timeout", None)
+        timeout_s = timeout.total_seconds() if timeout is not None else -1.0
+        timeout_s = timeout_s if timeout_s > 0 else self._timeout_s  # torch's unset per-call timeout is -1 ms
+        # An operation issued from the worker thread itself (a future's callback: torch's PowerSGD
+        # hook issues and waits on collectives there) runs at once, where it was issued: queued, it
+        # would wait for the worker it blocks.
+        on_worker = threading.get_ident() == self._worker_ident
+        if (not async_op or on_worker) and self._pending == 0 and self._watched:
             # blocking MPI in this thread, no thread hand-off; the deadline thread enforces the timeout
             if self._closed:
                 raise RuntimeError("hpcsync backend: process group was shut down")
             if self._broken:
                 raise dist.DistBackendError(self._broken)
             try:
-                self._execute(fn, what, None)
+                self._execute(fn, call, None, timeout_s)
             except BaseException as e:  # surfaced by wait()
                 return DoneWork(outputs, e)
             return DoneWork(outputs)
@@ -173,12 +179,12 @@ class GroupEngine(PointToPoint, GroupIdentity):
                 raise dist.DistBackendError(self._broken)
             # A blocking call with nothing queued runs here (no thread hand-off); the others queue
             # behind the operations in flight, on the worker.
-            inline = not self._threads_ok or (not async_op and self._pending == 0)
+            inline = not self._threads_ok or on_worker or (not async_op and self._pending == 0)
             self._pending += 1
             if not inline:
                 work = MPIWork(outputs, cv)
                 work._group = self
-                self._queue.append((fn, what, work))
+                self._queue.append((fn, call, work, timeout_s))
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._work_loop, name="hpcsync-pg", daemon=True)
                     self._worker.start()
@@ -187,7 +193,7 @@ class GroupEngine(PointToPoint, GroupIdentity):
         # blocking call with nothing queued: run here, no thread hand-off
         exc = None
         try:
-            self._execute(fn, what, None)
+            self._execute(fn, call, None, timeout_s)
         except BaseException as e:  # surfaced by wait()
             exc = e
         with cv:
@@ -205,60 +211,69 @@ class GroupEngine(PointToPoint, GroupIdentity):
                     cv.wait()
                 if not self._queue:
                     return
-                fn, what, work = self._queue.popleft()
+                fn, call, work, timeout_s = self._queue.popleft()
             exc = None
             try:
-                self._execute(fn, what, work)
+                self._execute(fn, call, work, timeout_s)
             except BaseException as e:
                 log.debug("hpcsync backend: operation failed: %s", e)
                 exc = e
             with cv:
-                work._complete(exc)
+                future = work._complete(exc)
+                cv.notify_all()
+            # The future's callbacks run here, outside the lock (they may issue and wait on further
+            # operations: those run at once on this thread, see _run), and before the operation
+            # counts as done: the caller's next blocking call queues behind them, so every rank
+            # issues the callbacks' operations at the same point.
+            if future is not None:
+                work._settle(future)
+            with cv:
                 self._pending -= 1
                 cv.notify_all()
 
     # -- one operation: record, fingerprint, run, check ------------------------------------
-    def _execute(self, fn: Callable[[], None], what: Tuple[str, Any, int], work: Optional[MPIWork]) -> None:
+    def _execute(self, fn: Callable[[], None], call: Call, work: Optional[MPIWork], timeout_s: float) -> None:
         """Run one collective with its flight record, deadline and desync check.
 
-        Default mode: a 16-byte ``Iallreduce(MAX)`` of ``[fp, -fp]`` (fp = hash of sequence number,
-        op, dtype, count, root) on a private communicator travels alongside the operation; if
-        max != -min the ranks disagree, and every rank raises the same error instead of returning
-        what MPI made of mismatched buffers. ``HPCSYNC_DEBUG=1`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``:
-        the full descriptions are all-gathered and compared *before* the operation starts.
+        Default mode: a 16-byte ``Allreduce(MAX)`` of ``[fp, -fp]`` (fp = hash of
+        :func:`~.desync._describe`'s row) on a private communicator is agreed before the
+        operation starts; if max != -min the ranks disagree, and every rank raises the same error
+        instead of returning what MPI made of mismatched buffers. Polled mode: the fingerprint
+        travels beside the operation. ``HPCSYNC_DEBUG=1`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: the
+        full descriptions are all-gathered and compared *before* the operation starts. A rank
+        whose own arguments are invalid (``call.invalid``) joins the agreement and raises its error
+        there, so the other ranks fail at once instead of at the timeout.
         """
         if self._broken:
             raise dist.DistBackendError(self._broken)
-        op, t, root = what
-        rec = self._log.start(op, DTYPE_NAMES[t.dtype] if t is not None else "-",
-                              tuple(t.shape) if t is not None else (), root)
+        t = call.t
+        rec = self._log.start(call.op, DTYPE_NAMES[t.dtype] if t is not None else "-",
+                              tuple(t.shape) if t is not None else (), call.root)
         watched = self._watched
-        self._rec, self._deadline = rec, time.monotonic() + self._timeout_s
+        self._rec, self._deadline = rec, time.monotonic() + timeout_s
         if watched:  # what the deadline thread reads
-            if work is None:
-                self._current = (rec, self._deadline, True)
-            else:
+            if threading.get_ident() == self._worker_ident:
                 self._current_worker = (rec, self._deadline, True)
+            else:
+                self._current = (rec, self._deadline, True)
         else:
             # A large operation polled here spins all along: MPI progresses non-blocking collectives
             # only inside MPI calls, so sleeping between polls would stall a multi-second broadcast.
             self._spin_s = 1.0 if t is None or t.numel() * t.element_size() <= _INLINE_BYTES else float("inf")
         if work is not None:
             work._started = (rec, self._deadline)
-        vec = _describe(rec, t)
+        vec = _describe(rec, call)
+        if call.invalid is not None:
+            self._refuse(rec, vec, call.invalid)
         fp_req = None
         if self._debug:
             self._agree(rec, vec, in_flight=False)
         elif self._fingerprints:
-            fp = hash(tuple(vec)) & _FP_MASK
-            buf = self._fp
-            buf[0], buf[1] = fp, -fp
-            if watched:  # agreed before the operation starts: a mismatch never reaches MPI
-                self._check.Allreduce(_mpi.MPI().IN_PLACE, [buf, self._int64], op=self._max)
-                if self._fp_differs:
-                    self._agree(rec, vec, in_flight=False)
-            else:  # travels alongside the operation; a mismatch is caught while it is in flight
-                fp_req = self._check.Iallreduce(_mpi.MPI().IN_PLACE, [buf, self._int64], op=self._max)
+            # watched: agreed before the operation starts, so a mismatch never reaches MPI; polled:
+            # travels alongside the operation, a mismatch is caught while it is in flight
+            fp_req = self._fingerprint(vec, beside=not watched)
+            if fp_req is None and self._fp_differs:
+                self._agree(rec, vec, in_flight=False)
         self._fp_req, self._vec = fp_req, vec
         try:
             fn()
@@ -276,14 +291,15 @@ class GroupEngine(PointToPoint, GroupIdentity):
         rec.finished = time.time()
 
     def _blocking_op(self, op: str, t: torch.Tensor, root: int, call: str, args: Tuple[Any, ...],
-                     kwargs: Any, outputs: List[torch.Tensor], count: int = -1) -> MPIWork:
+                     kwargs: Any, outputs: List[torch.Tensor], count: int = -1, redop: int = -1) -> MPIWork:
         """The hot path: one MPI call ``call`` (its name) on ``t``'s memory, in the
         caller's thread, with what :meth:`_execute` gives every operation in the default mode --
         flight record, deadline (enforced by the deadline thread), 16-byte fingerprint agreed
         before the call -- written out flat, because at 4 KiB every µs of Python shows. The
-        fingerprint equals :func:`~.desync._describe`'s, so ranks on the general path match.
-        Callers check ``self._hot``, ``self._pending == 0`` and a blocking request first;
-        ``count``: ``t.numel()`` when the caller has it."""
+        fingerprint is :func:`~.desync.hot_vector`'s, the same as :func:`~.desync._describe`'s
+        for one dense tensor, so ranks on the general path match. Callers check ``self._hot``,
+        ``self._pending == 0`` and a blocking request first; ``count``: the element count the
+        general path describes (default ``t.numel()``); ``redop``: the reduce op's kind or -1."""
         if self._broken:
             raise dist.DistBackendError(self._broken)
         if self._closed:
@@ -293,8 +309,8 @@ class GroupEngine(PointToPoint, GroupIdentity):
         seq = rec.seq
         self._rec = rec
         self._current = (rec, _monotonic() + self._timeout_s, True)
-        vec = (seq, OP_IDS[op], DTYPE_IDS[dtype], t.numel() if count < 0 else count, root)
-        fp = hash(vec) & _FP_MASK
+        vec = hot_vector(seq, op, dtype, t.numel() if count < 0 else count, root, redop)
+        fp = hash(vec) & FP_MASK
         buf = self._fp
         buf[0] = fp
         buf[1] = -fp
@@ -313,34 +329,6 @@ class GroupEngine(PointToPoint, GroupIdentity):
             return DoneWork(outputs, exc)
         rec.finished = _now()
         return DoneWork(outputs)
-
-    @property
-    def _fp_differs(self) -> bool:
-        """After the fingerprint Iallreduce(MAX) of [fp, -fp]: max != min means the ranks disagree."""
-        return self._fp[0] != -self._fp[1]
-
-    def _agree(self, rec: Any, vec: List[int], from_exc: Optional[BaseException] = None,
-               in_flight: bool = True) -> None:
-        """All-gather every rank's description of this operation; raise the same error on all if they
-        differ. ``in_flight``: the operation itself was started, so the group is broken afterwards."""
-        self._fp_req = None
-        size = self._check.Get_size()
-        mine = array("q", vec)
-        every = array("q", bytes(8 * len(vec) * size))
-        self._wait(self._check.Iallgather([mine, self._int64], [every, self._int64]))
-        rows = [tuple(every[r * len(vec):(r + 1) * len(vec)]) for r in range(size)]
-        if len(set(rows)) == 1:
-            return
-        rec.error = "desync"
-        if in_flight and not self._broken:
-            self._broken = f"hpcsync backend: group {self._log.name!r} is broken after a collective mismatch (desync)"
-            self._mark_broken()
-        groups = ranks_by_value(rows, self._log.ranks)
-        detail = "; ".join(f"rank(s) {nodemap.describe(rs)}: {_explain(row)}" for row, rs in groups.items())
-        raise dist.DistBackendError(
-            f"hpcsync backend: collective mismatch (desync) at operation #{rec.seq} of group "
-            f"{self._log.name!r}: {detail}. Every rank must call the same collectives in the same order "
-            "with matching dtype, size and root.") from from_exc
 
     def _mark_broken(self) -> None:
         """Remember a broken group for good. Its MPI operations are still in flight and may complete
@@ -396,11 +384,15 @@ class GroupEngine(PointToPoint, GroupIdentity):
 
     def _expired(self, rec: Any) -> None:
         """On the deadline thread: the caller is blocked inside MPI past the deadline. Report the
-        hang and end the job (the mode that lets an operation block promised it)."""
+        hang and end the job (the mode that lets an operation block promised it), all of it
+        bounded: this process ends within :data:`REPORT_S` + the abort grace whatever fails."""
+        jobend.end_within(REPORT_S + jobend.grace_s())
         try:
             self._timed_out(rec)
         except dist.DistBackendError:  # another rank printed the report (or the policy changed)
             time.sleep(1.0)  # as the printer does: let the launcher forward the report first
+        except BaseException as exc:  # noqa: BLE001  the report failed: end the job all the same
+            log.error("hpcsync: hang report failed: %s", exc)
         jobend.abort(1)  # the group's mode promised it, whatever the policy is now
 
     def _timed_out(self, rec: Any) -> None:

@@ -1,135 +1,23 @@
 """``ProcessGroupHpcsync``: torch's collectives and point-to-point as MPI calls on the group's engine."""
 from __future__ import annotations
 
-import itertools
-import math
-from array import array
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
-import torch.distributed as dist
 
 from .. import _mpi
 from .._bigmpi import INT_MAX
-from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
+from . import checks
+from .buffers import (_bytes, _chunks, _mpi_type,
                       _overlap, _spans_overlap, _Staged)
+from .desync import Call
 from .work import MPIWork
-from .engine import GroupEngine
+from .reduce import Reductions
 
 
-class ProcessGroupHpcsync(GroupEngine):
+class ProcessGroupHpcsync(Reductions):
     """A torch ProcessGroup over an mpi4py communicator: each operation a few lines on the engine."""
 
-    def _reduce_into(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
-        """All-reduce (root None) or reduce to ``root`` in place, for one tensor."""
-        MPI = _mpi.MPI()
-        kind = _kind(op)
-        s = _Staged(tensor, reduce=True)
-        if kind == RedOp.PREMUL_SUM:
-            s.t.mul_(op.factor)
-        mop = _mpi_op(op, s.t.dtype)
-        for start, n in _chunks(s.t.numel()):
-            if n == 0:
-                continue
-            buf = s.spec(start, n)
-            if root is None:
-                self._c("Allreduce", MPI.IN_PLACE, buf, op=mop)
-            elif self._coll.Get_rank() == root:
-                self._c("Reduce", MPI.IN_PLACE, buf, op=mop, root=root)
-            else:
-                self._c("Reduce", buf, None, op=mop, root=root)
-        if kind == RedOp.AVG and (root is None or self._coll.Get_rank() == root):
-            _divide(s.t, self._coll.Get_size())
-        if root is None or self._coll.Get_rank() == root:
-            s.finish()
-
-    def _direct(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s own memory can be the MPI buffer: a dense contiguous CPU tensor whose
-        count fits one call (reductions also need :func:`_fast_types`: no 16-bit floats)."""
-        return t.is_cpu and not t.is_sparse and t.is_contiguous() and 0 < t.numel() <= _CHUNK_ELEMS
-
-    def _hot_now(self, opts: Any) -> bool:
-        """A blocking request with nothing queued, in the default mode: :meth:`_blocking_op`."""
-        return self._hot and self._pending == 0 and not getattr(opts, "asyncOp", True)
-
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        if len(tensors) == 1:  # the common case, with as few calls into torch as possible
-            t = tensors[0]
-            fast = _fast_types(op, t.dtype)
-            if fast is not None and t.is_cpu and t.is_contiguous() and not t.is_sparse and 0 < (n := t.numel()) <= _CHUNK_ELEMS:
-                mtype, mop, item = fast
-                buf = [self._address(t.data_ptr(), n * item), n, mtype]
-                if self._hot and self._pending == 0 and opts is not None and not opts.asyncOp:
-                    return self._blocking_op("all_reduce", t, -1, "Allreduce", (self._in_place, buf),
-                                             {"op": mop}, tensors, n)
-                in_place = self._in_place
-                return self._run(lambda: self._c("Allreduce", in_place, buf, op=mop), tensors, opts,
-                                 ("all_reduce", t, -1))
-        if any(t.is_sparse for t in tensors):
-            def sparse() -> None:
-                for t in tensors:
-                    self._allreduce_sparse(t, op)
-
-            return self._run(sparse, tensors, opts, ("all_reduce", tensors[0], -1))
-
-        def fn() -> None:
-            for t in tensors:
-                self._reduce_into(t, op, None)
-
-        return self._run(fn, tensors, opts, ("all_reduce", tensors[0] if tensors else None, -1))
-
-    def _allreduce_sparse(self, t: torch.Tensor, op: Any) -> None:
-        """SUM of sparse COO tensors (what gloo supports): all-gather every rank's (index, value)
-        rows with Allgatherv, add duplicates by coalescing, write the result into ``t``."""
-        if _kind(op) != RedOp.SUM:
-            raise ValueError("hpcsync backend: sparse all_reduce supports ReduceOp.SUM only (as gloo)")
-        if not t.is_sparse or t.layout != torch.sparse_coo:
-            raise ValueError("hpcsync backend: all_reduce of a mix of sparse and dense tensors")
-        c = t.detach().coalesce().cpu()
-        rows = c.indices().t().contiguous()  # (nnz, sparse_dim) int64: one row per entry
-        vals = c.values().contiguous()  # (nnz, *dense dims)
-        size, sd, per = self._coll.Get_size(), rows.shape[1], math.prod(vals.shape[1:])  # per: elements per row
-        mine, counts = array("q", [rows.shape[0]]), array("q", bytes(8 * size))
-        self._c("Allgather", [mine, self._int64], [counts, self._int64])
-        total = sum(counts)
-        all_rows = torch.empty((total, sd), dtype=torch.int64)
-        all_vals = torch.empty((total, *vals.shape[1:]), dtype=vals.dtype)
-        offsets = [sum(counts[:r]) for r in range(size)]
-        vtype = _mpi_type(vals.dtype)
-        self._c("Allgatherv", [_bytes(rows), rows.numel(), self._int64],
-                [_bytes(all_rows), ([n * sd for n in counts], [o * sd for o in offsets]), self._int64])
-        self._c("Allgatherv", [_bytes(vals), vals.numel(), vtype],
-                [_bytes(all_vals), ([n * per for n in counts], [o * per for o in offsets]), vtype])
-        summed = torch.sparse_coo_tensor(all_rows.t(), all_vals, t.shape).coalesce()
-        with torch.no_grad():
-            t.copy_(summed.to(t.device))
-
-    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-
-        def fn() -> None:
-            for _dtype, group in itertools.groupby(sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype)),
-                                                  key=lambda i: str(tensors[i].dtype)):
-                ts = [tensors[i] for i in group]
-                flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
-                self._reduce_into(flat, op, None)
-                pos = 0
-                with torch.no_grad():
-                    for t in ts:
-                        t.copy_(flat[pos:pos + t.numel()].view_as(t))
-                        pos += t.numel()
-
-        return self._run(fn, tensors, opts, ("all_reduce_coalesced", tensors[0] if tensors else None, -1))
-
-    def reduce(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
-        def fn() -> None:
-            for t in tensors:
-                self._reduce_into(t, opts.reduceOp, opts.rootRank)
-
-        return self._run(fn, tensors, opts, ("reduce", tensors[0], opts.rootRank))
-
-    # -- data movement ----------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
         root = opts.rootRank
         if len(tensors) == 1 and self._hot_now(opts) and self._direct(t := tensors[0]):
@@ -146,12 +34,11 @@ class ProcessGroupHpcsync(GroupEngine):
                 if me != root:
                     s.finish()
 
-        return self._run(fn, tensors, opts, ("broadcast", tensors[0], root))
+        return self._run(fn, tensors, opts, Call("broadcast", tensors[0], root, tensors=tensors,
+                                                 invalid=checks.dtypes(tensors)))
 
     def _allgather_flat(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         size = self._coll.Get_size()
-        if out.numel() != inp.numel() * size:
-            raise ValueError(f"all_gather: output has {out.numel()} elements, expected {inp.numel()} x {size}")
         so, si = _Staged(out, read=False), _Staged(inp)
         n = si.t.numel()
         me = self._coll.Get_rank()
@@ -179,12 +66,16 @@ class ProcessGroupHpcsync(GroupEngine):
             item, o0, i0 = output.element_size(), output.data_ptr(), input.data_ptr()
             if i0 == o0 + self._me * n * item:  # exactly this rank's slot: MPI_IN_PLACE
                 send: Any = self._in_place
-            elif _spans_overlap(i0, n * item, o0, n * self._size * item):
-                return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
-            else:
+            elif not _spans_overlap(i0, n * item, o0, n * self._size * item):
                 send = [self._address(i0, n * item), n, out[1]]
-            return self._blocking_op("all_gather", input, -1, "Allgather", (send, out), {}, [output])
-        return self._run(lambda: self._allgather_flat(output, input), [output], opts, ("all_gather", input, -1))
+            else:
+                send = None
+            if send is not None:
+                return self._blocking_op("all_gather", input, -1, "Allgather", (send, out), {}, [output])
+        return self._run(lambda: self._allgather_flat(output, input), [output], opts,
+                         Call("all_gather", input, invalid=checks.first(
+                             checks.dtypes((input, output)),
+                             checks.sizes("all_gather", output.numel(), n * self._size, "the output"))))
 
     _allgather_base = all_gather_single
 
@@ -197,7 +88,10 @@ class ProcessGroupHpcsync(GroupEngine):
                     for o, src in zip(outs, flat):
                         o.copy_(src)
 
-        return self._run(fn, [t for outs in output_lists for t in outs], opts, ("all_gather", inputs[0], -1))
+        return self._run(fn, [t for outs in output_lists for t in outs], opts, Call(
+            "all_gather", inputs[0], tensors=inputs, invalid=checks.first(
+                checks.dtypes(inputs), *(checks.lengths("all_gather", outs, self._size, "the output list")
+                                         for outs in output_lists))))
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                             opts: Any = None) -> MPIWork:
@@ -210,8 +104,10 @@ class ProcessGroupHpcsync(GroupEngine):
                     for r, outs in enumerate(output_lists):
                         outs[i].copy_(flat[r])
 
-        return self._run(fn, [t for outs in output_lists for t in outs], opts,
-                         ("all_gather_coalesced", inputs[0] if inputs else None, -1))
+        return self._run(fn, [t for outs in output_lists for t in outs], opts, Call(
+            "all_gather_coalesced", inputs[0] if inputs else None, tensors=inputs, invalid=checks.first(
+                checks.dtypes(inputs), checks.lengths("all_gather_coalesced", output_lists, self._size,
+                                                      "the output list"))))
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> MPIWork:
@@ -219,7 +115,10 @@ class ProcessGroupHpcsync(GroupEngine):
             for o, i in zip(outputs, inputs):
                 self._allgather_flat(o, i)
 
-        return self._run(fn, outputs, opts, ("all_gather_coalesced", inputs[0] if inputs else None, -1))
+        return self._run(fn, outputs, opts, Call(
+            "all_gather_coalesced", inputs[0] if inputs else None, tensors=inputs, invalid=checks.first(
+                checks.dtypes(inputs), *(checks.sizes("all_gather", o.numel(), i.numel() * self._size, "an output")
+                                         for o, i in zip(outputs, inputs)))))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -238,7 +137,11 @@ class ProcessGroupHpcsync(GroupEngine):
             else:
                 self._c("Gather", inp.spec(), None, root=root)
 
-        return self._run(fn, [t for outs in output_lists for t in outs], opts, ("gather", inputs[0], root))
+        me = self._coll.Get_rank()
+        return self._run(fn, [t for outs in output_lists for t in outs], opts, Call(
+            "gather", inputs[0], root, invalid=checks.first(checks.dtypes(inputs), checks.lengths(
+                "gather", output_lists[0] if output_lists else [], self._size, "the output list")
+                if me == root else None)))
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any) -> MPIWork:
         root = opts.rootRank
@@ -252,66 +155,12 @@ class ProcessGroupHpcsync(GroupEngine):
                 self._c("Scatter", None, out.spec(), root=root)
             out.finish()
 
-        return self._run(fn, outputs, opts, ("scatter", outputs[0], root))
-
-    def _reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
-        size = self._coll.Get_size()
-        if inp.numel() != out.numel() * size:
-            raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, expected {out.numel()} x {size}")
-        kind = _kind(op)
-        si = _Staged(inp, reduce=True)
-        if not si.copied and (kind == RedOp.PREMUL_SUM or _overlap(si.t, out)):
-            si.t = si.t.clone()  # never scale the caller's input, never alias send and receive
-        if kind == RedOp.PREMUL_SUM:
-            si.t.mul_(op.factor)
-        so = _Staged(out, reduce=True, read=False)
-        if so.t.dtype != si.t.dtype:
-            so.t = torch.empty(out.shape, dtype=si.t.dtype)
-        if out.numel():
-            self._c("Reduce_scatter_block", si.whole(), so.spec(), op=_mpi_op(op, si.t.dtype))
-        if kind == RedOp.AVG:
-            _divide(so.t, size)
-        so.finish()
-
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        if (self._hot_now(opts) and (fast := _fast_types(op, input.dtype)) is not None and self._direct(input)
-                and self._direct(output) and input.dtype == output.dtype
-                and (n := output.numel()) * self._size == input.numel()):
-            t, mop, item = fast
-            i0, o0 = input.data_ptr(), output.data_ptr()
-            if not _spans_overlap(i0, n * self._size * item, o0, n * item):
-                send = [self._address(i0, n * self._size * item), t]
-                recv = [self._address(o0, n * item), n, t]
-                return self._blocking_op("reduce_scatter", input, -1, "Reduce_scatter_block", (send, recv),
-                                         {"op": mop}, [output])
-        return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts,
-                         ("reduce_scatter", input, -1))
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
-                       opts: Any = None) -> MPIWork:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-
-        def fn() -> None:
-            for out, ins in zip(outputs, input_lists):
-                flat = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
-                self._reduce_scatter_flat(out, flat, op)
-
-        return self._run(fn, outputs, opts, ("reduce_scatter", outputs[0], -1))
-
-    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
-                                        opts: Any = None) -> MPIWork:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-
-        def fn() -> None:
-            for o, i in zip(outputs, inputs):
-                self._reduce_scatter_flat(o, i, op)
-
-        return self._run(fn, outputs, opts, ("reduce_scatter_coalesced", inputs[0] if inputs else None, -1))
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+        me = self._coll.Get_rank()
+        return self._run(fn, outputs, opts, Call("scatter", outputs[0], root, invalid=checks.first(
+            checks.dtypes(outputs), checks.lengths("scatter", input_lists[0] if input_lists else [], self._size,
+                                                   "the input list") if me == root else None,
+            *(checks.sizes("scatter", t.numel(), outputs[0].numel(), "an input")
+              for t in (input_lists[0] if me == root and input_lists else ())))))
 
     def _alltoallv(self, out: torch.Tensor, inp: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> None:
         so, si = _Staged(out, read=False), _Staged(inp)
@@ -327,20 +176,10 @@ class ProcessGroupHpcsync(GroupEngine):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
                           input_split_sizes: List[int], opts: Any = None) -> MPIWork:
-        size = self._coll.Get_size()
-
-        def counts(t: torch.Tensor, splits: List[int]) -> List[int]:
-            row = t[0].numel() if t.dim() and t.shape[0] else (t.numel() // max(t.shape[0], 1) if t.dim() else 1)
-            if not splits:
-                if t.dim() == 0 or t.shape[0] % size:
-                    raise ValueError(f"all_to_all_single: dim 0 ({t.shape[0] if t.dim() else 0}) "
-                                     f"must divide by the group size {size}")
-                return [t.numel() // size] * size
-            return [s * row for s in splits]
-
-        return self._run(lambda: self._alltoallv(output, input, counts(input, input_split_sizes),
-                                                 counts(output, output_split_sizes)), [output], opts,
-                         ("all_to_all", input, -1))
+        send, bad_in = checks.splits(input, list(input_split_sizes), self._size, "input")
+        recv, bad_out = checks.splits(output, list(output_split_sizes), self._size, "output")
+        return self._run(lambda: self._alltoallv(output, input, send, recv), [output], opts, Call(
+            "all_to_all", input, invalid=checks.first(checks.dtypes((input, output)), bad_in, bad_out)))
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
                       input_split_sizes: List[int], opts: Any = None) -> MPIWork:
@@ -358,7 +197,12 @@ class ProcessGroupHpcsync(GroupEngine):
                     o.copy_(recv[pos:pos + o.numel()].view_as(o))
                     pos += o.numel()
 
-        return self._run(fn, outputs, opts, ("all_to_all", inputs[0] if inputs else None, -1))
+        return self._run(fn, outputs, opts, Call("all_to_all", inputs[0] if inputs else None, tensors=inputs,
+                                                 invalid=checks.first(
+                                                     checks.dtypes(inputs),
+                                                     checks.lengths("all_to_all", inputs, self._size, "the input list"),
+                                                     checks.lengths("all_to_all", outputs, self._size,
+                                                                    "the output list"))))
 
     def barrier(self, opts: Any = None) -> MPIWork:
-        return self._run(lambda: self._c("Barrier"), [], opts, ("barrier", None, -1))
+        return self._run(lambda: self._c("Barrier"), [], opts, Call("barrier", None))

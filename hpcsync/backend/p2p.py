@@ -43,8 +43,10 @@ class PointToPoint:
             except BaseException as e:
                 exc = e
             with self._p2p_cv:
-                work._complete(exc)
+                future = work._complete(exc)
                 self._p2p_cv.notify_all()
+            if future is not None:  # its callbacks run outside the lock
+                work._settle(future)
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> MPIWork:
         s = _Staged(tensors[0])

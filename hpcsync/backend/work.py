@@ -32,12 +32,12 @@ class MPIWork(dist.Work):
         self._group: Any = None
         self._started: Optional[Tuple[Any, float]] = None  # (record, deadline) once running
 
-    def _complete(self, exc: Optional[BaseException] = None) -> None:
-        """Called with ``self._cv`` held."""
+    def _complete(self, exc: Optional[BaseException] = None) -> Optional[Future]:
+        """Called with ``self._cv`` held; returns the future the caller must settle once it has
+        released the lock (a callback may issue operations that need it), or None."""
         self._exc = exc
         self._done = True
-        if self._future is not None:
-            self._settle(self._future)
+        return self._future
 
     def _settle(self, fut: Future) -> None:
         if self._exc is None:
@@ -55,6 +55,10 @@ class MPIWork(dist.Work):
                 while not self._done:
                     if self._group is not None and self._group._broken and self._started is None:
                         raise dist.DistBackendError(self._group._broken)  # queued behind a stuck operation
+                    if self._group is not None and threading.get_ident() == self._group._worker_ident:
+                        raise RuntimeError("hpcsync backend: a future callback waits for an operation queued "
+                                           "behind the one whose callback it is: it can never run; issue the "
+                                           "operation inside the callback instead")
                     started = self._started  # set by the worker when it begins this operation
                     limit = min(x for x in (mine, started and started[1]) if x) if (mine or started) else None
                     now = time.monotonic()
@@ -72,11 +76,15 @@ class MPIWork(dist.Work):
 
     def get_future(self) -> Future:
         with self._cv:
-            if self._future is None:
-                self._future = Future()
-                if self._done:
-                    self._settle(self._future)
-            return self._future
+            fut = self._future
+            if fut is None:
+                fut = self._future = Future()
+                settle = self._done  # else whoever completes the work settles it
+            else:
+                settle = False
+        if settle:  # outside the lock: its callbacks may issue operations
+            self._settle(fut)
+        return fut
 
     def is_completed(self) -> bool:
         return self._done

@@ -5,8 +5,11 @@
 CASE: ``stuck`` -- the last rank sleeps before its third all_reduce (line marked STUCK HERE);
 ``barrier`` -- only rank 0 enters a barrier of ``new_group(timeout=1s)`` (torch's
 test_barrier_timeout_full_group); ``count`` / ``dtype`` -- rank 1's all_reduce has one more
-element / float64. Ranks report what happened (with the abort hook off they raise and go on).
+element / float64; ``newgroup`` -- the last rank stalls in a group made without ``timeout=``;
+``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``never_joins`` --
+the last rank never creates the group the others create. Ranks report what happened (with the abort hook off they raise and go on).
 """
+import datetime
 import sys
 import time
 
@@ -41,11 +44,29 @@ try:
             except Exception as exc:  # noqa: BLE001
                 out["errors"].append(f"{type(exc).__name__}: {exc}")
     elif case == "barrier":
-        group = dist.new_group(list(range(W)), timeout=__import__("datetime").timedelta(seconds=1))
+        group = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=1))
         if R == 0:
             dist.barrier(group=group)
         else:
             time.sleep(timeout + 5)
+    elif case == "newgroup":  # a group made without timeout= follows init's timeout, not torch's 30 min
+        g = dist.new_group(list(range(W)))
+        if R == W - 1:
+            time.sleep(timeout + 8)  # STUCK HERE
+        dist.all_reduce(t, group=g)
+        out["results"].append(t.tolist())
+    elif case == "barrier_opts":  # a per-call timeout (BarrierOptions.timeout) bounds that barrier
+        opts = dist.BarrierOptions()
+        opts.timeout = datetime.timedelta(seconds=1)
+        if R == 0:
+            dist.distributed_c10d._get_default_group().barrier(opts).wait()
+        else:
+            time.sleep(timeout + 5)
+    elif case == "never_joins":  # the last rank never creates the group: creation is bounded too
+        if R != W - 1:
+            dist.new_group(list(range(W)))
+        else:
+            time.sleep(timeout + 8)  # STUCK HERE
     else:
         n = 5 if case == "count" and R == 1 else 4
         dtype = torch.float64 if case == "dtype" and R == 1 else torch.float32

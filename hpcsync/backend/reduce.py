@@ -1,0 +1,229 @@
+"""Reductions of ``ProcessGroupHpcsync``: all_reduce (dense, sparse, coalesced), reduce and
+reduce_scatter, each a few lines on the engine; AVG of integers exact."""
+from __future__ import annotations
+
+import itertools
+import math
+from array import array
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _mpi
+from . import checks
+from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
+                      _overlap, _spans_overlap, _Staged, avg_parts, avg_result, is_int_avg)
+from .desync import Call, redop_id
+from .engine import GroupEngine
+from .work import MPIWork
+
+
+class Reductions(GroupEngine):
+    """The reducing operations (and the hot-path tests both halves use)."""
+
+    def _reduce_into(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
+        """All-reduce (root None) or reduce to ``root`` in place, for one tensor."""
+        kind = _kind(op)
+        s = _Staged(tensor, reduce=True)
+        mine = root is None or self._coll.Get_rank() == root
+        if is_int_avg(op, s.t.dtype):  # summed without overflow, then divided exactly
+            size = self._coll.Get_size()
+            parts = avg_parts(s.t.reshape(-1), size)
+            self._reduce_flat(parts, _mpi_op(RedOp.SUM, parts.dtype), root)
+            if mine:
+                with torch.no_grad():
+                    s.t.copy_(avg_result(parts, s.t.dtype, size).view_as(s.t))
+                s.finish()
+            return
+        if kind == RedOp.PREMUL_SUM:
+            s.t.mul_(op.factor)
+        self._reduce_flat(s.t, _mpi_op(op, s.t.dtype), root)
+        if kind == RedOp.AVG and mine:
+            _divide(s.t, self._coll.Get_size())
+        if mine:
+            s.finish()
+
+    def _reduce_flat(self, t: torch.Tensor, mop: Any, root: Optional[int]) -> None:
+        """All-reduce (root None) or reduce to ``root``, in place, of contiguous CPU ``t``, in chunks."""
+        MPI = _mpi.MPI()
+        item = t.element_size()
+        for start, n in _chunks(t.numel()):
+            if n == 0:
+                continue
+            buf = [_bytes(t, start * item, n * item), n, _mpi_type(t.dtype)]
+            if root is None:
+                self._c("Allreduce", MPI.IN_PLACE, buf, op=mop)
+            elif self._coll.Get_rank() == root:
+                self._c("Reduce", MPI.IN_PLACE, buf, op=mop, root=root)
+            else:
+                self._c("Reduce", buf, None, op=mop, root=root)
+
+    def _direct(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s own memory can be the MPI buffer: a dense contiguous CPU tensor whose
+        count fits one call (reductions also need :func:`_fast_types`: no 16-bit floats)."""
+        return t.is_cpu and not t.is_sparse and t.is_contiguous() and 0 < t.numel() <= _CHUNK_ELEMS
+
+    def _hot_now(self, opts: Any) -> bool:
+        """A blocking request with nothing queued, in the default mode: :meth:`_blocking_op`."""
+        return self._hot and self._pending == 0 and not getattr(opts, "asyncOp", True)
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if len(tensors) == 1:  # the common case, with as few calls into torch as possible
+            t = tensors[0]
+            fast = _fast_types(op, t.dtype)
+            if fast is not None and t.is_cpu and t.is_contiguous() and not t.is_sparse and 0 < (n := t.numel()) <= _CHUNK_ELEMS:
+                mtype, mop, item, kind = fast
+                buf = [self._address(t.data_ptr(), n * item), n, mtype]
+                if self._hot and self._pending == 0 and opts is not None and not opts.asyncOp:
+                    return self._blocking_op("all_reduce", t, -1, "Allreduce", (self._in_place, buf),
+                                             {"op": mop}, tensors, n, kind)
+                in_place = self._in_place
+                return self._run(lambda: self._c("Allreduce", in_place, buf, op=mop), tensors, opts,
+                                 Call("all_reduce", t, -1, kind))
+        call = Call("all_reduce", tensors[0] if tensors else None, -1, redop_id(op), tensors=tensors,
+                    invalid=checks.reduction(op, tensors))
+        if any(t.is_sparse for t in tensors):
+            def sparse() -> None:
+                for t in tensors:
+                    self._allreduce_sparse(t, op)
+
+            return self._run(sparse, tensors, opts, call)
+
+        def fn() -> None:
+            for t in tensors:
+                self._reduce_into(t, op, None)
+
+        return self._run(fn, tensors, opts, call)
+
+    def _allreduce_sparse(self, t: torch.Tensor, op: Any) -> None:
+        """SUM of sparse COO tensors (what gloo supports): all-gather every rank's (index, value)
+        rows with Allgatherv, add duplicates by coalescing, write the result into ``t``."""
+        c = t.detach().coalesce().cpu()
+        rows = c.indices().t().contiguous()  # (nnz, sparse_dim) int64: one row per entry
+        vals = c.values().contiguous()  # (nnz, *dense dims)
+        size, sd, per = self._coll.Get_size(), rows.shape[1], math.prod(vals.shape[1:])  # per: elements per row
+        mine, counts = array("q", [rows.shape[0]]), array("q", bytes(8 * size))
+        self._c("Allgather", [mine, self._int64], [counts, self._int64])
+        total = sum(counts)
+        all_rows = torch.empty((total, sd), dtype=torch.int64)
+        all_vals = torch.empty((total, *vals.shape[1:]), dtype=vals.dtype)
+        offsets = [sum(counts[:r]) for r in range(size)]
+        vtype = _mpi_type(vals.dtype)
+        self._c("Allgatherv", [_bytes(rows), rows.numel(), self._int64],
+                [_bytes(all_rows), ([n * sd for n in counts], [o * sd for o in offsets]), self._int64])
+        self._c("Allgatherv", [_bytes(vals), vals.numel(), vtype],
+                [_bytes(all_vals), ([n * per for n in counts], [o * per for o in offsets]), vtype])
+        summed = torch.sparse_coo_tensor(all_rows.t(), all_vals, t.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(summed.to(t.device))
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def fn() -> None:
+            for _dtype, group in itertools.groupby(sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype)),
+                                                  key=lambda i: str(tensors[i].dtype)):
+                ts = [tensors[i] for i in group]
+                flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
+                self._reduce_into(flat, op, None)
+                pos = 0
+                with torch.no_grad():
+                    for t in ts:
+                        t.copy_(flat[pos:pos + t.numel()].view_as(t))
+                        pos += t.numel()
+
+        return self._run(fn, tensors, opts, Call("all_reduce_coalesced", tensors[0] if tensors else None, -1,
+                                                 redop_id(op), tensors=tensors, invalid=checks.reduction(op, tensors)))
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
+        def fn() -> None:
+            for t in tensors:
+                self._reduce_into(t, opts.reduceOp, opts.rootRank)
+
+        return self._run(fn, tensors, opts, Call("reduce", tensors[0], opts.rootRank, redop_id(opts.reduceOp),
+                                                 tensors=tensors, invalid=checks.reduction(opts.reduceOp, tensors)))
+
+    # -- data movement ----------------------------------------------------------------------
+    def _reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
+        size = self._coll.Get_size()
+        kind = _kind(op)
+        if is_int_avg(op, inp.dtype):  # summed without overflow, then divided exactly
+            parts = avg_parts(inp.detach().cpu().reshape(size, -1), size)  # each rank's block stays whole
+            mine = torch.empty(parts.shape[1:], dtype=parts.dtype)
+            if out.numel():
+                self._c("Reduce_scatter_block", _Staged(parts).whole(), _Staged(mine, read=False).spec(),
+                        op=_mpi_op(RedOp.SUM, parts.dtype))
+            with torch.no_grad():
+                out.copy_(avg_result(mine, out.dtype, size).view_as(out))
+            return
+        si = _Staged(inp, reduce=True)
+        if not si.copied and (kind == RedOp.PREMUL_SUM or _overlap(si.t, out)):
+            si.t = si.t.clone()  # never scale the caller's input, never alias send and receive
+        if kind == RedOp.PREMUL_SUM:
+            si.t.mul_(op.factor)
+        so = _Staged(out, reduce=True, read=False)
+        if so.t.dtype != si.t.dtype:
+            so.t = torch.empty(out.shape, dtype=si.t.dtype)
+        if out.numel():
+            self._c("Reduce_scatter_block", si.whole(), so.spec(), op=_mpi_op(op, si.t.dtype))
+        if kind == RedOp.AVG:
+            _divide(so.t, size)
+        so.finish()
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if (self._hot_now(opts) and (fast := _fast_types(op, input.dtype)) is not None and self._direct(input)
+                and self._direct(output) and input.dtype == output.dtype
+                and (n := output.numel()) * self._size == input.numel()):
+            t, mop, item, kind = fast
+            i0, o0 = input.data_ptr(), output.data_ptr()
+            if not _spans_overlap(i0, n * self._size * item, o0, n * item):
+                send = [self._address(i0, n * self._size * item), t]
+                recv = [self._address(o0, n * item), n, t]
+                return self._blocking_op("reduce_scatter", input, -1, "Reduce_scatter_block", (send, recv),
+                                         {"op": mop}, [output], n, kind)
+        return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts, self._rs_call(
+            op, input, output.numel(), [input], checks.sizes("reduce_scatter", input.numel(),
+                                                             output.numel() * self._size, "the input")))
+
+    def _rs_call(self, op: Any, t: torch.Tensor, count: int, inputs: List[torch.Tensor],
+                 bad: Optional[BaseException], name: str = "reduce_scatter", tensors: Any = ()) -> Call:
+        """A reduce-scatter described by its output count, whichever form (tensor or list) it came in."""
+        return Call(name, t, -1, redop_id(op), count, tensors,
+                    invalid=checks.first(checks.reduction(op, inputs), bad))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
+                       opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def fn() -> None:
+            for out, ins in zip(outputs, input_lists):
+                flat = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
+                self._reduce_scatter_flat(out, flat, op)
+
+        ins = [t for group in input_lists for t in group]
+        bad = checks.first(*(checks.lengths("reduce_scatter", group, self._size, "the input list")
+                             for group in input_lists),
+                           *(checks.sizes("reduce_scatter", t.numel(), out.numel(), "an input")
+                             for out, group in zip(outputs, input_lists) for t in group))
+        return self._run(fn, outputs, opts, self._rs_call(op, ins[0] if ins else outputs[0], outputs[0].numel(),
+                                                          ins, bad))
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> MPIWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def fn() -> None:
+            for o, i in zip(outputs, inputs):
+                self._reduce_scatter_flat(o, i, op)
+
+        call = self._rs_call(op, inputs[0], sum(o.numel() for o in outputs), inputs, checks.first(*(
+            checks.sizes("reduce_scatter", i.numel(), o.numel() * self._size, "an input")
+            for o, i in zip(outputs, inputs))), "reduce_scatter_coalesced", inputs)
+        return self._run(fn, outputs, opts, call)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
