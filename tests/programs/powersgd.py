@@ -29,7 +29,7 @@ ddp.register_comm_hook(state, psgd.powerSGD_hook)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
 g = torch.Generator().manual_seed(100 + R)
 losses = []
-for step in range(steps):
+for _ in range(steps):
     x = torch.randn(16, 32, generator=g)
     y = x.sum(dim=1, keepdim=True) * 0.1
     opt.zero_grad()
