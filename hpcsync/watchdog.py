@@ -57,13 +57,22 @@ class GroupLog:
     name: str
     ranks: List[int]
     ops: Deque[OpRecord] = field(default_factory=lambda: deque(maxlen=RING))
+    p2p: Deque[OpRecord] = field(default_factory=lambda: deque(maxlen=RING))  # sends/receives, own numbering
     seq: int = 0
+    p2p_seq: int = 0
     timed_out: Optional[int] = None  # seq of the operation that timed out here
 
     def start(self, op: str, dtype: str, shape: Tuple[int, ...], root: int) -> OpRecord:
         self.seq += 1
         rec = OpRecord(self.seq, op, dtype, shape, root, time.time())
         self.ops.append(rec)
+        return rec
+
+    def start_p2p(self, op: str, dtype: str, shape: Tuple[int, ...], peer: int) -> OpRecord:
+        """A send or receive: numbered apart from the collectives (ranks make different ones)."""
+        self.p2p_seq += 1
+        rec = OpRecord(self.p2p_seq, op, dtype, shape, peer, time.time())
+        self.p2p.append(rec)
         return rec
 
 
@@ -104,8 +113,8 @@ def snapshot() -> Dict[str, Any]:
     """This rank's records and stacks, as plain data (what a group's representative sends)."""
     world = _mpi.MPI().COMM_WORLD
     with _lock:
-        groups = {log.name: {"ranks": log.ranks, "timed_out": log.timed_out,
-                             "ops": [asdict(r) for r in log.ops]} for log in _logs.values()}
+        groups = {log.name: {"ranks": log.ranks, "timed_out": log.timed_out, "ops": [asdict(r) for r in log.ops],
+                             "p2p": [asdict(r) for r in log.p2p]} for log in _logs.values()}
     return {"rank": world.Get_rank(), "host": os.uname().nodename, "pid": os.getpid(), "time": time.time(),
             "groups": groups, "stacks": _stacks()}
 
@@ -118,7 +127,10 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
         ops = list(log.ops) if log is not None else []
         timed_out = log is not None and log.timed_out == seq
     this = next((o for o in ops if o.seq == seq), None)
-    state = "never" if this is None else "inside" if this.finished is None else "finished"
+    # an operation that failed here (not by timing out: that rank is still inside and reports)
+    # is over for this rank: counted as inside, a report deferred to it would never be printed
+    state = ("never" if this is None else "finished" if this.finished is not None
+             else "failed" if this.error is not None and this.error != "timed out" else "inside")
     last = ops[-1] if ops else None
     now = time.time()
     main = sys._current_frames().get(threading.main_thread().ident)
@@ -220,7 +232,7 @@ def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[
         last = d["last"] or {}
         key = (d["state"], last.get("op"), last.get("finished"), tuple(d["frames"]))
         by.setdefault(key, []).append(r)
-    order = {"never": 0, "inside": 1, "finished": 2}
+    order = {"never": 0, "inside": 1, "finished": 2, "failed": 3}
     groups = []
     for (state, last_op, finished, frames), rs in sorted(by.items(), key=lambda kv: (order[kv[0][0]], kv[1][0])):
         ages = [states[r]["last"]["age_s"] for r in rs if states[r]["last"]]
@@ -239,7 +251,7 @@ def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[
     no_reply = [r for r in silent if r in group.ranks]
     return {"kind": "hpcsync hang report", "group": group.name, "group_ranks": nodemap.ranges(group.ranks),
             "operation": asdict(rec), "timeout_s": timeout_s, "never_entered": pick["never"],
-            "inside": pick["inside"], "finished": pick["finished"], "no_reply": no_reply,
+            "inside": pick["inside"], "finished": pick["finished"], "failed": pick["failed"], "no_reply": no_reply,
             "no_reply_nodes": where(no_reply), "never_entered_nodes": where(pick["never"]),
             "timed_out_ranks": sorted(r for r, d in states.items() if d["timed_out"]),
             "groups": groups, "hosts": {str(r): host(r) for r in (no_reply + pick["never"])[:256]}}
@@ -256,6 +268,8 @@ def format_report(rep: Dict[str, Any]) -> str:
              f"  inside #{op['seq']}: rank(s) {names(rep['inside'])}"]
     if rep["finished"]:
         lines.append(f"  finished #{op['seq']}: rank(s) {names(rep['finished'])}")
+    if rep.get("failed"):
+        lines.append(f"  failed in #{op['seq']} with an error of its own: rank(s) {names(rep['failed'])}")
     if rep["no_reply"]:
         lines.append(f"  no reply: rank(s) {names(rep['no_reply'])} (node lost, process dead or frozen, "
                      "or stuck in C code holding the GIL)")
@@ -336,6 +350,39 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         sys.stderr.flush()
         time.sleep(1.0)  # let the launcher forward the report before the abort tears its pipes down
         jobend.abort(1)
+    return text
+
+
+def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
+    """A send or receive that did not complete within the timeout: this rank's report, with what
+    its peer is doing (asked through the responders, bounded); printed, and written as JSON."""
+    me = _mpi.MPI().COMM_WORLD.Get_rank()
+    peer = group.ranks[rec.root] if 0 <= rec.root < len(group.ranks) else None
+    answer = _ask([peer], (group.name, group.seq, False), 2.0).get(peer) if peer is not None and _responder else None
+    names = nodemap.describe
+    toward = "to" if rec.op.startswith("send") else "from"
+    lines = [f"[hpcsync] HANG REPORT: {rec.op} {toward} rank {names([peer]) if peer is not None else 'any'} "
+             f"({rec.dtype}{list(rec.shape)}) in group {group.name!r} on rank {names([me])} did not complete "
+             f"within {timeout_s:g} s"]
+    mine = digest(group.name, group.seq)
+    lines.append(f"  rank {me}: main thread (innermost frames of the program):")
+    lines.extend("    " + ln.replace("\n", "\n    ") for ln in mine["frames"])
+    if answer is not None:
+        last = answer["last"]
+        lines.append(f"  rank {peer}: last operation {last['op'] if last else 'none'} in this group; main thread:")
+        lines.extend("    " + ln.replace("\n", "\n    ") for ln in answer["frames"])
+    elif peer is not None:
+        lines.append(f"  rank {peer}: no reply (node lost, process dead or frozen)")
+    text = "\n".join(lines)
+    try:
+        path = write_report({"kind": "hpcsync p2p hang report", "group": group.name, "operation": asdict(rec),
+                             "rank": me, "peer": peer, "timeout_s": timeout_s, "peer_state": answer,
+                             "frames": mine["frames"]})
+        text += f"\n[hpcsync] report written to {path}"
+    except OSError as exc:
+        text += f"\n[hpcsync] could not write the JSON report: {exc}"
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
     return text
 
 

@@ -42,6 +42,7 @@ def test_ddp_fsdp_checkpoint_match_gloo(tmp_path):
             a, b = torch.tensor(gl[key]), torch.tensor(ours[key])
             assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=1e-7), key
         assert ours["dcp_roundtrip"] is True and gl["dcp_roundtrip"] is True
+        assert ours["dcp_async"] is True and gl["dcp_async"] is True  # async_save, thread mode
     # DDP really synchronised: both ranks end with the same weights
     assert results["hpcsync"][0]["ddp_default"] == results["hpcsync"][1]["ddp_default"]
 

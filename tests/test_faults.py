@@ -320,3 +320,54 @@ def test_an_error_inside_init_on_one_rank_ends_the_job(slurm, tmp_path):
     assert "[hpcsync] uncaught exception on rank" in proc.stderr and "HPCSYNC_TIMEOUT='-5'" in proc.stderr
     assert "calling MPI_Abort" in proc.stderr
     assert not list(out.glob("rank*.json"))  # no rank got past init
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_an_unmatched_irecv_holds_up_nothing_and_times_out(launcher, tmp_path):
+    """Polled mode: rank 0's unmatched irecv does not delay its later isend; the irecv raises
+    DistBackendError at the timeout (it had no deadline), and the group is broken."""
+    res = run(LAUNCHERS[launcher](), 2, "stall.py", "hpcsync", "p2p", "3", tmp_path=tmp_path, expect_ok=False,
+              env={**_POLLED, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert all(d is not None for d in res.ranks), res
+    r0 = res.ranks[0]
+    assert r0["results"] == ["sent"] and res.ranks[1]["results"] == [[1.0, 1.0, 1.0]], res
+    first, again = r0["errors"][:2]
+    assert first.startswith("DistBackendError") and "recv #1 (peer 1)" in first and "timed out after 3s" in first
+    assert "group is broken" in again
+    assert 3 <= r0["seconds"] < 3 + 8
+
+
+def test_an_unmatched_irecv_is_reported_and_ends_the_job(tmp_path):
+    """Default mode: the stuck receive is reported (which receive, from whom, where each rank is)
+    and the job ends."""
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "p2p", "3", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert res.returncode != 0 and time.monotonic() - t0 < 3 + 20, res
+    err = res.stderr
+    assert "HANG REPORT: recv from rank 1" in err and "did not complete within 3 s" in err, res
+    assert "STUCK HERE" in err  # rank 1's own line, asked through its responder
+    assert list(tmp_path.glob("hpcsync-hang-*.json"))
+
+
+def test_a_rank_that_failed_on_its_own_does_not_swallow_the_report(tmp_path):
+    """Rank 0 fails its all_gather locally (desync check off), rank 1 waits inside it: rank 1 must
+    not defer the report to rank 0, which is no longer inside; the report says rank 0 failed."""
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "local_error", "3", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_DESYNC_CHECK": "0", "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert res.returncode != 0
+    assert res.stderr.count("HANG REPORT") == 1, res
+    assert "failed in #1 with an error of its own: rank(s) 0" in res.stderr and "inside #1: rank(s) 1" in res.stderr
+
+
+def test_futures_behind_a_stuck_operation_end_at_the_timeout(tmp_path):
+    """Polled mode, as DDP's reducer waits: torch.futures.wait_all on the futures of two async
+    all_reduces, the other rank stalled: the first raises at the timeout (the worker waits
+    against the deadline too), the queued second at once (broken group)."""
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "futures", "3", tmp_path=tmp_path, expect_ok=False,
+              env={**_POLLED, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    reports_of_all(res, 2)
+    d = res.ranks[0]
+    assert len(d["errors"]) >= 2 and d["results"] == [], d
+    assert "timed out after 3s" in d["errors"][0] and "group is broken" in d["errors"][1], d
+    assert d["seconds"] < 3 + 8, d

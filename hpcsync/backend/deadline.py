@@ -9,14 +9,23 @@ deadline has passed with the operation still open, has the group report the hang
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from .. import jobend, watchdog
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how late a deadline may be seen: a few µs of GIL 20 times a second
+REPORT_S = 30.0  # at most this long to gather and print a hang report before the abort
+
+# (why, timeout, what to keep alive) of every broken group: the exit waits for them, then aborts
+_broken_groups: List[Tuple[str, float, Any]] = []
 
 _groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _thread: Optional[threading.Thread] = None
@@ -58,3 +67,52 @@ def stop() -> None:
     t = _thread
     if t is not None and t is not threading.current_thread():
         t.join(timeout=2 * POLL_S + 1)
+
+
+class Timeouts:
+    """What happens past a deadline (mixed into :class:`~.engine.GroupEngine`): the group is
+    broken for good, the hang reported, and in the watched mode the job ended."""
+
+    def _mark_broken(self) -> None:
+        """Remember a broken group for good. Its MPI operations are still in flight and may complete
+        later (when a late rank arrives) by writing into their buffers: keep the group, the
+        operation and the frames holding its staged tensors alive, so MPI never writes into freed
+        memory."""
+        frames, f = [], sys._getframe(1)
+        while f is not None:
+            frames.append(f)
+            f = f.f_back
+        _broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
+
+    def _expired(self, rec: Any) -> None:
+        """On the deadline thread: the caller is blocked inside MPI past the deadline. Report the
+        hang and end the job (the mode that lets an operation block promised it), all of it
+        bounded: this process ends within :data:`REPORT_S` + the abort grace whatever fails."""
+        jobend.end_within(REPORT_S + jobend.grace_s())
+        try:
+            self._timed_out(rec)
+        except dist.DistBackendError:  # another rank printed the report (or the policy changed)
+            time.sleep(1.0)  # as the printer does: let the launcher forward the report first
+        except BaseException as exc:  # noqa: BLE001  the report failed: end the job all the same
+            log.error("hpcsync: hang report failed: %s", exc)
+        jobend.abort(1)  # the group's mode promised it, whatever the policy is now
+
+    def _timed_out(self, rec: Any) -> None:
+        """Break the group, report the hang (and abort, unless turned off), raise DistBackendError.
+        Once per operation: a worker's waiter and the deadline thread may both see its deadline."""
+        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after {self._timeout_s:g}s "
+               f"(the group's timeout is {self._timeout_s:g}s)")  # torch's tests match " timeout "
+        with self._timeout_once:
+            first = rec.error != "timed out"
+            rec.error = "timed out"
+        if not first:
+            raise dist.DistBackendError(msg)
+        self._broken = (msg + "; the group is broken (MPI cannot cancel a collective): destroy it and end "
+                        "the job")
+        self._mark_broken()
+        try:
+            watchdog.report_timeout(self._log, rec, self._timeout_s)
+        except Exception as exc:  # the report is best effort; the timeout error is not
+            log.warning("hpcsync: hang report failed: %s", exc)
+        raise dist.DistBackendError(msg)
+

@@ -18,7 +18,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import jobend, nodemap, settings
+from .. import _mpi, jobend, nodemap, settings
 from ..errors import ranks_by_value
 
 _OP_IDS = {name: k for k, name in enumerate((
@@ -49,6 +49,7 @@ class Call(NamedTuple):
     count: int = -1
     tensors: Sequence[torch.Tensor] = ()
     invalid: Optional[BaseException] = None
+    counts: Optional[Tuple[List[int], List[int]]] = None  # all-to-all: elements sent to / received from each rank
 
 
 def redop_id(op: Any) -> int:
@@ -145,6 +146,33 @@ class Agreement:
             return self._check.Iallreduce(self._in_place, [buf, self._int64], op=self._max)
         self._check.Allreduce(self._in_place, [buf, self._int64], op=self._max)
         return None
+
+    def _check_counts(self, rec: Any, send: List[int], recv: List[int]) -> None:
+        """All-to-all: what each rank sends to another must be what that one expects from it. One
+        ``Allreduce(SUM)``: each rank adds a 32-bit hash of (itself, peer, count) for each send
+        and subtracts one of (peer, itself, count) for each receive; the total is 0 exactly when
+        the two sides agree (but for a 2**-32 chance). If not, every rank raises the same error,
+        naming the pairs, before MPI sees the buffers."""
+        me = self._check.Get_rank()
+        bal = array("q", [sum(hash((me, b, c)) & 0xFFFFFFFF for b, c in enumerate(send))
+                          - sum(hash((b, me, c)) & 0xFFFFFFFF for b, c in enumerate(recv))])
+        self._wait(self._check.Iallreduce(self._in_place, [bal, self._int64], op=_mpi.MPI().SUM))
+        if bal[0] == 0:
+            return
+        size = len(send)
+        mine = array("q", list(send) + list(recv))
+        every = array("q", bytes(8 * 2 * size * size))
+        self._wait(self._check.Iallgather([mine, self._int64], [every, self._int64]))
+        sends = [every[a * 2 * size:a * 2 * size + size] for a in range(size)]
+        recvs = [every[a * 2 * size + size:(a + 1) * 2 * size] for a in range(size)]
+        ranks = self._log.ranks
+        bad = [f"rank {ranks[a]} sends {sends[a][b]} to rank {ranks[b]}, which expects {recvs[b][a]}"
+               for a in range(size) for b in range(size) if sends[a][b] != recvs[b][a]]
+        rec.error = "desync"
+        raise dist.DistBackendError(
+            f"hpcsync backend: all_to_all #{rec.seq} of group {self._log.name!r}: split sizes do not match "
+            f"between ranks ({'; '.join(bad[:4])}{f'; and {len(bad) - 4} more' if len(bad) > 4 else ''}). "
+            "What a rank sends to another must be what that one expects from it.")
 
     def _refuse(self, rec: Any, vec: List[int], invalid: BaseException) -> None:
         """This rank's arguments are invalid: make the same agreement the other ranks make (so

@@ -16,7 +16,6 @@ only on the group's wait mode, fixed and agreed when the group is created:
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from array import array
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from .. import _mpi, jobend, settings, watchdog
 from . import deadline
+from .deadline import _broken_groups  # noqa: F401  (re-exported)
 from .desync import DTYPE_NAMES, FP_MASK, Agreement, Call, _describe, debug_mode, hot_vector
 from .p2p import PointToPoint
 from .work import DoneWork, MPIWork
@@ -36,7 +36,6 @@ from .work import DoneWork, MPIWork
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "hpcsync"
-REPORT_S = 30.0  # at most this long to gather and print a hang report before the abort
 _INLINE_BYTES = 64 << 10  # a polled wait on more bytes than this spins throughout (see _execute)
 
 # Collectives whose non-blocking form (then ``Wait``) is as fast as or faster than the blocking
@@ -55,7 +54,6 @@ def _nonblocking_fast() -> Set[str]:
 
 _monotonic, _now = time.monotonic, time.time
 
-_broken_groups: List[Tuple[str, float, Any]] = []  # (why, timeout, what to keep alive) of broken groups
 
 
 class GroupIdentity(dist.ProcessGroup):
@@ -70,6 +68,13 @@ class GroupIdentity(dist.ProcessGroup):
     @property
     def comm(self) -> Any:
         return self._coll
+
+    @property
+    def _device_types(self) -> List[torch.device]:
+        """The devices this group serves. torch reads it (``dcp.async_save`` wants a CPU backend,
+        object collectives pick their device); the C++ side of a Python group has no backends
+        registered, so it would say none."""
+        return [torch.device("cpu"), torch.device("cuda")]
 
     # torch keeps a group's name in its C++ backends; this group is its own backend, so keep it here
     def _set_group_name(self, name: str) -> None:
@@ -93,7 +98,7 @@ class GroupIdentity(dist.ProcessGroup):
         return self.getGroupDesc()
 
 
-class GroupEngine(Agreement, PointToPoint, GroupIdentity):
+class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
     """A group's communicators, identity and engine: the queue and worker thread, one operation's
     flight record, deadline and fingerprint, waits bounded by the timeout, the broken state, and
     point-to-point requests. :class:`ProcessGroupHpcsync` adds the operations."""
@@ -119,8 +124,12 @@ class GroupEngine(Agreement, PointToPoint, GroupIdentity):
         self._current: Optional[Tuple[Any, float, bool]] = None
         self._current_worker: Optional[Tuple[Any, float, bool]] = None
         self._timeout_once = threading.Lock()
+        self._keep: List[Any] = []  # what MPI may still write into after a timeout (p2p requests, buffers)
         self._calls: dict = {}  # MPI call name -> (bound call, returns a request): see _bind
         self._cv = threading.Condition()
+        # Held around every operation's MPI calls, from whichever thread: two threads never call
+        # MPI on the group's communicators at once, and each operation keeps its own deadline.
+        self._issue = threading.RLock()
         self._queue: Deque[Tuple[Callable[[], None], MPIWork]] = deque()
         self._pending = 0
         self._worker: Optional[threading.Thread] = None
@@ -244,6 +253,10 @@ class GroupEngine(Agreement, PointToPoint, GroupIdentity):
         whose own arguments are invalid (``call.invalid``) joins the agreement and raises its error
         there, so the other ranks fail at once instead of at the timeout.
         """
+        with self._issue:
+            self._execute_locked(fn, call, work, timeout_s)
+
+    def _execute_locked(self, fn: Callable[[], None], call: Call, work: Optional[MPIWork], timeout_s: float) -> None:
         if self._broken:
             raise dist.DistBackendError(self._broken)
         t = call.t
@@ -275,6 +288,14 @@ class GroupEngine(Agreement, PointToPoint, GroupIdentity):
             if fp_req is None and self._fp_differs:
                 self._agree(rec, vec, in_flight=False)
         self._fp_req, self._vec = fp_req, vec
+        if call.counts is not None and (self._fingerprints or self._debug):
+            if fp_req is not None:  # the fingerprint first: ranks that disagree make no count check
+                self._fp_req = None
+                self._wait(fp_req)
+                fp_req = None
+                if self._fp_differs:
+                    self._agree(rec, vec, in_flight=False)
+            self._check_counts(rec, *call.counts)
         try:
             fn()
         except BaseException as exc:
@@ -304,42 +325,32 @@ class GroupEngine(Agreement, PointToPoint, GroupIdentity):
             raise dist.DistBackendError(self._broken)
         if self._closed:
             raise RuntimeError("hpcsync backend: process group was shut down")
-        dtype = t.dtype
-        rec = self._log.start(op, DTYPE_NAMES[dtype], tuple(t.shape), root)
-        seq = rec.seq
-        self._rec = rec
-        self._current = (rec, _monotonic() + self._timeout_s, True)
-        vec = hot_vector(seq, op, dtype, t.numel() if count < 0 else count, root, redop)
-        fp = hash(vec) & FP_MASK
-        buf = self._fp
-        buf[0] = fp
-        buf[1] = -fp
-        try:
-            self._check.Allreduce(self._in_place, self._fp_spec, op=self._max)
-            if buf[0] != -buf[1]:
-                self._agree(rec, list(vec), in_flight=False)
-            fn, request = self._calls.get(call) or self._bind(call)
-            if request:
-                fn(*args, **kwargs).Wait()
-            else:
-                fn(*args, **kwargs)
-        except BaseException as exc:  # surfaced by wait()
-            if rec.error is None:
-                rec.error = f"{type(exc).__name__}: {exc}"
-            return DoneWork(outputs, exc)
-        rec.finished = _now()
-        return DoneWork(outputs)
-
-    def _mark_broken(self) -> None:
-        """Remember a broken group for good. Its MPI operations are still in flight and may complete
-        later (when a late rank arrives) by writing into their buffers: keep the group, the
-        operation and the frames holding its staged tensors alive, so MPI never writes into freed
-        memory."""
-        frames, f = [], sys._getframe(1)
-        while f is not None:
-            frames.append(f)
-            f = f.f_back
-        _broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
+        with self._issue:  # see __init__
+            dtype = t.dtype
+            rec = self._log.start(op, DTYPE_NAMES[dtype], tuple(t.shape), root)
+            seq = rec.seq
+            self._rec = rec
+            self._current = (rec, _monotonic() + self._timeout_s, True)
+            vec = hot_vector(seq, op, dtype, t.numel() if count < 0 else count, root, redop)
+            fp = hash(vec) & FP_MASK
+            buf = self._fp
+            buf[0] = fp
+            buf[1] = -fp
+            try:
+                self._check.Allreduce(self._in_place, self._fp_spec, op=self._max)
+                if buf[0] != -buf[1]:
+                    self._agree(rec, list(vec), in_flight=False)
+                fn, request = self._calls.get(call) or self._bind(call)
+                if request:
+                    fn(*args, **kwargs).Wait()
+                else:
+                    fn(*args, **kwargs)
+            except BaseException as exc:  # surfaced by wait()
+                if rec.error is None:
+                    rec.error = f"{type(exc).__name__}: {exc}"
+                return DoneWork(outputs, exc)
+            rec.finished = _now()
+            return DoneWork(outputs)
 
     def _bind(self, name: str) -> Tuple[Callable[..., Any], bool]:
         """``(call, returns a request)`` for MPI collective ``name`` in this group's wait mode: in a
@@ -361,7 +372,10 @@ class GroupEngine(Agreement, PointToPoint, GroupIdentity):
             fn(*args, **kwargs)
 
     def _wait(self, req: Any) -> None:
-        if self._watched or threading.get_ident() == self._worker_ident:
+        """Wait for ``req``: blocking in a watched group (the deadline thread enforces the
+        deadline); polled against the deadline in a polled group, on the worker too, so an
+        operation there, its future and the work queued behind it end at the timeout."""
+        if self._watched:
             req.Wait()
             return
         if req.Test():
@@ -382,38 +396,6 @@ class GroupEngine(Agreement, PointToPoint, GroupIdentity):
             if now > spin_until:
                 time.sleep(0.001)
 
-    def _expired(self, rec: Any) -> None:
-        """On the deadline thread: the caller is blocked inside MPI past the deadline. Report the
-        hang and end the job (the mode that lets an operation block promised it), all of it
-        bounded: this process ends within :data:`REPORT_S` + the abort grace whatever fails."""
-        jobend.end_within(REPORT_S + jobend.grace_s())
-        try:
-            self._timed_out(rec)
-        except dist.DistBackendError:  # another rank printed the report (or the policy changed)
-            time.sleep(1.0)  # as the printer does: let the launcher forward the report first
-        except BaseException as exc:  # noqa: BLE001  the report failed: end the job all the same
-            log.error("hpcsync: hang report failed: %s", exc)
-        jobend.abort(1)  # the group's mode promised it, whatever the policy is now
-
-    def _timed_out(self, rec: Any) -> None:
-        """Break the group, report the hang (and abort, unless turned off), raise DistBackendError.
-        Once per operation: a worker's waiter and the deadline thread may both see its deadline."""
-        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after {self._timeout_s:g}s "
-               f"(the group's timeout is {self._timeout_s:g}s)")  # torch's tests match " timeout "
-        with self._timeout_once:
-            first = rec.error != "timed out"
-            rec.error = "timed out"
-        if not first:
-            raise dist.DistBackendError(msg)
-        self._broken = (msg + "; the group is broken (MPI cannot cancel a collective): destroy it and end "
-                        "the job")
-        self._mark_broken()
-        try:
-            watchdog.report_timeout(self._log, rec, self._timeout_s)
-        except Exception as exc:  # the report is best effort; the timeout error is not
-            log.warning("hpcsync: hang report failed: %s", exc)
-        raise dist.DistBackendError(msg)
-
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:
         with self._cv:
@@ -424,6 +406,11 @@ class GroupEngine(Agreement, PointToPoint, GroupIdentity):
         for t in (self._worker, self._p2p_thread):
             if t is not None:
                 t.join(timeout=0.1 if self._broken else min(self._timeout_s, 3600))
+        if not self._broken and any(t is not None and t.is_alive() for t in (self._worker, self._p2p_thread)):
+            # still inside MPI: its communicators must not be freed, and MPI cannot finalize
+            # with it in flight, so the exit ends the job (bounded) instead of hanging
+            self._broken = f"hpcsync backend: group {self._log.name!r} was shut down with an operation in flight"
+            self._mark_broken()
         watchdog.drop_group_log(id(self))
         MPI = _mpi.MPI()
         if not MPI.Is_finalized() and not self._broken:  # a broken group may still be inside MPI

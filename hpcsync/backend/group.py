@@ -179,7 +179,8 @@ class ProcessGroupHpcsync(Reductions):
         send, bad_in = checks.splits(input, list(input_split_sizes), self._size, "input")
         recv, bad_out = checks.splits(output, list(output_split_sizes), self._size, "output")
         return self._run(lambda: self._alltoallv(output, input, send, recv), [output], opts, Call(
-            "all_to_all", input, invalid=checks.first(checks.dtypes((input, output)), bad_in, bad_out)))
+            "all_to_all", input, invalid=checks.first(checks.dtypes((input, output)), bad_in, bad_out),
+            counts=(send, recv)))
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
                       input_split_sizes: List[int], opts: Any = None) -> MPIWork:
@@ -198,6 +199,7 @@ class ProcessGroupHpcsync(Reductions):
                     pos += o.numel()
 
         return self._run(fn, outputs, opts, Call("all_to_all", inputs[0] if inputs else None, tensors=inputs,
+                                                 counts=([t.numel() for t in inputs], [t.numel() for t in outputs]),
                                                  invalid=checks.first(
                                                      checks.dtypes(inputs),
                                                      checks.lengths("all_to_all", inputs, self._size, "the input list"),

@@ -1,25 +1,56 @@
 """Point-to-point: ``Isend``/``Irecv`` started in the caller's thread, completed by a thread of
-their own, so sends and receives never block each other or the group's collectives."""
+their own that tests every outstanding request at once (one unmatched receive never holds up
+the completion of later sends), each bounded by the group's timeout and recorded in the group's
+flight recorder (numbered apart from the collectives). Past its deadline a request breaks the
+group: in the default mode the rank reports the send or receive, with what its peer is doing,
+and ends the job; in the polled mode its work raises ``DistBackendError``."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List
+import time
+from typing import Any, Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from .. import _mpi
+from .. import _mpi, jobend, watchdog
 from .buffers import _Staged
+from .deadline import REPORT_S
+from .desync import DTYPE_NAMES
 from .work import MPIWork
+
+IDLE_S = 0.0002  # between two tests of the outstanding requests when none completed
+
+
+class _Pending:
+    __slots__ = ("request", "work", "after", "rec", "deadline")
+
+    def __init__(self, request: Any, work: MPIWork, after: Callable[[Any, MPIWork], None], rec: Any,
+                 deadline: float):
+        self.request, self.work, self.after, self.rec, self.deadline = request, work, after, rec, deadline
 
 
 class PointToPoint:
     """The point-to-point half of a group (mixed into :class:`~.engine.GroupEngine`, which owns
-    ``_p2p_comm``, ``_p2p_cv``, ``_p2p_queue``, ``_p2p_thread`` and ``_closed``)."""
+    ``_p2p_comm``, ``_p2p_cv``, ``_p2p_queue``, ``_p2p_thread``, the timeout, the flight record and
+    the broken and closed states)."""
 
-    def _track(self, request: Any, outputs: List[torch.Tensor], after: Callable[[Any], None]) -> MPIWork:
+    def _start_p2p(self, op: str, t: torch.Tensor, peer: int) -> Any:
+        if self._closed:
+            raise RuntimeError("hpcsync backend: process group was shut down")
+        if self._broken:
+            raise dist.DistBackendError(self._broken)
+        return self._log.start_p2p(op, DTYPE_NAMES[t.dtype], tuple(t.shape), peer)
+
+    def _track(self, request: Any, outputs: List[torch.Tensor], after: Callable[[Any, MPIWork], None],
+               rec: Any) -> MPIWork:
         work = MPIWork(outputs, self._p2p_cv)
+        item = _Pending(request, work, after, rec, time.monotonic() + self._timeout_s)
+        if not self._threads_ok:  # no thread may call MPI beside the caller: complete it here
+            self._p2p_complete([item], until_done=True)
+            return work
         with self._p2p_cv:
-            self._p2p_queue.append((request, work, after))
+            self._p2p_queue.append(item)
             if self._p2p_thread is None:
                 self._p2p_thread = threading.Thread(target=self._p2p_loop, name="hpcsync-p2p", daemon=True)
                 self._p2p_thread.start()
@@ -27,48 +58,93 @@ class PointToPoint:
         return work
 
     def _p2p_loop(self) -> None:
-        MPI = _mpi.MPI()
+        active: List[_Pending] = []
         while True:
             with self._p2p_cv:
-                while not self._p2p_queue and not self._closed:
+                while not active and not self._p2p_queue and not self._closed:
                     self._p2p_cv.wait()
-                if not self._p2p_queue:
+                active.extend(self._p2p_queue)
+                self._p2p_queue.clear()
+                if not active:
                     return
-                request, work, after = self._p2p_queue.popleft()
-            exc = None
+            active = self._p2p_complete(active)
+
+    def _p2p_complete(self, active: List[_Pending], until_done: bool = False) -> List[_Pending]:
+        """Test every request in ``active`` once (``until_done``: until all are done), complete
+        the finished and the expired ones; return the others."""
+        MPI = _mpi.MPI()
+        while active:
+            statuses = [MPI.Status() for _ in active]
+            done = set(MPI.Request.Testsome([a.request for a in active], statuses) or ())
+            now = time.monotonic()
+            left = []
+            for i, item in enumerate(active):
+                if i in done:
+                    exc: Optional[BaseException] = None
+                    try:
+                        item.after(statuses[i], item.work)
+                        item.rec.finished = time.time()
+                    except BaseException as e:  # noqa: BLE001  surfaced by wait()
+                        exc = e
+                    self._p2p_settle(item, exc)
+                elif now > item.deadline:
+                    self._p2p_settle(item, self._p2p_expired(item))
+                else:
+                    left.append(item)
+            active = left
+            if not until_done or not active:
+                if not done and active:
+                    time.sleep(IDLE_S)
+                return active
+            if not done:
+                time.sleep(IDLE_S)
+        return active
+
+    def _p2p_settle(self, item: _Pending, exc: Optional[BaseException]) -> None:
+        with self._p2p_cv:
+            future = item.work._complete(exc)
+            self._p2p_cv.notify_all()
+        if future is not None:  # its callbacks run outside the lock
+            item.work._settle(future)
+
+    def _p2p_expired(self, item: _Pending) -> BaseException:
+        """The request outlived its deadline: MPI cannot cancel a send, so the group is broken
+        (the request and its buffer are kept alive); report and end the job in the default mode."""
+        rec = item.rec
+        rec.error = "timed out"
+        msg = (f"hpcsync backend: {rec.op} #{rec.seq} (peer {rec.root}) in group {self._log.name!r} timed out after "
+               f"{self._timeout_s:g}s (the group's timeout is {self._timeout_s:g}s)")
+        if not self._broken:
+            self._broken = msg + "; the group is broken (MPI cannot cancel a send): destroy it and end the job"
+            self._mark_broken()
+        self._keep.append(item)  # MPI may still write into its buffer: kept with the broken group
+        if self._watched:
+            jobend.end_within(REPORT_S + jobend.grace_s())
             try:
-                status = MPI.Status()
-                request.Wait(status)
-                after(status)
-            except BaseException as e:
-                exc = e
-            with self._p2p_cv:
-                future = work._complete(exc)
-                self._p2p_cv.notify_all()
-            if future is not None:  # its callbacks run outside the lock
-                work._settle(future)
+                watchdog.report_p2p_timeout(self._log, rec, self._timeout_s)
+            finally:
+                jobend.abort(1)
+        return dist.DistBackendError(msg)
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> MPIWork:
+        rec = self._start_p2p("send", tensors[0], dst)
         s = _Staged(tensors[0])
         req = self._p2p_comm.Isend(s.spec(), dest=dst, tag=tag)
-        return self._track(req, tensors, lambda status, keep=s: None)
+        return self._track(req, tensors, lambda status, work, keep=s: None, rec)
 
     def _recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> MPIWork:
+        rec = self._start_p2p("recv", tensors[0], src)
         s = _Staged(tensors[0], read=False)
         req = self._p2p_comm.Irecv(s.spec(), source=src, tag=tag)
-        holder: List[MPIWork] = []
 
-        def after(status: Any) -> None:
+        def after(status: Any, work: MPIWork) -> None:
             s.finish()
-            holder[0]._source = status.Get_source()
+            work._source = status.Get_source()
 
-        work = self._track(req, tensors, after)
-        holder.append(work)
-        return work
+        return self._track(req, tensors, after, rec)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> MPIWork:
         return self._recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> MPIWork:
         return self._recv(tensors, _mpi.MPI().ANY_SOURCE, tag)
-

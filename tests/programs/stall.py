@@ -6,8 +6,11 @@ CASE: ``stuck`` -- the last rank sleeps before its third all_reduce (line marked
 ``barrier`` -- only rank 0 enters a barrier of ``new_group(timeout=1s)`` (torch's
 test_barrier_timeout_full_group); ``count`` / ``dtype`` -- rank 1's all_reduce has one more
 element / float64; ``newgroup`` -- the last rank stalls in a group made without ``timeout=``;
-``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``never_joins`` --
-the last rank never creates the group the others create. Ranks report what happened (with the abort hook off they raise and go on).
+``futures`` -- futures of two async all_reduces
+behind a stalled rank; ``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``never_joins`` --
+the last rank never creates the group the others create; ``p2p`` -- rank 0's irecv is never
+matched; ``local_error`` -- rank 0's all_gather fails on its own argument check (run with
+HPCSYNC_DESYNC_CHECK=0). Ranks report what happened (with the abort hook off they raise and go on).
 """
 import datetime
 import sys
@@ -43,6 +46,17 @@ try:
                 out["results"].append("done")
             except Exception as exc:  # noqa: BLE001
                 out["errors"].append(f"{type(exc).__name__}: {exc}")
+    elif case == "futures":  # futures of queued work behind a stuck operation (DDP's reducer waits on these)
+        big = [torch.ones(1 << 18) for _ in range(2)]
+        if R == W - 1:
+            time.sleep(timeout + 8)  # STUCK HERE
+        futs = [dist.all_reduce(b, async_op=True).get_future() for b in big]
+        for f in futs:
+            try:
+                torch.futures.wait_all([f])
+                out["results"].append("done")
+            except Exception as exc:  # noqa: BLE001
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
     elif case == "barrier":
         group = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=1))
         if R == 0:
@@ -67,6 +81,26 @@ try:
             dist.new_group(list(range(W)))
         else:
             time.sleep(timeout + 8)  # STUCK HERE
+    elif case == "p2p":  # an irecv nobody matches: a later send still completes; the irecv times out
+        if R == 0:
+            never = dist.irecv(torch.zeros(2), src=1, tag=7)
+            dist.isend(torch.ones(3), dst=1, tag=8).wait()
+            out["results"].append("sent")
+            never.wait()
+        else:
+            y = torch.zeros(3)
+            dist.recv(y, src=0, tag=8)
+            out["results"].append(y.tolist())
+            time.sleep(timeout + 8)  # STUCK HERE
+    elif case == "local_error":  # rank 0 fails on its own (no desync check to tell the others)
+        if R == 0:
+            try:
+                dist.all_gather_into_tensor(torch.zeros(2 * W - 1), torch.ones(2))
+            except ValueError as exc:
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+            time.sleep(timeout + 8)
+        else:
+            dist.all_gather_into_tensor(torch.zeros(2 * W), torch.ones(2))
     else:
         n = 5 if case == "count" and R == 1 else 4
         dtype = torch.float64 if case == "dtype" and R == 1 else torch.float32

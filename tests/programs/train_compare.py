@@ -107,5 +107,23 @@ dcp.load(sd2, checkpoint_id=ckpt_dir)
 fnet.load_state_dict(sd2["model"])
 reloaded = {k: v.full_tensor() for k, v in fnet.state_dict().items()}
 out["dcp_roundtrip"] = all(torch.equal(reloaded[k], full[k]) for k in full)
+
+# async_save, thread mode: on the default group (the main thread waits), then on a group of its
+# own while the main thread keeps training on the default group
+fut = dcp.async_save({"model": fnet.state_dict()}, checkpoint_id=ckpt_dir + "-async")
+fut.result()
+ckpt_group = dist.new_group()
+saved = {k: v.full_tensor().clone() for k, v in fnet.state_dict().items()}
+fut = dcp.async_save({"model": fnet.state_dict()}, checkpoint_id=ckpt_dir + "-async2", process_group=ckpt_group)
+for x, y in batches(3, 5):
+    fopt.zero_grad()
+    nn.functional.mse_loss(fnet(x), y).backward()
+    fopt.step()
+fut.result()
+sd3 = {"model": fnet.state_dict()}
+dcp.load(sd3, checkpoint_id=ckpt_dir + "-async2")
+fnet.load_state_dict(sd3["model"])
+back = {k: v.full_tensor() for k, v in fnet.state_dict().items()}
+out["dcp_async"] = all(torch.equal(back[k], saved[k]) for k in saved)
 report(R, out)
 hpcsync.shutdown()
