@@ -209,8 +209,17 @@ def program(seed, group, sub, members, failures, errors, where, fault_at=None):
     ops = generate(seed, members)
     rng = random.Random(seed * 31 + 7)  # when to wait: drawn for every operation, the same on every rank
     order = random.Random(seed * 31 + R)  # the order of a batch of waits: each rank its own
-    pending = []  # (work, check, spec)
+    pending = []  # (work, check)
     done_upto = -1
+
+    def settle(batch):
+        for w, c in batch:
+            if w is not None:
+                w.wait()
+            bad = c()
+            if bad:
+                failures.append(bad)
+
     try:
         for spec in ops:
             wait_now = rng.random() < 0.5
@@ -231,23 +240,13 @@ def program(seed, group, sub, members, failures, errors, where, fault_at=None):
                 mutate = mutation(kind, spec)
             where[0] = spec["i"]
             work, check = run_op(spec, seed, g, spec["ranks"], mutate)
-            pending.append((work, check, spec))
+            pending.append((work, check))
             if wait_now or len(pending) > 6:  # wait some, not in issue order
                 order.shuffle(pending)
-                for w, c, _spec in pending:
-                    if w is not None:
-                        w.wait()
-                    bad = c()
-                    if bad:
-                        failures.append(bad)
+                settle(pending)
                 done_upto = spec["i"]
                 pending = []
-        for w, c, _spec in pending:
-            if w is not None:
-                w.wait()
-            bad = c()
-            if bad:
-                failures.append(bad)
+        settle(pending)
     except (dist.DistBackendError, ValueError) as exc:
         errors.append({"at": where[0], "done_upto": done_upto, "error": f"{type(exc).__name__}: {exc}"})
 
