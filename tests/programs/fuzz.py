@@ -212,6 +212,21 @@ def program(seed, group, sub, members, failures, errors, where, fault_at=None):
     pending = []  # (work, check)
     done_upto = -1
 
+    def issue(spec):
+        g = sub if spec["sub"] else group
+        mutate = None
+        if fault_at is not None and spec["i"] == fault_at[0] and R == ODD:
+            kind = fault_at[1]
+            if kind == "extra":
+                dist.all_reduce(torch.ones(3), group=g)
+            if kind == "sleep":
+                time.sleep(TIMEOUT + 6)  # STUCK HERE
+            if kind == "raise":
+                raise RuntimeError(f"injected fault at operation {spec['i']}")  # escapes: the job must end
+            mutate = mutation(kind, spec)
+        where[0] = spec["i"]
+        pending.append(run_op(spec, seed, g, spec["ranks"], mutate))
+
     def settle(batch):
         for w, c in batch:
             if w is not None:
@@ -221,31 +236,18 @@ def program(seed, group, sub, members, failures, errors, where, fault_at=None):
                 failures.append(bad)
 
     try:
+        since = 0  # operations since the last batch of waits, members or not: every rank waits at the same one
         for spec in ops:
             wait_now = rng.random() < 0.5
-            g = sub if spec["sub"] else group
-            if R not in spec["ranks"]:
-                continue
-            mutate = None
-            if fault_at is not None and spec["i"] == fault_at[0] and R == ODD:
-                kind = fault_at[1]
-                if kind == "skip":
-                    continue
-                if kind == "extra":
-                    dist.all_reduce(torch.ones(3), group=g)
-                if kind == "sleep":
-                    time.sleep(TIMEOUT + 6)  # STUCK HERE
-                if kind == "raise":
-                    raise RuntimeError(f"injected fault at operation {spec['i']}")  # escapes: the job must end
-                mutate = mutation(kind, spec)
-            where[0] = spec["i"]
-            work, check = run_op(spec, seed, g, spec["ranks"], mutate)
-            pending.append((work, check))
-            if wait_now or len(pending) > 6:  # wait some, not in issue order
+            since += 1
+            if R in spec["ranks"] and not (fault_at == (spec["i"], "skip") and R == ODD):
+                issue(spec)
+            if wait_now or since > 6:  # wait some, not in issue order
                 order.shuffle(pending)
                 settle(pending)
                 done_upto = spec["i"]
                 pending = []
+                since = 0
         settle(pending)
     except (dist.DistBackendError, ValueError) as exc:
         errors.append({"at": where[0], "done_upto": done_upto, "error": f"{type(exc).__name__}: {exc}"})
