@@ -257,6 +257,11 @@ def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[
             "groups": groups, "hosts": {str(r): host(r) for r in (no_reply + pick["never"])[:256]}}
 
 
+def _indented(frames: List[str]) -> List[str]:
+    """Program frames as report lines, each (and its source line) indented under its rank."""
+    return ["    " + ln.replace("\n", "\n    ") for ln in frames]
+
+
 def format_report(rep: Dict[str, Any]) -> str:
     """The report for people: a few lines per group of ranks, whatever the number of ranks."""
     op = rep["operation"]
@@ -283,7 +288,7 @@ def format_report(rep: Dict[str, Any]) -> str:
                 if g["last_op"] else "none in this group")
         lines.append(f"  {who} ({where or '?'}): last operation {last}; main thread (innermost frames "
                      "of the program):")
-        lines.extend("    " + ln.replace("\n", "\n    ") for ln in g["frames"])
+        lines.extend(_indented(g["frames"]))
     if len(rep["groups"]) > MAX_GROUPS:
         lines.append(f"  ... {len(rep['groups']) - MAX_GROUPS} more group(s) of ranks in the JSON")
     return "\n".join(lines)
@@ -366,11 +371,11 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
              f"within {timeout_s:g} s"]
     mine = digest(group.name, group.seq)
     lines.append(f"  rank {me}: main thread (innermost frames of the program):")
-    lines.extend("    " + ln.replace("\n", "\n    ") for ln in mine["frames"])
+    lines.extend(_indented(mine["frames"]))
     if answer is not None:
         last = answer["last"]
         lines.append(f"  rank {peer}: last operation {last['op'] if last else 'none'} in this group; main thread:")
-        lines.extend("    " + ln.replace("\n", "\n    ") for ln in answer["frames"])
+        lines.extend(_indented(answer["frames"]))
     elif peer is not None:
         lines.append(f"  rank {peer}: no reply (node lost, process dead or frozen)")
     text = "\n".join(lines)

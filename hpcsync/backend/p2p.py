@@ -92,12 +92,10 @@ class PointToPoint:
                 else:
                     left.append(item)
             active = left
-            if not until_done or not active:
-                if not done and active:
-                    time.sleep(IDLE_S)
-                return active
-            if not done:
+            if not done and active:
                 time.sleep(IDLE_S)
+            if not until_done:
+                return active
         return active
 
     def _p2p_settle(self, item: _Pending, exc: Optional[BaseException]) -> None:
