@@ -371,3 +371,63 @@ def test_futures_behind_a_stuck_operation_end_at_the_timeout(tmp_path):
     assert len(d["errors"]) >= 2 and d["results"] == [], d
     assert "timed out after 3s" in d["errors"][0] and "group is broken" in d["errors"][1], d
     assert d["seconds"] < 3 + 8, d
+
+
+def test_a_failing_hang_report_still_ends_the_job(tmp_path):
+    """The hang report raises (an injected fault): the rank whose all_reduce timed out still ends
+    the job, bounded, and says the report failed, while the other rank sleeps on."""
+    timeout = 3
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "report_fails", str(timeout), tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_REPORT_DIR": str(tmp_path), "HPCSYNC_ABORT_GRACE": "5"}, timeout=120)
+    took = time.monotonic() - t0
+    assert res.returncode != 0 and took < timeout + 5 + 15, (took, res)  # + the abort's grace
+    assert "the hang report of all_reduce #1" in res.stderr and "RuntimeError: injected: the hang report cannot be built" in res.stderr, res
+    assert "HANG REPORT" not in res.stderr and res.ranks == [None, None], res
+
+
+@pytest.mark.parametrize("launcher,env", [("openmpi", {}), ("mpich", {}), ("openmpi", _POLLED)],
+                         ids=["openmpi", "mpich", "openmpi-polled"])
+def test_two_threads_on_one_group_take_turns(launcher, env, tmp_path):
+    """A second thread's all_reduce on the group while the main thread's is inside MPI: it waits
+    for it (MPI never sees two collectives on one communicator at once); 20 rounds, right data."""
+    res = run(LAUNCHERS[launcher](), 2, "stall.py", "hpcsync", "two_threads", "20", tmp_path=tmp_path, env=env,
+              timeout=120)
+    for d in res.ranks:
+        assert d["errors"] == [] and d["results"] == [{"a": [3.0], "b": [3] * 5}] * 20, d
+
+
+@pytest.mark.parametrize("env", [{}, _POLLED], ids=["default", "polled"])
+def test_a_second_thread_keeps_the_first_threads_deadline(env, tmp_path):
+    """The main thread's all_reduce is stuck (the last rank stalls); a second thread issues one on
+    the same group half a timeout later. The first still times out at its own deadline, the report
+    names it, and the second fails with the broken group instead of waiting on."""
+    timeout = 4
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "two_threads_stuck", str(timeout), tmp_path=tmp_path,
+              expect_ok=False, env={**env, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    took = time.monotonic() - t0
+    if not env:  # the job ends with the report of the first thread's operation
+        assert res.returncode != 0 and took < timeout + 15, (took, res)
+        assert "HANG REPORT: all_reduce #1 (float32[65536])" in res.stderr, res
+        return
+    assert res.returncode != 0 and "exiting with a broken process group" in res.stderr, res
+    first = res.ranks[0]
+    (got,) = first["results"]
+    assert got["a_error"].startswith("DistBackendError") and "all_reduce #1" in got["a_error"], first
+    assert first["seconds"] < timeout + 2, first  # not moved to the second thread's deadline (+2 s)
+    assert got["error"].startswith("DistBackendError") and "group is broken" in got["error"], first
+
+
+@pytest.mark.parametrize("env", [{}, _POLLED], ids=["default", "polled"])
+def test_leaving_with_an_operation_in_flight_ends_the_job(env, tmp_path):
+    """Rank 0 ends its program with an async all_reduce nobody joins: the exit is bounded and says
+    why (the report, or the broken group at exit), instead of MPI_Finalize waiting forever."""
+    timeout = 3
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "exit_in_flight", str(timeout), tmp_path=tmp_path,
+              expect_ok=False, env={**env, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    took = time.monotonic() - t0
+    assert res.returncode != 0 and took < timeout + 30, (took, res)
+    assert res.ranks[0] is not None and res.ranks[0]["results"] == ["left"], res
+    assert "exiting with a broken process group" in res.stderr or "HANG REPORT: all_reduce #1" in res.stderr, res

@@ -3,6 +3,7 @@ address (``tests/netns_cluster.py``), ``srun`` and ``sbatch`` from the first nod
 import json
 import subprocess
 import time
+import warnings
 
 import pytest
 
@@ -32,14 +33,30 @@ CASES = [  # srun --mpi, backend, tasks per node
 ]
 
 
+# MPICH's PMI-2 start under Slurm 22.05 fails now and then before any program code runs: the
+# node's slurmstepd rejects a request ("mpi/pmi2: value not properly terminated in client
+# request") and MPICH's UCX address exchange fails ("Invalid parameter"). 400 plain starts in a
+# row did not show it; a loaded CI machine did, once. --kill-on-bad-exit ends such a step at once
+# (without it the other tasks wait inside MPI_Init); the run is retried once when, and only when,
+# that is what happened: no task reported and slurmstepd said so.
+PMI2_START_FAILURE = "mpi/pmi2: value not properly terminated in client request"
+
+
 @pytest.mark.parametrize("mpi,backend,per_node", CASES, ids=[f"{m}-{b}-{'+'.join(map(str, p))}" for m, b, p in CASES])
 def test_srun_job_across_nodes(cluster, mpi, backend, per_node, tmp_path):
     """Topology from the step, the proven master address, init, DDP, sync_file and HDF5, rank by rank."""
     work = tmp_path / "work"
     work.mkdir()
     n = sum(per_node)
-    res = run(cluster.srun(per_node, mpi), n, "multinode.py", backend, str(work), cluster.node_local,
-              tmp_path=tmp_path, timeout=300)
+    srun = cluster.srun(per_node, mpi, "--kill-on-bad-exit=1")
+    res = run(srun, n, "multinode.py", backend, str(work), cluster.node_local, tmp_path=tmp_path, timeout=300,
+              expect_ok=False)
+    if res.returncode != 0 and res.ranks == [None] * n and PMI2_START_FAILURE in res.stderr:
+        warnings.warn(f"MPICH's PMI-2 start failed under srun before the program ran; once more:\n{res.stderr[-800:]}",
+                      stacklevel=1)
+        res = run(srun, n, "multinode.py", backend, str(work), cluster.node_local, tmp_path=tmp_path, timeout=300,
+                  expect_ok=False)
+    assert res.returncode == 0 and all(d is not None and d["world_size"] == n for d in res.ranks), res
     where = [node for node, k in enumerate(per_node) for _ in range(k)]  # srun's block distribution
     check_multinode_job(res, cluster, where, backend, mpi == "pmix", work, tmp_path)
     assert {d["topology"]["launcher"] for d in res.ranks} == {"slurm"}

@@ -58,7 +58,8 @@ def _loop() -> None:
                     try:
                         group._expired(rec)  # reports, then ends the job
                     except BaseException as exc:  # noqa: BLE001  keep watching the other groups
-                        log.error("hpcsync: deadline handling failed: %s", exc)
+                        sys.stderr.write(f"[hpcsync] deadline handling failed ({type(exc).__name__}: {exc}); "
+                                         "this process ends at the report's bound\n")
 
 
 def stop() -> None:
@@ -67,6 +68,13 @@ def stop() -> None:
     t = _thread
     if t is not None and t is not threading.current_thread():
         t.join(timeout=2 * POLL_S + 1)
+
+
+def _say_report_failed(rec: Any, exc: BaseException) -> None:
+    """On stderr, not only in a log nobody configured: the job ends without the report it promised."""
+    sys.stderr.write(f"[hpcsync] the hang report of {rec.describe()} failed ({type(exc).__name__}: {exc}); "
+                     "the job ends all the same\n")
+    sys.stderr.flush()
 
 
 class Timeouts:
@@ -94,7 +102,7 @@ class Timeouts:
         except dist.DistBackendError:  # another rank printed the report (or the policy changed)
             time.sleep(1.0)  # as the printer does: let the launcher forward the report first
         except BaseException as exc:  # noqa: BLE001  the report failed: end the job all the same
-            log.error("hpcsync: hang report failed: %s", exc)
+            _say_report_failed(rec, exc)
         jobend.abort(1)  # the group's mode promised it, whatever the policy is now
 
     def _timed_out(self, rec: Any) -> None:
@@ -113,6 +121,6 @@ class Timeouts:
         try:
             watchdog.report_timeout(self._log, rec, self._timeout_s)
         except Exception as exc:  # the report is best effort; the timeout error is not
-            log.warning("hpcsync: hang report failed: %s", exc)
+            _say_report_failed(rec, exc)
         raise dist.DistBackendError(msg)
 

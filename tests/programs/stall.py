@@ -10,20 +10,43 @@ element / float64; ``newgroup`` -- the last rank stalls in a group made without 
 behind a stalled rank; ``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``never_joins`` --
 the last rank never creates the group the others create; ``p2p`` -- rank 0's irecv is never
 matched; ``local_error`` -- rank 0's all_gather fails on its own argument check (run with
-HPCSYNC_DESYNC_CHECK=0). Ranks report what happened (with the abort hook off they raise and go on).
+HPCSYNC_DESYNC_CHECK=0); ``report_fails`` -- ``stuck`` on 2 ranks with the hang report made to
+raise (an injected fault); ``two_threads`` -- a second thread issues an all_reduce on the same group
+while the main thread's is inside MPI, 20 times; ``two_threads_stuck`` -- the same, with the last
+rank's main thread stalled; ``exit_in_flight`` -- rank 0 leaves the program with an async
+all_reduce the others never join. Ranks report what happened (with the abort hook off they raise and go on).
 """
 import datetime
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 import hpcsync
+import hpcsync.watchdog
 from _report import report
+
+
+def _second_thread(entering: threading.Event, delay: float, b: torch.Tensor, into: dict) -> None:
+    """Once the main thread is about to enter its all_reduce: another on the same group."""
+    entering.wait()
+    time.sleep(delay)
+    try:
+        dist.all_reduce(b)
+        into["b"] = b.tolist()
+    except Exception as exc:  # noqa: BLE001
+        into["error"] = f"{type(exc).__name__}: {exc}"
+
 
 backend, case, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 topo = hpcsync.init(backend=backend, timeout=timeout)
+if case == "report_fails":  # injected fault: building the hang report raises
+    def _broken_report(*_args, **_kwargs):
+        raise RuntimeError("injected: the hang report cannot be built")
+
+    hpcsync.watchdog.format_report = _broken_report
 R, W = topo.rank, topo.world_size
 out = {"rank": R, "world_size": W, "results": [], "errors": []}
 t = torch.ones(4)
@@ -35,6 +58,36 @@ try:
                 time.sleep(timeout + 8)  # STUCK HERE
             dist.all_reduce(t)
             out["results"].append(t.tolist())
+    elif case == "report_fails":
+        if R == W - 1:
+            time.sleep(timeout + 60)  # STUCK HERE: never joins within the bound
+        dist.all_reduce(t)
+    elif case in ("two_threads", "two_threads_stuck"):
+        # The main thread's all_reduce is inside MPI (the last rank enters it late) when a second
+        # thread issues another on the same group: the same order on every rank, two threads at once.
+        rounds = 1 if case == "two_threads_stuck" else 20
+        for _ in range(rounds):
+            a, b = torch.full((1 << 16,), float(R + 1)), torch.full((5,), R + 1, dtype=torch.int64)
+            entering, second = threading.Event(), {}
+            th = threading.Thread(target=_second_thread, args=(
+                entering, timeout / 2 if case == "two_threads_stuck" else 0.05, b, second))
+            th.start()
+            if R == W - 1:
+                time.sleep(timeout + 8 if case == "two_threads_stuck" else 0.2)  # STUCK HERE (stuck case)
+            entering.set()
+            try:
+                dist.all_reduce(a)
+                first = {"a": sorted(set(a.tolist()))}
+            except Exception as exc:  # noqa: BLE001
+                first = {"a_error": f"{type(exc).__name__}: {exc}"}
+            th.join(timeout + 15)
+            out["results"].append({**first, **second})
+    elif case == "exit_in_flight":
+        if R == 0:
+            dist.all_reduce(torch.ones(1 << 18), async_op=True)  # never waited for, never joined
+            out["results"].append("left")
+        else:
+            time.sleep(1)
     elif case == "async":  # DDP-style: queued async operations behind one that never completes
         big = [torch.ones(1 << 18) for _ in range(2)]  # 1 MiB each: run by the group's worker thread
         if R == W - 1:
