@@ -431,3 +431,18 @@ def test_leaving_with_an_operation_in_flight_ends_the_job(env, tmp_path):
     assert res.returncode != 0 and took < timeout + 30, (took, res)
     assert res.ranks[0] is not None and res.ranks[0]["results"] == ["left"], res
     assert "exiting with a broken process group" in res.stderr or "HANG REPORT: all_reduce #1" in res.stderr, res
+
+
+@pytest.mark.parametrize("launcher,env", [("openmpi", {}), ("mpich", _POLLED)], ids=["openmpi", "mpich-polled"])
+def test_a_callback_waiting_on_an_operation_behind_it_ends_at_the_timeout(launcher, env, tmp_path):
+    """A future callback (run by the backend's worker) waits on the future of an all_reduce queued
+    behind its own, on every rank: that one can never start. At the timeout the group breaks, the
+    queued operations fail, the callback's wait raises, and the job ends at exit."""
+    timeout = 3
+    res = run(LAUNCHERS[launcher](), 2, "stall.py", "hpcsync", "callback_waits", str(timeout), tmp_path=tmp_path,
+              expect_ok=False, env={**env, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert res.returncode != 0 and "exiting with a broken process group" in res.stderr, res
+    for d in res.ranks:
+        (err,) = d["errors"]
+        assert "DistBackendError" in err and "ran past the group's timeout (3s) with operations queued" in err, d
+        assert timeout <= d["seconds"] < timeout + 3, d

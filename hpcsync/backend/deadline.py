@@ -35,7 +35,7 @@ _lock = threading.Lock()
 
 def watch(group: Any) -> None:
     """Watch ``group``'s ``_current`` and ``_current_worker`` (``(record, deadline, watched)`` or
-    None); start the thread once."""
+    None) and its worker's future callbacks (``_settling``); start the thread once."""
     global _thread
     with _lock:
         _groups.add(group)
@@ -49,6 +49,12 @@ def _loop() -> None:
     while not _stop.wait(POLL_S):
         now = time.monotonic()
         for group in list(_groups):
+            settling = group._settling  # the worker's future callbacks: see GroupEngine._callback_overran
+            if settling is not None and now > settling and group._queue:
+                try:
+                    group._callback_overran()
+                except BaseException as exc:  # noqa: BLE001  keep watching the other groups
+                    sys.stderr.write(f"[hpcsync] failing the operations behind a stuck callback failed: {exc}\n")
             for slot in ("_current", "_current_worker"):  # the caller's operation, the worker's
                 current = getattr(group, slot)  # one attribute: read whole, never half-updated
                 if current is None or not current[2] or now <= current[1]:

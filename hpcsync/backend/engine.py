@@ -16,6 +16,7 @@ only on the group's wait mode, fixed and agreed when the group is created:
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from array import array
@@ -123,6 +124,8 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         # (record, deadline, enforced by the deadline thread) of the caller's and the worker's operation
         self._current: Optional[Tuple[Any, float, bool]] = None
         self._current_worker: Optional[Tuple[Any, float, bool]] = None
+        # the deadline of the future callbacks the worker is running, if any: see _callback_overran
+        self._settling: Optional[float] = None
         self._timeout_once = threading.Lock()
         self._keep: List[Any] = []  # what MPI may still write into after a timeout (p2p requests, buffers)
         self._calls: dict = {}  # MPI call name -> (bound call, returns a request): see _bind
@@ -156,7 +159,7 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         self._hot = self._watched and self._fingerprints and not self._debug  # see _blocking_op
         if not self._threads_ok:
             log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
-        if self._watched:
+        if self._watched or self._threads_ok:  # polled groups: the worker's callbacks only
             deadline.watch(self)
 
     # -- execution --------------------------------------------------------------------------
@@ -235,10 +238,40 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
             # counts as done: the caller's next blocking call queues behind them, so every rank
             # issues the callbacks' operations at the same point.
             if future is not None:
-                work._settle(future)
+                self._settling = time.monotonic() + timeout_s
+                try:
+                    work._settle(future)
+                finally:
+                    self._settling = None
             with cv:
                 self._pending -= 1
                 cv.notify_all()
+
+    def _callback_overran(self) -> None:
+        """On the deadline thread: a future callback has run on the worker past the timeout with
+        operations queued behind it. It waits for one of them (torch's ``Future.wait()`` cannot be
+        refused as :meth:`MPIWork.wait` is), which can never start. Break the group and fail the
+        queued operations: the callback's wait raises instead of waiting forever."""
+        msg = (f"hpcsync backend: a future callback on the worker of group {self._log.name!r} ran past the group's "
+               f"timeout ({self._timeout_s:g}s) with operations queued behind it: it waits for one of them, "
+               "which cannot start before the callback returns; the group is broken (issue the operation "
+               "inside the callback instead)")
+        with self._cv:
+            if self._settling is None or not self._queue:
+                return
+            self._settling = None
+            self._broken = self._broken or msg
+            queued = list(self._queue)
+            self._queue.clear()
+            settle = [(work, work._complete(dist.DistBackendError(msg))) for _, _, work, _ in queued]
+            self._pending -= len(queued)
+            self._cv.notify_all()
+        self._mark_broken()  # the other ranks may be inside those operations: the exit must abort
+        sys.stderr.write(f"[hpcsync] rank {_mpi.MPI().COMM_WORLD.Get_rank()}: {msg}\n")
+        sys.stderr.flush()
+        for work, future in settle:
+            if future is not None:
+                work._settle(future)
 
     # -- one operation: record, fingerprint, run, check ------------------------------------
     def _execute(self, fn: Callable[[], None], call: Call, work: Optional[MPIWork], timeout_s: float) -> None:

@@ -14,7 +14,8 @@ HPCSYNC_DESYNC_CHECK=0); ``report_fails`` -- ``stuck`` on 2 ranks with the hang 
 raise (an injected fault); ``two_threads`` -- a second thread issues an all_reduce on the same group
 while the main thread's is inside MPI, 20 times; ``two_threads_stuck`` -- the same, with the last
 rank's main thread stalled; ``exit_in_flight`` -- rank 0 leaves the program with an async
-all_reduce the others never join. Ranks report what happened (with the abort hook off they raise and go on).
+all_reduce the others never join; ``callback_waits`` -- a future callback (on the backend's worker)
+waits on the future of an all_reduce queued behind its own. Ranks report what happened (with the abort hook off they raise and go on).
 """
 import datetime
 import sys
@@ -82,6 +83,17 @@ try:
                 first = {"a_error": f"{type(exc).__name__}: {exc}"}
             th.join(timeout + 15)
             out["results"].append({**first, **second})
+    elif case == "callback_waits":
+        first = dist.all_reduce(torch.ones(1 << 22), async_op=True)  # 16 MiB: x and y queue behind it
+        x = dist.all_reduce(torch.ones(4), async_op=True)
+        y = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+        chained = x.get_future().then(lambda _: y.wait())  # runs on the worker: y can never start
+        try:
+            chained.wait()
+            out["results"].append("chained")
+        except Exception as exc:  # noqa: BLE001
+            out["errors"].append(f"{type(exc).__name__}: {exc}")
+        first.wait()
     elif case == "exit_in_flight":
         if R == 0:
             dist.all_reduce(torch.ones(1 << 18), async_op=True)  # never waited for, never joined
