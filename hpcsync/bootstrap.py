@@ -214,9 +214,8 @@ def init(
         name = _pick_backend(backend, topo)
         # The MPI-based backends need no address: do not pay for choosing and proving one.
         choice = None if name in ("mpi", "hpcsync") else master_address(topo)
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if choice is not None and choice.ifname and var not in os.environ:
-                os.environ[var] = choice.ifname
+        if choice is not None:
+            _own_interface(topo, choice, name)
         if name == "nccl" and set_device:
             torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
         kv: Any = None  # the rendezvous store (TCPStore or MPIStore); `store` names its kind
@@ -265,6 +264,30 @@ def init(
             log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
                      topo.num_nodes, f"{choice.address}:{port} ({choice.reason})" if choice else "none (MPI)")
         return topo
+
+
+def _own_interface(topo: Topology, choice: MasterChoice, backend: str) -> None:
+    """This rank's own interface for gloo / NCCL (the one its kernel routes to the master by, never
+    a name from another node), proven between every pair of nodes when there are several."""
+    from . import interfaces
+
+    link = None
+    err: Optional[str] = None
+    try:
+        link = interfaces.own_link(choice.address, backend, node=topo.node_rank, hostname=topo.hostname)
+    except AddressError as exc:
+        err = str(exc)
+    if topo.uses_mpi and topo.world_size > 1:  # one error, the same on every rank, whichever failed
+        errs = [e for e in _mpi.MPI().COMM_WORLD.allgather(err) if e]
+        if errs:
+            raise AddressError(errs[0] if len(set(errs)) == 1 else "\n".join(sorted(set(errs))))
+    elif err:
+        raise AddressError(err)
+    assert link is not None
+    if topo.uses_mpi and topo.num_nodes > 1:
+        interfaces.prove_peers(_mpi.MPI().COMM_WORLD, topo, link, backend)
+    interfaces.export(link, backend)
+    log.debug("rank %d: %s uses %s", topo.rank, backend, link)
 
 
 def _default_port() -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
+_JOB_WIDE = ("interfaces", "interface names")  # checks rank 0 makes from every node's answer
 _ORDER = {OK: 0, WARN: 1, FAIL: 2}
 
 
@@ -76,6 +77,7 @@ def _address_checks(topo: Any, checks: List[Check], connect: bool) -> None:
         checks.append(Check("master address", FAIL, str(exc)))
         return
     checks.append(Check("master address", OK, f"{choice.address} ({choice.ifname or '?'}): {choice.reason}"))
+    _interface_checks(topo, choice, checks, connect)
     if not (connect and topo.uses_mpi and topo.world_size > 1):
         return
     from .network import Acceptor, open_listener, try_connect
@@ -99,6 +101,51 @@ def _address_checks(topo: Any, checks: List[Check], connect: bool) -> None:
                             "; ".join(f"rank {r}: {m}" for r, m in bad[:5]) + " -- set HPCSYNC_IFNAME or "
                             "HPCSYNC_MASTER_ADDR to an address all nodes can reach" if bad else
                             f"every rank connected to {choice.address} (a TCP test; --no-connect skips it)"))
+
+
+def _interface_checks(topo: Any, choice: Any, checks: List[Check], connect: bool) -> None:
+    """Each node's own interface for gloo and NCCL (and, with ``connect``, every pair of nodes
+    proven), a warning when the names differ between nodes, a failure when a user-set interface
+    does not exist on some node."""
+    import os
+
+    from . import _mpi, interfaces
+    from .errors import AddressError
+
+    links, errors = [], []
+    for backend, var in interfaces.BACKEND_VARS.items():
+        if backend != "gloo" and var not in os.environ:
+            continue  # NCCL's only when the user set it
+        try:
+            link = interfaces.own_link(choice.address, backend, node=topo.node_rank, hostname=topo.hostname)
+        except AddressError as exc:
+            errors.append(str(exc))
+            continue
+        if backend == "gloo":
+            links.append(link)
+    multi = topo.uses_mpi and topo.world_size > 1
+    every = _mpi.MPI().COMM_WORLD.allgather((errors, links)) if multi else [(errors, links)]
+    failed = sorted({e for es, _ in every for e in es})
+    if not failed and multi and connect and topo.num_nodes > 1:
+        try:
+            interfaces.prove_peers(_mpi.MPI().COMM_WORLD, topo, links[0], "gloo")
+        except AddressError as exc:
+            failed = [str(exc)]
+    if failed:
+        if topo.rank == 0:  # a user's variable that names nothing there: gloo / NCCL would fail on that node
+            status = WARN if all("set by the user" in e for e in failed) else FAIL
+            checks.append(Check("interfaces", status, "; ".join(failed[:4])))
+        return
+    if topo.rank != 0:
+        return
+    per_node = {lk.node: lk for _, lks in every for lk in lks}
+    table = "\n".join(f"{'':22}node {lk.node} {lk.hostname}: {lk}" for _, lk in sorted(per_node.items()))
+    proven = " (every pair of nodes connected: a TCP test)" if connect and topo.num_nodes > 1 else ""
+    checks.append(Check("interfaces", OK, f"each node's own, for gloo and NCCL{proven}:\n{table}"))
+    differ = interfaces.names_differ(list(per_node.values()))
+    if differ:
+        checks.append(Check("interface names", WARN, f"differ between nodes ({differ}): hpcsync gives each rank its "
+                            "own; one GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME exported to every node would break"))
 
 
 KEEPALIVE_FLAGS = "--mca oob_tcp_keepalive_time 5 --mca oob_tcp_keepalive_intvl 2 --mca oob_tcp_keepalive_probes 3"
@@ -264,7 +311,9 @@ def run(connect: bool = True) -> int:
                 if status == cur["status"] and status != OK:
                     cur["ranks"].append(r)
         for name, m in merged.items():
-            where = f" [rank(s) {','.join(map(str, m['ranks'][:8]))}]" if m["ranks"] and len(every) > 1 else ""
+            job_wide = name in _JOB_WIDE  # rank 0 judged every node: no one rank to name
+            where = f" [rank(s) {','.join(map(str, m['ranks'][:8]))}]" if m["ranks"] and len(every) > 1 and not job_wide \
+                else ""
             print(f"{m['status']:>4}  {name:15s} {m['detail']}{where}", flush=True)
         failed = any(m["status"] == FAIL for m in merged.values())
         print("doctor: " + ("problems found (FAIL above)" if failed else "no blocking problem found"), flush=True)

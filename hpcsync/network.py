@@ -14,6 +14,7 @@ node, and the first that every node reached wins.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import selectors
 import socket
@@ -147,6 +148,19 @@ def kernel_route_source(dest: str) -> Optional[str]:
         return None
 
 
+def ifname_matches(spec: str, name: str) -> bool:
+    """Whether interface ``name`` matches ``spec``, by NCCL_SOCKET_IFNAME's rules: a comma-separated
+    list of name prefixes; ``=`` first: exact names; ``^`` first: every interface but those
+    (``^docker,lo``). ``eth,ib`` names a different interface on differently wired nodes."""
+    spec = spec.strip()
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    items = [s.strip() for s in (spec[1:] if exact else spec).split(",") if s.strip()]
+    hit = any(name == s if exact else name.startswith(s) for s in items)
+    return not hit if exclude else hit
+
+
 def master_candidates(
     nodes: Sequence[NodeInterfaces],
     ifname: Optional[str] = None,
@@ -160,7 +174,7 @@ def master_candidates(
     virtual, IPv4 before IPv6); then, for routed networks, the source address that rank 0's
     kernel (``route``, run on rank 0's node) uses to reach every other node's usable addresses;
     then the rest, those that reach most nodes by subnet or route first. ``ifname``
-    (HPCSYNC_IFNAME) limits the choice to that interface of rank 0. One node: loopback (or the
+    (HPCSYNC_IFNAME, see :func:`ifname_matches`) limits the choice to those interfaces of rank 0. One node: loopback (or the
     named interface). Raises :class:`AddressError` listing every node's interfaces when rank 0's
     node has no candidate at all.
     """
@@ -168,7 +182,7 @@ def master_candidates(
         raise ValueError("need at least rank 0's node")
     own = [i for i in nodes[0].interfaces if i.up]
     if ifname:
-        own = [i for i in own if i.name == ifname]
+        own = [i for i in own if ifname_matches(ifname, i.name)]
         if not own:
             raise AddressError(f"HPCSYNC_IFNAME={ifname!r}: rank 0's node {nodes[0].hostname} has no "
                                f"such interface that is up; it has: {_describe(nodes[0])}")
@@ -295,6 +309,54 @@ class Acceptor:
         self._stop.set()
         self._thread.join()
         self._selector.close()
+
+
+def reach_all(targets: Sequence[Tuple[str, int]], timeout: float, window: int = 256) -> List[Optional[str]]:
+    """Connect to every ``(address, port)``, at most ``window`` connections in flight at once (non-
+    blocking, one selector, no thread per target); per target None (reached) or the error. Takes
+    at most ``timeout`` per ``window`` targets, whatever the network does."""
+    import errno
+    import time
+
+    results: List[Optional[str]] = ["not tried"] * len(targets)
+    pending = list(range(len(targets)))[::-1]
+    sel = selectors.DefaultSelector()
+    try:
+        while pending or sel.get_map():
+            while pending and len(sel.get_map()) < window:
+                k = pending.pop()
+                addr, port = targets[k]
+                if not port:
+                    results[k] = "not listening"
+                    continue
+                sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                code = sock.connect_ex((addr.split("%")[0], port))
+                if code not in (0, errno.EINPROGRESS):
+                    results[k] = f"cannot connect to {addr}:{port}: {os.strerror(code)}"
+                    sock.close()
+                    continue
+                sel.register(sock, selectors.EVENT_WRITE, (k, time.monotonic() + timeout))
+            now = time.monotonic()
+            for key, _ in sel.select(timeout=0.05):
+                k, _until = key.data
+                code = key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)  # type: ignore[union-attr]
+                addr, port = targets[k]
+                results[k] = None if code == 0 else f"cannot connect to {addr}:{port}: {os.strerror(code)}"
+                sel.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+            for key in list(sel.get_map().values()):
+                k, until = key.data
+                if now > until:
+                    addr, port = targets[k]
+                    results[k] = f"cannot connect to {addr}:{port} within {timeout:g}s (no answer: filtered or unrouted)"
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()  # type: ignore[union-attr]
+    finally:
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        sel.close()
+    return results
 
 
 def try_connect(targets: Sequence[Tuple[str, int]], timeout: float) -> List[Optional[str]]:

@@ -25,8 +25,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "auto|1|0|true|false|yes|no|on|off"),
     Setting("HPCSYNC_TIMEOUT", "1800", "hpcsync.init's default group timeout, seconds", "seconds"),
     Setting("HPCSYNC_MASTER_ADDR", "", "force the master address (gloo/nccl) instead of choosing one"),
-    Setting("HPCSYNC_IFNAME", "", "choose the master address among this interface of rank 0's node only"),
-    Setting("HPCSYNC_CONNECT_TIMEOUT", "3", "seconds each node leader tries a candidate master address", "seconds"),
+    Setting("HPCSYNC_IFNAME", "", "interfaces each node may use, in NCCL's syntax (eth,ib / =eth0 / ^docker): "
+                                  "the master address among rank 0's, and each node's own for gloo and NCCL"),
+    Setting("HPCSYNC_CONNECT_TIMEOUT", "3", "seconds each node leader tries a candidate master address, and each "
+            "other node's address (gloo/nccl)", "seconds"),
     Setting("HPCSYNC_STORE", "tcp", "tcp (torch's TCPStore) or mpi (a store over MPI: no listening socket)",
             "tcp|mpi"),
     Setting("HPCSYNC_ABORT_ON_EXCEPTION", "1", "0: raise instead of ending the job with MPI_Abort", "flag"),

@@ -13,7 +13,11 @@ on each node). The cluster network is either
   namespace with IP forwarding, or
 - ``dual-homed``: two cluster networks, 10.91.0.0/24 and 10.92.0.0/24, joined by a router; the
   first node sits on both (``eth0`` and ``eth1``), every other node on one of them (odd nodes on
-  the first, even on the second), so no subnet is shared by all and every address is routed.
+  the first, even on the second), so no subnet is shared by all and every address is routed, or
+- ``split-names``: the same networks, but every node names its link after the network it is on,
+  ``eth0`` on the first and ``eth1`` on the second (node 1 has only ``eth0``, node 2 only
+  ``eth1``): interface names differ from node to node, or
+- ``ib0-node``: ``bridged`` without the dead fabric, and the last node's only link is ``ib0``.
 
 MPI is launched across the nodes as on a cluster: Open MPI's ``mpirun`` (rsh agent) or MPICH's
 hydra ``mpiexec`` (``-launcher ssh -launcher-exec``) runs inside the first node and starts the
@@ -37,6 +41,8 @@ import pytest
 from launch import VENV_BIN, Launcher
 
 BRIDGED, ROUTED, DUAL_HOMED = "bridged", "routed", "dual-homed"
+SPLIT_NAMES, IB0_NODE = "split-names", "ib0-node"  # interface names that differ between nodes
+_TWO_NETS = (DUAL_HOMED, SPLIT_NAMES)
 DOCKER0 = "172.17.0.1/16"
 # Variables a remote rank needs from the test (Open MPI forwards only what -x names).
 _FORWARD = ("HPCSYNC_", "BENCH_", "MPI4PY_", "PYTHON", "OMP_NUM_THREADS", "TORCH_", "LD_LIBRARY_PATH", "PATH", "HOME")
@@ -63,7 +69,7 @@ class Cluster:
     """``nodes`` namespace nodes on a ``bridged`` or ``routed`` network; :meth:`stop` removes them."""
 
     def __init__(self, base: Path, nodes: int = 2, network: str = BRIDGED) -> None:
-        if network not in (BRIDGED, ROUTED, DUAL_HOMED):
+        if network not in (BRIDGED, ROUTED, DUAL_HOMED, SPLIT_NAMES, IB0_NODE):
             raise ValueError(network)
         self.network = network
         tag = uuid.uuid4().hex[:5]
@@ -78,13 +84,35 @@ class Cluster:
 
     def address(self, i: int) -> str:
         """Node ``i``'s cluster address (the first node's first one when it has two)."""
-        if self.network == DUAL_HOMED:
+        if self.network in _TWO_NETS:
             return f"10.{91 if i % 2 or i == 0 else 92}.0.{i + 2}"
-        return f"10.80.0.{i + 2}" if self.network == BRIDGED else f"10.{81 + i}.0.2"
+        return f"10.80.0.{i + 2}" if self.network in (BRIDGED, IB0_NODE) else f"10.{81 + i}.0.2"
 
     def addresses(self, i: int) -> List[str]:
         """Every cluster address of node ``i``."""
-        return [self.address(0), "10.92.0.2"] if self.network == DUAL_HOMED and i == 0 else [self.address(i)]
+        return [self.address(0), "10.92.0.2"] if self.network in _TWO_NETS and i == 0 else [self.address(i)]
+
+    def links(self, i: int) -> List[str]:
+        """The names of node ``i``'s cluster links."""
+        if self.network in _TWO_NETS:
+            return ["eth0", "eth1"] if i == 0 else \
+                ["eth1" if self.network == SPLIT_NAMES and self.address(i).startswith("10.92.") else "eth0"]
+        return ["ib0"] if self.network == IB0_NODE and i == len(self.names) - 1 else ["eth0"]
+
+    def networks(self) -> str:
+        """The cluster networks in CIDR form (what MPI's TCP may use: names differ between nodes)."""
+        if self.network in _TWO_NETS:
+            return "10.91.0.0/24,10.92.0.0/24"
+        if self.network == ROUTED:
+            return ",".join(f"10.{81 + i}.0.0/24" for i in range(len(self.names)))
+        return "10.80.0.0/24"
+
+    def _mpi_links(self) -> Dict[str, str]:
+        """Open MPI's and UCX's interface settings for this network."""
+        if self.network in (SPLIT_NAMES, IB0_NODE):  # no one name exists on every node
+            devices = sorted({d for i in range(len(self.names)) for d in self.links(i)})
+            return {"openmpi": self.networks(), "ucx": ",".join(devices)}
+        return {"openmpi": "eth0", "ucx": "eth0"}
 
     def start(self) -> "Cluster":
         if os.geteuid() != 0:
@@ -108,12 +136,13 @@ class Cluster:
         _sh("ip", "netns", "add", sw)
         self._started.append(sw)
         _sh("ip", "-n", sw, "link", "set", "lo", "up")
-        if self.network == BRIDGED:
+        bridged = self.network in (BRIDGED, IB0_NODE)
+        if bridged:
             _sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
             _sh("ip", "-n", sw, "link", "set", "br0", "up")
         else:
             _sh("ip", "netns", "exec", sw, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        if self.network == DUAL_HOMED:  # one bridge per network, the router's address on each
+        if self.network in _TWO_NETS:  # one bridge per network, the router's address on each
             for br, net in (("br0", 91), ("br1", 92)):
                 _sh("ip", "-n", sw, "link", "add", br, "type", "bridge")
                 _sh("ip", "-n", sw, "addr", "add", f"10.{net}.0.1/24", "dev", br)
@@ -136,18 +165,19 @@ class Cluster:
                 _sh("ip", "-n", name, "addr", "add", f"10.70.0.{i + 2}/24", "dev", "ib0")
                 _sh("ip", "-n", name, "link", "set", "ib0", "up")
                 _sh("ip", "-n", name, "link", "set", "ib0p", "up")
-            if self.network == DUAL_HOMED:
+            if self.network in _TWO_NETS:
                 self._dual_homed_links(i, name, peer)
                 continue
-            _sh("ip", "link", "add", "eth0", "netns", name, "type", "veth", "peer", "name", peer, "netns", sw)
-            if self.network == BRIDGED:
+            (dev,) = self.links(i)
+            _sh("ip", "link", "add", dev, "netns", name, "type", "veth", "peer", "name", peer, "netns", sw)
+            if bridged:
                 _sh("ip", "-n", sw, "link", "set", peer, "master", "br0")
-                _sh("ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                _sh("ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", dev)
             else:
                 _sh("ip", "-n", sw, "addr", "add", f"10.{81 + i}.0.1/24", "dev", peer)
-                _sh("ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                _sh("ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", dev)
             _sh("ip", "-n", sw, "link", "set", peer, "up")
-            _sh("ip", "-n", name, "link", "set", "eth0", "up")
+            _sh("ip", "-n", name, "link", "set", dev, "up")
             if self.network == ROUTED:
                 _sh("ip", "-n", name, "route", "add", "default", "via", f"10.{81 + i}.0.1")
             self._docker0(name)
@@ -161,7 +191,7 @@ class Cluster:
 
     def _dual_homed_links(self, i: int, name: str, peer: str) -> None:
         links = [("eth0", "br0", self.address(0)), ("eth1", "br1", "10.92.0.2")] if i == 0 else \
-            [("eth0", "br0" if self.address(i).startswith("10.91.") else "br1", self.address(i))]
+            [(self.links(i)[0], "br0" if self.address(i).startswith("10.91.") else "br1", self.address(i))]
         for k, (dev, br, addr) in enumerate(links):
             p = f"{peer}{'abc'[k]}"
             _sh("ip", "link", "add", dev, "netns", name, "type", "veth", "peer", "name", p, "netns", self.infra)
@@ -181,15 +211,16 @@ class Cluster:
         import time
 
         deadline = time.monotonic() + timeout
-        for name in self.names:
-            while True:
-                out = subprocess.run(["ip", "-n", name, "-o", "link", "show", "eth0"], capture_output=True,
-                                     text=True).stdout
-                if "state UP" in out:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name}: eth0 did not come up: {out.strip()}")
-                time.sleep(0.05)
+        for i, name in enumerate(self.names):
+            for dev in self.links(i):
+                while True:
+                    out = subprocess.run(["ip", "-n", name, "-o", "link", "show", dev], capture_output=True,
+                                         text=True).stdout
+                    if "state UP" in out:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{name}: {dev} did not come up: {out.strip()}")
+                    time.sleep(0.05)
 
     def stop(self) -> None:
         for ns in reversed(self._started):
@@ -208,7 +239,7 @@ class Cluster:
 
     def link_down(self, node: int) -> None:
         """The node drops off the network (its processes live on, unreachable)."""
-        for dev in ("eth0", "eth1") if self.network == DUAL_HOMED and node == 0 else ("eth0",):
+        for dev in self.links(node):
             _sh("ip", "-n", self.names[node], "link", "set", dev, "down")
 
     def kill_node(self, node: int) -> None:
@@ -283,11 +314,12 @@ class Cluster:
         argv = [shutil.which("srun") or "srun", f"--mpi={mpi}", "-N", str(len(used)),
                 f"--ntasks-per-node={max(used)}", *extra]
         env = dict(self.slurm_env)
+        links = self._mpi_links()
         if mpi == "pmix":  # tasks on two nodes talk TCP; docker0 has the same address everywhere
             env.update({"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader,tcp",
-                        "OMPI_MCA_btl_tcp_if_include": "eth0"})
+                        "OMPI_MCA_btl_tcp_if_include": links["openmpi"]})
         else:
-            env.update(_MPICH_NETWORK)
+            env.update({**_MPICH_NETWORK, "UCX_NET_DEVICES": links["ucx"]})
         return ClusterLauncher(f"srun-{mpi}", argv, env, self)
 
     def hosts(self, per_node: Sequence[int]) -> List[str]:
@@ -297,10 +329,11 @@ class Cluster:
         exe = shutil.which("mpirun.openmpi")
         if not exe:
             pytest.fail("Open MPI (mpirun.openmpi) is not installed: run `bash tests/run.sh`")
+        links = self._mpi_links()["openmpi"]
         argv = [exe, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                 "--host", ",".join(self.hosts(per_node)), "--map-by", "node" if placement == "round-robin" else "slot",
-                "--mca", "plm_rsh_agent", self.agent, "--mca", "oob_tcp_if_include", "eth0",
-                "--mca", "btl", "self,vader,tcp", "--mca", "btl_tcp_if_include", "eth0"]
+                "--mca", "plm_rsh_agent", self.agent, "--mca", "oob_tcp_if_include", links,
+                "--mca", "btl", "self,vader,tcp", "--mca", "btl_tcp_if_include", links]
         return ClusterLauncher("openmpi", argv, {"MPI4PY_MPIABI": "openmpi"}, self, forward_flag="-x")
 
     def mpich(self, per_node: Sequence[int], placement: str = "block") -> "ClusterLauncher":
@@ -309,8 +342,10 @@ class Cluster:
             pytest.fail(f"MPICH's mpiexec is not in {VENV_BIN}: run `bash tests/run.sh`")
         hosts = ",".join(self.hosts([1 if k else 0 for k in per_node]) if placement == "round-robin"
                          else self.hosts(per_node))
-        argv = [str(exe), "-launcher", "ssh", "-launcher-exec", self.agent, "-hosts", hosts, "-iface", "eth0"]
-        return ClusterLauncher("mpich", argv, dict(_MPICH_NETWORK), self)
+        links = self._mpi_links()
+        iface = ["-iface", "eth0"] if links["ucx"] == "eth0" else []  # else hydra goes by the host names
+        argv = [str(exe), "-launcher", "ssh", "-launcher-exec", self.agent, "-hosts", hosts, *iface]
+        return ClusterLauncher("mpich", argv, {**_MPICH_NETWORK, "UCX_NET_DEVICES": links["ucx"]}, self)
 
 
 class ClusterLauncher(Launcher):
@@ -343,7 +378,7 @@ def main() -> int:
     import tempfile
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    ap.add_argument("--network", choices=[BRIDGED, ROUTED, DUAL_HOMED], default=ROUTED)
+    ap.add_argument("--network", choices=[BRIDGED, ROUTED, DUAL_HOMED, SPLIT_NAMES, IB0_NODE], default=ROUTED)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--launcher", choices=["openmpi", "mpich", "slurm"], default="openmpi",
                     help="slurm: start slurmctld + one slurmd per node, then srun from the first node")

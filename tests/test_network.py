@@ -188,3 +188,85 @@ def test_connect_proof_survives_a_small_accept_queue():
         assert reached("accept") == 200
     finally:
         subprocess.run(["ip", "netns", "del", ns])
+
+
+# -- each node's own interface (hpcsync.interfaces), on synthetic nodes -------------------------
+
+def test_interface_specs_follow_nccls_rules():
+    from hpcsync.network import ifname_matches
+
+    assert ifname_matches("eth", "eth1") and ifname_matches("eth,ib", "ib0") and not ifname_matches("eth", "ib0")
+    assert ifname_matches("=eth0", "eth0") and not ifname_matches("=eth0", "eth01")
+    assert not ifname_matches("^docker,lo", "docker0") and ifname_matches("^docker,lo", "enp1s0")
+    assert not ifname_matches("^=eth0", "eth0") and ifname_matches("^=eth0", "eth01")
+
+
+SPLIT = {  # the kernel of each node: the source address of its route to the master 10.93.0.10
+    "head": ((LO, ("eth0", "10.93.0.10", "255.255.255.0"), ("eth1", "10.94.0.10", "255.255.255.0"), DOCKER), "10.93.0.10"),
+    "cn1": ((LO, ("eth0", "10.93.0.11", "255.255.255.0"), DOCKER), "10.93.0.11"),
+    "cn2": ((LO, ("eth1", "10.94.0.12", "255.255.255.0"), DOCKER), "10.94.0.12"),
+}
+
+
+def link_of(host, env=None, backend="gloo"):
+    from hpcsync.interfaces import own_link
+
+    ifaces, src = SPLIT[host]
+    return own_link("10.93.0.10", backend, tuple(Interface(*i) for i in ifaces), route=lambda _dest: src,
+                    env=env or {}, hostname=host)
+
+
+def test_each_node_takes_the_interface_of_its_own_route_to_the_master():
+    """The layout that made gloo wait for its store: rank 0's eth0 exported everywhere, node 2
+    has only eth1. Each node names its own."""
+    assert [(link_of(h).ifname, link_of(h).address) for h in SPLIT] == [
+        ("eth0", "10.93.0.10"), ("eth0", "10.93.0.11"), ("eth1", "10.94.0.12")]
+    assert "route to the master" in link_of("cn2").reason
+
+
+def test_the_users_interface_variables_win_and_fail_clearly():
+    link = link_of("cn1", env={"GLOO_SOCKET_IFNAME": "docker0"})
+    assert (link.ifname, link.address) == ("docker0", "172.17.0.1") and "set by the user" in link.reason
+    assert link_of("cn1", env={"NCCL_SOCKET_IFNAME": "eth"}, backend="nccl").ifname == "eth0"
+    with pytest.raises(AddressError, match=r"GLOO_SOCKET_IFNAME='ib0' \(set by the user\) matches no interface"
+                                           r" that is up on node 0 \(cn2\); it has: docker0, eth1, lo"):
+        link_of("cn2", env={"GLOO_SOCKET_IFNAME": "ib0"})
+
+
+def test_hpcsync_ifname_names_an_interface_per_node():
+    """HPCSYNC_IFNAME=eth1,eth0 (a list): node 1 has only eth0, node 2 only eth1: each its own."""
+    assert [link_of(h, env={"HPCSYNC_IFNAME": "eth1,eth0"}).ifname for h in SPLIT] == ["eth0", "eth0", "eth1"]
+    # a spec that excludes the route's interface: the first usable one it allows
+    assert link_of("head", env={"HPCSYNC_IFNAME": "=eth1"}).ifname == "eth1"
+    with pytest.raises(AddressError, match=r"HPCSYNC_IFNAME='ib' matches no usable interface on node 0 \(cn1\)"):
+        link_of("cn1", env={"HPCSYNC_IFNAME": "ib"})
+
+
+def test_names_that_differ_between_nodes_are_named():
+    from dataclasses import replace
+
+    from hpcsync.interfaces import names_differ
+
+    links = [replace(link_of(h), node=k) for k, h in enumerate(SPLIT)]
+    assert names_differ(links) == "eth0 on node(s) 0-1; eth1 on node(s) 2"
+    assert names_differ(links[:2]) is None
+
+
+def test_reach_all_answers_for_every_target_within_its_bound():
+    import socket
+    import time
+
+    from hpcsync.network import reach_all
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(8)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+    targets = [("127.0.0.1", listening.getsockname()[1]), ("127.0.0.1", closed.getsockname()[1]), ("127.0.0.1", 0)]
+    t0 = time.monotonic()
+    got = reach_all(targets * 3, timeout=2.0, window=2)  # more targets than the window
+    assert time.monotonic() - t0 < 2.0
+    assert got[0::3] == [None] * 3 and all("refused" in g for g in got[1::3]) and got[2::3] == ["not listening"] * 3
+    listening.close()
+    closed.close()
