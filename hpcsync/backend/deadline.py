@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from .. import jobend, watchdog
+from .. import _mpi, jobend, watchdog
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _loop() -> None:
     while not _stop.wait(POLL_S):
         now = time.monotonic()
         for group in list(_groups):
-            settling = group._settling  # the worker's future callbacks: see GroupEngine._callback_overran
+            settling = group._settling  # the worker's future callbacks: see Timeouts._callback_overran
             if settling is not None and now > settling and group._queue:
                 try:
                     group._callback_overran()
@@ -97,6 +97,32 @@ class Timeouts:
             frames.append(f)
             f = f.f_back
         _broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
+
+    def _callback_overran(self) -> None:
+        """On the deadline thread: a future callback has run on the worker past the timeout with
+        operations queued behind it. It waits for one of them (torch's ``Future.wait()`` cannot be
+        refused as :meth:`MPIWork.wait` is), which can never start. Break the group and fail the
+        queued operations: the callback's wait raises instead of waiting forever."""
+        msg = (f"hpcsync backend: a future callback on the worker of group {self._log.name!r} ran past the group's "
+               f"timeout ({self._timeout_s:g}s) with operations queued behind it: it waits for one of them, "
+               "which cannot start before the callback returns; the group is broken (issue the operation "
+               "inside the callback instead)")
+        with self._cv:
+            if self._settling is None or not self._queue:
+                return
+            self._settling = None
+            self._broken = self._broken or msg
+            queued = list(self._queue)
+            self._queue.clear()
+            settle = [(work, work._complete(dist.DistBackendError(msg))) for _, _, work, _ in queued]
+            self._pending -= len(queued)
+            self._cv.notify_all()
+        self._mark_broken()  # the other ranks may be inside those operations: the exit must abort
+        sys.stderr.write(f"[hpcsync] rank {_mpi.MPI().COMM_WORLD.Get_rank()}: {msg}\n")
+        sys.stderr.flush()
+        for work, future in settle:
+            if future is not None:
+                work._settle(future)
 
     def _expired(self, rec: Any) -> None:
         """On the deadline thread: the caller is blocked inside MPI past the deadline. Report the

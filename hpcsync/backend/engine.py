@@ -16,7 +16,6 @@ only on the group's wait mode, fixed and agreed when the group is created:
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from array import array
@@ -246,32 +245,6 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
             with cv:
                 self._pending -= 1
                 cv.notify_all()
-
-    def _callback_overran(self) -> None:
-        """On the deadline thread: a future callback has run on the worker past the timeout with
-        operations queued behind it. It waits for one of them (torch's ``Future.wait()`` cannot be
-        refused as :meth:`MPIWork.wait` is), which can never start. Break the group and fail the
-        queued operations: the callback's wait raises instead of waiting forever."""
-        msg = (f"hpcsync backend: a future callback on the worker of group {self._log.name!r} ran past the group's "
-               f"timeout ({self._timeout_s:g}s) with operations queued behind it: it waits for one of them, "
-               "which cannot start before the callback returns; the group is broken (issue the operation "
-               "inside the callback instead)")
-        with self._cv:
-            if self._settling is None or not self._queue:
-                return
-            self._settling = None
-            self._broken = self._broken or msg
-            queued = list(self._queue)
-            self._queue.clear()
-            settle = [(work, work._complete(dist.DistBackendError(msg))) for _, _, work, _ in queued]
-            self._pending -= len(queued)
-            self._cv.notify_all()
-        self._mark_broken()  # the other ranks may be inside those operations: the exit must abort
-        sys.stderr.write(f"[hpcsync] rank {_mpi.MPI().COMM_WORLD.Get_rank()}: {msg}\n")
-        sys.stderr.flush()
-        for work, future in settle:
-            if future is not None:
-                work._settle(future)
 
     # -- one operation: record, fingerprint, run, check ------------------------------------
     def _execute(self, fn: Callable[[], None], call: Call, work: Optional[MPIWork], timeout_s: float) -> None:
