@@ -50,6 +50,8 @@ _EXPORTS = {
     "sync_file": "filesync",
     "SyncedFile": "filesync",
     "stage": "staging",
+    "preemption": "preemption",
+    "PreemptionGuard": "preemption",
     "StageResult": "staging",
     "HpcsyncError": "errors",
     "LaunchError": "errors",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -176,8 +175,8 @@ class CollectiveWriter:
         self.path = os.path.abspath(path)
         self.path = self.comm.bcast(self.path, root=root)
         if not self.parallel and self.comm.Get_size() > 1 and not _warned and self.rank == root:
-            warnings.warn(f"hpcsync.h5: {why}; gathering rows to rank {root} and writing serially", RuntimeWarning,
-                          stacklevel=2)
+            # one log line, not a warning with a source line: serial h5py is a normal install (the PyPI wheel)
+            log.info("hpcsync.h5: %s; gathering rows to rank %d and writing serially", why, root)
             _warned = True
         self.file: Any = None
         err = None

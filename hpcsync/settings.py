@@ -29,6 +29,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
                                   "the master address among rank 0's, and each node's own for gloo and NCCL"),
     Setting("HPCSYNC_CONNECT_TIMEOUT", "3", "seconds each node leader tries a candidate master address, and each "
             "other node's address (gloo/nccl)", "seconds"),
+    Setting("HPCSYNC_JOB_END", "", "the job's end, epoch seconds (default: Slurm's SLURM_JOB_END_TIME): "
+            "hpcsync.preemption stops in time for a checkpoint"),
     Setting("HPCSYNC_STORE", "tcp", "tcp (torch's TCPStore) or mpi (a store over MPI: no listening socket)",
             "tcp|mpi"),
     Setting("HPCSYNC_ABORT_ON_EXCEPTION", "1", "0: raise instead of ending the job with MPI_Abort", "flag"),

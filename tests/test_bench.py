@@ -82,6 +82,16 @@ def test_all_benchmarks_summary_quick(tmp_path):
     assert "| ranks | measure | ratio | target | met |" in stdout
 
 
+def test_preemption_benchmark_quick(tmp_path):
+    """bench_preemption.py: the per-step cost of should_stop() beside a bare loop and a blocking
+    per-step Allreduce, one row per step length."""
+    _, data, stdout = run_quick(tmp_path, "bench_preemption.py")
+    rows = data["rows"]
+    assert [(r["ranks"], r["step_us"]) for r in rows] == [(2, 0.0), (2, 1000.0)], rows
+    assert all(r["bare_us"] > 0 and len(r["all"]["should_stop"]) == 2 for r in rows)
+    assert rows[1]["bare_us"] >= 1000 and "| ranks | step | bare step | should_stop() adds |" in stdout
+
+
 def test_stage_benchmark_quick(tmp_path):
     """bench_stage.py: stage vs cp -r on one node and across two namespace nodes, both datasets."""
     _, data, stdout = run_quick(tmp_path, "bench_stage.py", timeout=600)

@@ -1,0 +1,87 @@
+"""hpcsync.preemption under real launchers: a signal to one rank at random moments, to the
+launcher, and with DataLoader workers: every rank stops at the same step, the checkpoint holds
+it, and the job exits 0."""
+import collections
+import json
+import random
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from launch import LAUNCHERS, PROGRAMS, PY, clean_env
+
+
+def start(launcher, n, tmp_path, *args):
+    out = tmp_path / "out"
+    out.mkdir(parents=True)
+    lau = LAUNCHERS[launcher]()
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    proc = subprocess.Popen([*lau.command(n, env), PY, str(PROGRAMS / "preempt.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not all((out / f"pid{r}").exists() for r in range(n)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the ranks did not start: {proc.communicate()}")
+        time.sleep(0.02)
+    return proc, out, [int((out / f"pid{r}").read_text()) for r in range(n)]
+
+
+def finish(proc, out, n):
+    """Exit 0, one stop step on every rank, and the checkpoint holds it."""
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the job did not stop: {proc.communicate()}")
+    assert proc.returncode == 0, stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+    steps = {d["stop_step"] for d in ranks}
+    assert len(steps) == 1 and None not in steps, ranks
+    assert json.loads((out / "ckpt.json").read_text()) == {"step": steps.pop()}, ranks
+    assert {d["reason"] for d in ranks} == {"signal SIGUSR1"}, ranks
+    return ranks
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(launcher, tmp_path):
+    """10 jobs per MPI library, 4 ranks: SIGUSR1 to one random rank at a random moment (inside
+    the 32 MiB Allreduce, sync_file, a sleep, should_stop itself)."""
+    rng = random.Random(launcher)
+    where = collections.Counter()
+    for k in range(10):
+        proc, out, pids = start(launcher, 4, tmp_path / str(k), "400")
+        victim = rng.randrange(4)
+        time.sleep(rng.uniform(0.05, 1.0))
+        psutil.Process(pids[victim]).send_signal(signal.SIGUSR1)
+        ranks = finish(proc, out, 4)
+        assert ranks[victim]["received"] == signal.SIGUSR1 and all(
+            d["received"] is None for r, d in enumerate(ranks) if r != victim), ranks
+        where.update(ranks[victim]["landed"])
+    print(f"\n{launcher}: where the signal landed: {dict(where)}")
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_a_signal_to_the_launcher_reaches_every_rank_and_stops_them_together(launcher, tmp_path):
+    """mpirun and hydra's mpiexec forward SIGUSR1 to every rank: one stop step all the same."""
+    proc, out, _ = start(launcher, 4, tmp_path, "400")
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR1)
+    ranks = finish(proc, out, 4)
+    assert all(d["received"] == signal.SIGUSR1 for d in ranks), ranks
+
+
+def test_dataloader_workers_ignore_the_signal(tmp_path):
+    """The signal goes to one rank and its two DataLoader workers: the workers live on (the guard's
+    worker_init_fn), the ranks stop together."""
+    proc, out, pids = start("openmpi", 2, tmp_path, "400", "--loader")
+    time.sleep(0.5)
+    rank = psutil.Process(pids[1])
+    workers = rank.children()
+    assert len(workers) == 2, workers
+    for p in [rank, *workers]:
+        p.send_signal(signal.SIGUSR1)
+    finish(proc, out, 2)
