@@ -74,7 +74,7 @@ try:
                 entering, timeout / 2 if case == "two_threads_stuck" else 0.05, b, second))
             th.start()
             if R == W - 1:
-                time.sleep(timeout + 8 if case == "two_threads_stuck" else 0.2)  # STUCK HERE (stuck case)
+                time.sleep(timeout + 3 if case == "two_threads_stuck" else 0.2)  # STUCK HERE (stuck case)
             entering.set()
             try:
                 dist.all_reduce(a)
