@@ -19,7 +19,8 @@ def start(launcher, n, tmp_path, *args):
     out.mkdir(parents=True)
     lau = LAUNCHERS[launcher]()
     env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
-    proc = subprocess.Popen([*lau.command(n, env), PY, str(PROGRAMS / "preempt.py"), *args], env=env,
+    python = [] if launcher == "torchrun" else [PY]  # torchrun runs the program with its own
+    proc = subprocess.Popen([*lau.command(n, env), *python, str(PROGRAMS / "preempt.py"), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while not all((out / f"pid{r}").exists() for r in range(n)):
@@ -85,3 +86,13 @@ def test_dataloader_workers_ignore_the_signal(tmp_path):
     for p in [rank, *workers]:
         p.send_signal(signal.SIGUSR1)
     finish(proc, out, 2)
+
+
+def test_without_mpi_the_guard_agrees_over_torch_distributed(tmp_path):
+    """torchrun, 2 ranks, gloo: the agreement is a blocking all-gather over torch.distributed; a
+    signal to one rank still stops both at the same step."""
+    proc, out, pids = start("torchrun", 2, tmp_path, "400")
+    time.sleep(0.5)
+    psutil.Process(pids[0]).send_signal(signal.SIGUSR1)
+    ranks = finish(proc, out, 2)
+    assert ranks[0]["received"] == signal.SIGUSR1 and ranks[1]["received"] is None, ranks

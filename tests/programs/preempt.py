@@ -3,8 +3,8 @@
     preempt.py STEPS [--loader]
 
 Each rank writes its pid to ``$HPCSYNC_TEST_OUT/pid<rank>`` once the guard is installed, then
-runs up to STEPS steps of about 20 ms: every 5th step a 32 MiB Allreduce, every 7th a
-``sync_file``; ``--loader``: each step's batch from a torch DataLoader with 2 workers (the guard's
+runs up to STEPS steps of about 20 ms: every 5th step a 32 MiB Allreduce (under torchrun a
+torch.distributed all_reduce over gloo), every 7th a ``sync_file``; ``--loader``: each step's batch from a torch DataLoader with 2 workers (the guard's
 ``worker_init_fn``). When ``should_stop()`` says so, rank 0 writes the checkpoint (the step),
 every rank reports, and the job exits 0.
 """
@@ -22,9 +22,21 @@ from _report import report
 
 steps, loader_on = int(sys.argv[1]), "--loader" in sys.argv
 topo = topology()
-from mpi4py import MPI  # noqa: E402  (after hpcsync chose the MPI library)
+if topo.uses_mpi:
+    from mpi4py import MPI  # (after hpcsync chose the MPI library)
 
-comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD
+
+    def allreduce(buf):
+        comm.Allreduce(MPI.IN_PLACE, buf)
+else:  # torchrun: the guard agrees over torch.distributed
+    import torch
+    import torch.distributed as dist
+
+    hpcsync.init(backend="gloo", timeout=60)
+
+    def allreduce(buf):
+        dist.all_reduce(torch.from_numpy(buf))
 out_dir = os.environ["HPCSYNC_TEST_OUT"]
 guard = hpcsync.preemption()
 phase, landed = "step", []  # where this rank was when the signal arrived (for the test's tally)
@@ -58,7 +70,7 @@ for step in range(steps):
         next(batches)
     if step % 5 == 4:
         phase = "allreduce"
-        comm.Allreduce(MPI.IN_PLACE, big)
+        allreduce(big)
     if step % 7 == 6:
         phase = "sync_file"
         with open(os.path.join(out_dir, f"metrics.rank{topo.rank}.csv"), "w") as f:
