@@ -280,7 +280,7 @@ def _own_interface(topo: Topology, choice: MasterChoice, backend: str) -> None:
     if topo.uses_mpi and topo.world_size > 1:  # one error, the same on every rank, whichever failed
         errs = [e for e in _mpi.MPI().COMM_WORLD.allgather(err) if e]
         if errs:
-            raise AddressError(errs[0] if len(set(errs)) == 1 else "\n".join(sorted(set(errs))))
+            raise AddressError("\n".join(sorted(set(errs))))
     elif err:
         raise AddressError(err)
     assert link is not None
