@@ -4,26 +4,38 @@ Runs unchanged under ``mpirun -n 16``, ``mpiexec -n 4``, ``srun --mpi=pmix``, ``
 plain ``python``. Uses the whole toolkit: ``hpcsync.init()``, the dataset staged onto every node's
 local disk with ``hpcsync.stage`` (``--data DIR --stage-to LOCAL``), a ``DistributedSampler``,
 per-rank metrics CSV joined at the end with ``SyncedFile``, predictions written with the
-collective HDF5 writer, a checkpoint from rank 0, and a summary printed by rank 0.
+collective HDF5 writer, the final model from rank 0, and a summary printed by rank 0.
+
+With ``--checkpoint-dir DIR`` it survives the end of the allocation: a signal (SIGUSR1, SIGTERM)
+on any rank, or a job end time that leaves too little time, stops every rank at the same step
+(``hpcsync.preemption``); the step is checkpointed (``hpcsync.Checkpoints``: model, optimizer,
+epoch and batch, every rank's RNG states and partial sums), the Slurm job requeued, and the next
+start resumes from it. The resumed run ends with the same weights, bit for bit, as one that was
+never stopped.
 
     mpiexec -n 4 python examples/train.py --epochs 8 --out runs/demo
     mpiexec -n 4 python examples/train.py --data runs/spirals --stage-to /tmp/$USER/spirals
+    sbatch --requeue --signal=USR1@90 jobs/slurm_pmix.sbatch     (TRAIN_ARGS="--checkpoint-dir ...")
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import logging
 import math
 import os
+import random
+import sys
 import time
+from typing import Any, Iterator, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 import hpcsync
 from hpcsync import comm
@@ -67,6 +79,33 @@ def load_dataset(args: argparse.Namespace) -> TensorDataset:
         return TensorDataset(torch.from_numpy(z["x"]), torch.from_numpy(z["y"]))
 
 
+class ResumableSampler(Sampler):
+    """A DistributedSampler's order for the epoch from position ``start`` on: a resumed epoch skips
+    the batches it trained before the stop without loading them."""
+
+    def __init__(self, base: DistributedSampler) -> None:
+        self.base, self.start = base, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.base), self.start, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.base) - self.start)
+
+
+def rng_states() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=8)
@@ -78,6 +117,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="runs/train", help="output directory (shared by all ranks)")
     p.add_argument("--data", help="dataset directory (rank 0 must see it; created there if missing)")
     p.add_argument("--stage-to", help="node-local directory to stage --data into before training")
+    p.add_argument("--checkpoint-dir", help="checkpoint here when the job is signalled or its time runs out, "
+                   "requeue it under Slurm, and resume from the latest checkpoint at start")
+    p.add_argument("--seed", type=int, help="seed of the initial weights (default: a random one, shared)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     return p.parse_args()
 
 
@@ -89,44 +132,92 @@ def main() -> None:
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
-    torch.manual_seed(comm.shared_random_seed())  # same initial weights everywhere
+    # same initial weights everywhere: --seed, or a seed drawn on rank 0 and shared
+    torch.manual_seed(args.seed if args.seed is not None else comm.shared_random_seed())
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     data = load_dataset(args)
     n_val = len(data) // 5
     train, val = torch.utils.data.random_split(data, [len(data) - n_val, n_val],
                                                generator=torch.Generator().manual_seed(1))
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
+    sampler = ResumableSampler(DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0))
+    ckpts = hpcsync.Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+    guard = hpcsync.preemption() if ckpts else None  # records SIGUSR1 / SIGTERM; stops at an agreed step
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
+                        worker_init_fn=guard.worker_init_fn if guard else None)
     model = nn.Sequential(nn.Linear(2, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, 3))
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr * world ** 0.5, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
+
+    # where training starts: the beginning, or the latest complete checkpoint (chosen by rank 0)
+    saved = ckpts.load() if ckpts else None
+    start_epoch, start_batch, steps_done, history = 0, 0, 0, []
+    rows: List[List[Any]] = []  # this rank's metrics rows so far (kept only with --checkpoint-dir)
+    total, count = 0.0, 0
+    if saved is not None:
+        model.load_state_dict(saved.shared["model"])
+        opt.load_state_dict(saved.shared["optimizer"])
+        start_epoch, start_batch, history = saved.shared["epoch"], saved.shared["batch"], saved.shared["history"]
+        steps_done = saved.step
+        rows, total, count = saved.local["rows"], saved.local["total"], saved.local["count"]
+        log.info("resuming at epoch %d, batch %d (step %d) from %s", start_epoch, start_batch, steps_done, saved.path)
     log.info("training on %d rank(s), %d node(s), backend %s", world, topo.num_nodes,
              dist.get_backend() if dist.is_initialized() else "none")
 
     metrics_path = os.path.join(args.out, "metrics.csv")
-    history = []
+    stopped: Optional[str] = None
     t0 = time.perf_counter()
     with hpcsync.SyncedFile(metrics_path, strip_header=True) as part:
         with open(part.path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["rank", "epoch", "step", "loss"])
-            for epoch in range(args.epochs):
+            writer.writerows(rows)
+            for epoch in range(start_epoch, args.epochs):
                 sampler.set_epoch(epoch)
-                total, count = 0.0, 0
-                for step, (x, y) in enumerate(loader):
+                first = start_batch if epoch == start_epoch else 0
+                sampler.start = first * args.batch_size
+                batches = iter(loader)  # (draws a seed from torch's RNG)
+                if saved is not None and epoch == start_epoch:
+                    set_rng_states(saved.local["rng"])  # as they were when the checkpoint was taken
+                elif first == 0:
+                    total, count = 0.0, 0
+                for step, (x, y) in enumerate(batches, start=first):
                     opt.zero_grad()
                     loss = loss_fn(ddp(x), y)
                     loss.backward()
                     opt.step()
-                    writer.writerow([rank, epoch, step, f"{loss.item():.6f}"])
+                    steps_done += 1
+                    row = [rank, epoch, step, f"{loss.item():.6f}"]
+                    writer.writerow(row)
                     total, count = total + loss.item() * len(y), count + len(y)
+                    if guard is None:
+                        continue
+                    rows.append(row)
+                    if guard.should_stop():  # True on every rank at the same step
+                        with guard.checkpointing():
+                            ckpts.save(steps_done, shared={"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                           "epoch": epoch, "batch": step + 1, "history": history},
+                                       local={"rows": rows, "total": total, "count": count, "rng": rng_states()})
+                        stopped = guard.reason
+                        break
+                if stopped:
+                    break
                 epoch_loss = comm.reduce_dict({"loss": total / max(count, 1)})["loss"]
                 history.append(float(epoch_loss))
                 log.info("epoch %d  loss %.4f", epoch, epoch_loss)
     train_time = time.perf_counter() - t0
+    if guard is not None and stopped:
+        outcome = guard.requeue()  # rank 0 requeues the Slurm job; outside Slurm there is nothing to do
+        if rank == 0:
+            print(f"stopped at step {steps_done} ({stopped}): checkpoint in {args.checkpoint_dir}; "
+                  f"{outcome.message}", flush=True)
+        guard.close()
+        hpcsync.shutdown()
+        sys.exit(outcome.exit_code)
+    if guard is not None:
+        guard.close()
 
     # Each rank scores its share of the validation set; predictions go to one HDF5 file.
     idx = np.array_split(np.arange(len(val)), world)[rank]

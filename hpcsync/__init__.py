@@ -52,18 +52,21 @@ _EXPORTS = {
     "stage": "staging",
     "preemption": "preemption",
     "PreemptionGuard": "preemption",
+    "Checkpoints": "checkpoint",
     "StageResult": "staging",
     "HpcsyncError": "errors",
     "LaunchError": "errors",
     "AddressError": "errors",
     "SyncError": "errors",
     "StageError": "errors",
+    "CheckpointError": "errors",
     "MissingDependencyError": "errors",
 }
 
 # submodules reachable as attributes (``hpcsync.filesync.part_path``), imported on first use
-_SUBMODULES = ("backend", "bootstrap", "cli", "comm", "doctor", "environments", "errors", "filesync", "h5",
-               "jobend", "lightning", "network", "nodemap", "staging", "store", "watchdog")
+_SUBMODULES = ("backend", "bootstrap", "checkpoint", "cli", "comm", "doctor", "environments", "errors", "filesync",
+               "h5", "jobend", "lightning", "network", "nodemap", "requeue", "staging", "store",
+               "watchdog")
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
@@ -79,10 +82,11 @@ def _register_backend_if_torch_loaded() -> None:
 
 _register_backend_if_torch_loaded()
 
-# ``topology`` names both a submodule and its main function. Bound eagerly (the module is light:
-# no MPI, no torch), so that a later ``import hpcsync.topology`` -- which every other module does --
-# cannot replace the function with the module (``hpcsync.topology()`` -> "module is not callable").
+# ``topology`` and ``preemption`` each name both a submodule and its main function. Bound eagerly
+# (the modules are light: no MPI, no torch), so that a later ``import hpcsync.topology`` -- which
+# every other module does -- cannot replace the function with the module ("module is not callable").
 from .topology import Topology, local_comm, topology  # noqa: E402, F401
+from .preemption import PreemptionGuard, preemption  # noqa: E402, F401
 
 
 def __getattr__(name: str) -> Any:

@@ -28,6 +28,10 @@ class StageError(HpcsyncError):
     """A stage-in failed; files already staged stay valid and a later call finishes the job."""
 
 
+class CheckpointError(HpcsyncError):
+    """A checkpoint could not be written or read; the previous complete checkpoint is untouched."""
+
+
 def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], what: str) -> None:
     """Collective: if any rank has an ``error``, raise the same ``exc_type`` on every rank.
 

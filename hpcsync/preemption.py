@@ -18,7 +18,7 @@ last checkpoint's time plus a margin. :func:`ignore_in_worker` keeps DataLoader 
         if guard.should_stop():                   # True on every rank at the same step
             with guard.checkpointing():
                 save(step)
-            break
+            sys.exit(guard.requeue().exit_code)    # Slurm: requeue the job (hpcsync.requeue)
 """
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ class PreemptionGuard:
         self.step_s: Optional[float] = None  # the longest recent step (what the next one may take)
         self.checkpoint_s = 0.0  # the last checkpoint's time
         self._timeout = float(timeout if timeout is not None else settings.number("HPCSYNC_TIMEOUT"))
+        self._group = comm  # what requeue() agrees over (None: the world)
         base = comm if comm is not None else world()
         self._mpi = hasattr(base, "Iallreduce")
         self._comm = base.Dup() if self._mpi else base
@@ -151,6 +152,16 @@ class PreemptionGuard:
             if now > spin_until:
                 time.sleep(0.001)
         self._req = None
+
+    def requeue(self, max_restarts: Optional[int] = None) -> Any:
+        """Collective, after the checkpoint: :func:`hpcsync.requeue.requeue` if this guard stopped
+        training; a guard that never stopped (training finished) requeues nothing, exit code 0.
+        Returns a :class:`hpcsync.requeue.Requeue`; exit with its ``exit_code``."""
+        from .requeue import EXIT_REQUEUED, Requeue, requeue
+
+        if self.stop_step is None:
+            return Requeue(False, EXIT_REQUEUED, "hpcsync.requeue: training finished, the job is not requeued")
+        return requeue(max_restarts, group=self._group)
 
     @contextmanager
     def checkpointing(self) -> Iterator[None]:

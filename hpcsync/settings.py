@@ -15,7 +15,7 @@ class Setting:
     name: str
     default: str  # "" = unset
     doc: str
-    kind: str = "text"  # flag, seconds (a positive number), text, or "a|b|c" (one of these words)
+    kind: str = "text"  # flag, seconds (a positive number), count (an integer >= 0), text, or "a|b|c" (one of these words)
 
 
 _FLAG_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
@@ -31,6 +31,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "other node's address (gloo/nccl)", "seconds"),
     Setting("HPCSYNC_JOB_END", "", "the job's end, epoch seconds (default: Slurm's SLURM_JOB_END_TIME): "
             "hpcsync.preemption stops in time for a checkpoint"),
+    Setting("HPCSYNC_MAX_RESTARTS", "8", "hpcsync.requeue requeues a Slurm job while its SLURM_RESTART_COUNT is "
+            "below this (0: never)", "count"),
     Setting("HPCSYNC_STORE", "tcp", "tcp (torch's TCPStore) or mpi (a store over MPI: no listening socket)",
             "tcp|mpi"),
     Setting("HPCSYNC_ABORT_ON_EXCEPTION", "1", "0: raise instead of ending the job with MPI_Abort", "flag"),
@@ -66,6 +68,8 @@ def validate() -> None:
                 ok = False
             if not ok:
                 bad.append(f"{s.name}={value!r} (expected a positive number of seconds)")
+        elif s.kind == "count" and not v.isdigit():
+            bad.append(f"{s.name}={value!r} (expected a whole number, 0 or more)")
         elif "|" in s.kind and v not in s.kind.split("|"):
             bad.append(f"{s.name}={value!r} (expected one of {s.kind.replace('|', ', ')})")
     if bad:
