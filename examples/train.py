@@ -162,7 +162,8 @@ def main() -> None:
         start_epoch, start_batch, history = saved.shared["epoch"], saved.shared["batch"], saved.shared["history"]
         steps_done = saved.step
         rows, total, count = saved.local["rows"], saved.local["total"], saved.local["count"]
-        log.info("resuming at epoch %d, batch %d (step %d) from %s", start_epoch, start_batch, steps_done, saved.path)
+        log.info("resuming at epoch %d, batch %d (step %d) from %s%s", start_epoch, start_batch, steps_done, saved.path,
+                 f" (Slurm restart {os.environ['SLURM_RESTART_COUNT']})" if os.environ.get("SLURM_RESTART_COUNT") else "")
     log.info("training on %d rank(s), %d node(s), backend %s", world, topo.num_nodes,
              dist.get_backend() if dist.is_initialized() else "none")
 
@@ -212,12 +213,10 @@ def main() -> None:
         outcome = guard.requeue()  # rank 0 requeues the Slurm job; outside Slurm there is nothing to do
         if rank == 0:
             print(f"stopped at step {steps_done} ({stopped}): checkpoint in {args.checkpoint_dir}; "
-                  f"{outcome.message}", flush=True)
+                  f"{'requeued' if outcome.requeued else 'not requeued'}, exit code {outcome.exit_code}", flush=True)
         guard.close()
         hpcsync.shutdown()
         sys.exit(outcome.exit_code)
-    if guard is not None:
-        guard.close()
 
     # Each rank scores its share of the validation set; predictions go to one HDF5 file.
     idx = np.array_split(np.arange(len(val)), world)[rank]
@@ -246,6 +245,8 @@ def main() -> None:
         print(f"done: {world} ranks, loss {history[0]:.3f} -> {history[-1]:.3f}, "
               f"val accuracy {accuracy:.3f}, {train_time:.1f}s; outputs in {args.out}/ "
               f"(metrics.csv, predictions.h5, model.pt, summary.json)", flush=True)
+    if guard is not None:  # open until here: a late signal (training is done) is recorded, not fatal
+        guard.close()
     hpcsync.shutdown()
 
 

@@ -218,10 +218,10 @@ class Checkpoints:
                             locals_.append(f.read())
                     payload = (chosen, folder, shared, locals_)
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
+                error = f"cannot load from {self.root}: {type(exc).__name__}: {exc}"
         payload, error = comm.broadcast_object((payload, error), group=self._group)
-        if error:
-            raise CheckpointError(f"hpcsync.checkpoint: cannot load from {self.root} (rank 0: {error})")
+        if error:  # rank 0's words, the same on every rank
+            raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
         if payload is None:
             return None
         chosen, folder, shared, locals_ = payload

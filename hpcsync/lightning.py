@@ -7,19 +7,25 @@
 ``trainer_kwargs(backend="hpcsync")`` initialises torch.distributed through :func:`hpcsync.init`
 (so Lightning finds it ready and opens no TCP store of its own) and returns ``strategy`` (a
 ``DDPStrategy`` with :class:`HpcsyncEnvironment`), ``accelerator``, ``devices`` (= local ranks)
-and ``num_nodes`` from the MPI topology. Needs the ``lightning`` package (``pip install lightning``).
+and ``num_nodes`` from the MPI topology, and ``callbacks`` with :class:`PreemptionCallback`:
+Lightning's SLURM auto-requeue (which :class:`HpcsyncEnvironment`, not being its
+``SLURMEnvironment``, does not get), done with :func:`hpcsync.preemption`. Pass your own callbacks
+as ``trainer_kwargs(callbacks=[...])``. Needs the ``lightning`` package (``pip install lightning``).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+import os
+from typing import Any, Dict, Optional, Sequence
 
 from .bootstrap import init, master_address
 from .errors import MissingDependencyError
+from .preemption import DEFAULT_SIGNALS, PreemptionGuard
 from .topology import topology
 
 try:
     from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.callbacks import Callback
 except ImportError as exc:  # pragma: no cover - optional extra
     raise MissingDependencyError("hpcsync.lightning needs Lightning: pip install lightning") from exc
 
@@ -80,6 +86,66 @@ class HpcsyncEnvironment(ClusterEnvironment):
                              f"{self._topo.world_size} ranks the launcher started; use hpcsync.lightning.trainer_kwargs()")
 
 
+class PreemptionCallback(Callback):
+    """SLURM auto-requeue for ``lightning.Trainer``, without Lightning's pitfalls: the handlers only
+    record (Lightning's checkpoint from inside the handler, and its SIGTERM handler's broadcast, run
+    collectives re-entrantly on whichever rank got the signal); every rank stops after the same
+    batch (:meth:`~hpcsync.preemption.PreemptionGuard.should_stop` at each batch end); the checkpoint
+    is Lightning's own ``hpc_ckpt_<N>.ckpt`` in ``default_root_dir``, written under a temporary name
+    first, so Lightning resumes from it by itself when the job starts again under Slurm. After
+    ``fit`` returns, rank 0 requeues the job (:func:`hpcsync.requeue.requeue`) and, with
+    ``exit_on_stop``, every rank exits with its exit code (the rest of the script must not run on a
+    half-trained model)."""
+
+    def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS, max_restarts: Optional[int] = None,
+                 exit_on_stop: bool = True) -> None:
+        self.signals, self.max_restarts, self.exit_on_stop = tuple(signals), max_restarts, exit_on_stop
+        self.guard: Optional[PreemptionGuard] = None
+        self.checkpoint: Optional[str] = None  # where the stop's checkpoint went
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and self.guard is None:
+            self.guard = PreemptionGuard(self.signals)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.guard is not None:  # Lightning installed its own handlers when fit started
+            self.guard.reinstall()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.guard is None or self.checkpoint is not None or not self.guard.should_stop():
+            return
+        with self.guard.checkpointing():
+            final = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            # a name Lightning's search for hpc_ckpt_<N> cannot match while it is incomplete
+            partial = os.path.join(os.path.dirname(final), ".hpcsync-incomplete.ckpt")
+            trainer.save_checkpoint(partial)
+            if trainer.is_global_zero:
+                os.replace(partial, final)
+            trainer.strategy.barrier("hpcsync-preemption-checkpoint")
+        self.checkpoint = final
+        trainer.should_stop = True
+        if trainer.is_global_zero:
+            log.info("hpcsync.lightning: every rank stopped at global step %d (%s); checkpoint %s",
+                     trainer.global_step, self.guard.reason, final)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.guard is None or self.checkpoint is None:
+            return
+        outcome = self.guard.requeue(self.max_restarts)
+        self._close()
+        if self.exit_on_stop:
+            raise SystemExit(outcome.exit_code)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+
+
 def _kwargs(strategy_cls: Any, backend: str, ddp_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -92,11 +158,15 @@ def _kwargs(strategy_cls: Any, backend: str, ddp_kwargs: Dict[str, Any]) -> Dict
             "num_nodes": topo.num_nodes}
 
 
-def trainer_kwargs(backend: str = "hpcsync", **ddp_kwargs: Any) -> Dict[str, Any]:
-    """Keyword arguments for ``lightning.Trainer`` under mpirun or srun."""
+def trainer_kwargs(backend: str = "hpcsync", callbacks: Sequence[Any] = (), preemption: bool = True,
+                   **ddp_kwargs: Any) -> Dict[str, Any]:
+    """Keyword arguments for ``lightning.Trainer`` under mpirun or srun: ``callbacks`` are yours,
+    with a :class:`PreemptionCallback` added unless ``preemption=False``."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    return _kwargs(DDPStrategy, backend, ddp_kwargs)
+    kwargs = _kwargs(DDPStrategy, backend, ddp_kwargs)
+    kwargs["callbacks"] = [*callbacks, *([PreemptionCallback()] if preemption else [])]
+    return kwargs
 
 
 def fabric_kwargs(backend: str = "hpcsync", **ddp_kwargs: Any) -> Dict[str, Any]:

@@ -97,6 +97,12 @@ class PreemptionGuard:
         self._previous = {s: signal.signal(s, self._record) for s in self.signals}
         self.worker_init_fn = functools.partial(ignore_in_worker, self.signals)
 
+    def reinstall(self) -> None:
+        """Install the recording handlers again, after a framework replaced them with its own
+        (Lightning installs a SIGTERM handler that runs a collective inside the handler)."""
+        for s in self.signals:
+            signal.signal(s, self._record)
+
     def _record(self, signum: int, frame: Any) -> None:
         """The handler: remember the first signal, nothing else (no I/O, no MPI, no allocation)."""
         if self.received is None:

@@ -136,6 +136,37 @@ def wait_job(job_id: str, env: dict, timeout: float = 300, on=lambda *argv: list
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
+def jobs(job_id: str, env: dict, on=lambda *argv: list(argv)) -> list:
+    """``scontrol show job -o``: one dict of fields per job (an array's tasks each get one)."""
+    out = subprocess.run(on("scontrol", "show", "job", "-o", job_id), env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in out.splitlines() if line.strip()]
+
+
+def wait_for(what: str, check, timeout: float = 120, every: float = 0.2):
+    """Poll ``check()`` until it returns something true; TimeoutError naming ``what`` past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"waited {timeout:g}s for {what}")
+
+
+def start_requeued_now(job_id: str, env: dict, restarts: int, on=lambda *argv: list(argv),
+                       timeout: float = 120) -> None:
+    """Wait until the job is back in the queue after its ``restarts``-th requeue, then start it at
+    once: Slurm holds a requeued job about two minutes (its BeginTime) before it may run again."""
+    def requeued():
+        info = jobs(job_id, env, on)[0]
+        return info["JobState"] == "PENDING" and info.get("Restarts") == str(restarts)
+
+    wait_for(f"job {job_id} to be requeued (restart {restarts})", requeued, timeout)
+    subprocess.run(on("scontrol", "update", f"JobId={job_id}", "StartTime=now"), env=env, check=True,
+                   capture_output=True)
+
+
 if __name__ == "__main__":
     cmd, folder = sys.argv[1], Path(sys.argv[2])
     if cmd == "start":
