@@ -210,10 +210,9 @@ def main() -> None:
                 log.info("epoch %d  loss %.4f", epoch, epoch_loss)
     train_time = time.perf_counter() - t0
     if guard is not None and stopped:
+        if rank == 0:  # before requeue(): once a rank exits non-zero, the launcher may end the others
+            print(f"stopped at step {steps_done} ({stopped}): checkpoint in {args.checkpoint_dir}", flush=True)
         outcome = guard.requeue()  # rank 0 requeues the Slurm job; outside Slurm there is nothing to do
-        if rank == 0:
-            print(f"stopped at step {steps_done} ({stopped}): checkpoint in {args.checkpoint_dir}; "
-                  f"{'requeued' if outcome.requeued else 'not requeued'}, exit code {outcome.exit_code}", flush=True)
         guard.close()
         hpcsync.shutdown()
         sys.exit(outcome.exit_code)

@@ -157,12 +157,20 @@ def wait_for(what: str, check, timeout: float = 120, every: float = 0.2):
 def start_requeued_now(job_id: str, env: dict, restarts: int, on=lambda *argv: list(argv),
                        timeout: float = 120) -> None:
     """Wait until the job is back in the queue after its ``restarts``-th requeue, then start it at
-    once: Slurm holds a requeued job about two minutes (its BeginTime) before it may run again."""
+    once: Slurm holds a requeued job about two minutes (its BeginTime) before it may run again.
+
+    Back in the queue means squeue no longer says COMPLETING (scontrol says PENDING a little
+    earlier), and then 2 s more: slurmd compares the new start's credential with the revoked one
+    of the run before in whole seconds, and refuses a start within the same second ("Job
+    credential revoked": the job then ends FAILED)."""
     def requeued():
         info = jobs(job_id, env, on)[0]
-        return info["JobState"] == "PENDING" and info.get("Restarts") == str(restarts)
+        state = subprocess.run(on("squeue", "-h", "-j", job_id, "-o", "%T"), env=env, capture_output=True,
+                               text=True).stdout.strip()
+        return state == "PENDING" and info["JobState"] == "PENDING" and info.get("Restarts") == str(restarts)
 
     wait_for(f"job {job_id} to be requeued (restart {restarts})", requeued, timeout)
+    time.sleep(2)
     subprocess.run(on("scontrol", "update", f"JobId={job_id}", "StartTime=now"), env=env, check=True,
                    capture_output=True)
 

@@ -1,6 +1,7 @@
 """Slurm across namespace nodes: one slurmctld, a slurmd in every node with its own hostname and
 address (``tests/netns_cluster.py``), ``srun`` and ``sbatch`` from the first node, as users run them."""
 import json
+import re
 import subprocess
 import time
 import warnings
@@ -8,7 +9,7 @@ import warnings
 import pytest
 
 import slurm_cluster
-from launch import PY, ROOT, clean_env, run
+from launch import PY, ROOT, clean_env, openmpi, run
 from multinode_checks import check_multinode_job
 from netns_cluster import ROUTED, Cluster
 
@@ -98,25 +99,43 @@ def test_srun_wrong_mpi_plugin_is_caught_as_silent_singletons(cluster, tmp_path)
     assert res.stderr.count("silent singletons") == 4 and "srun --mpi=pmi2" in res.stderr, res
 
 
-def test_sbatch_two_nodes(cluster, tmp_path):
-    """``sbatch -N 2 jobs/slurm_pmix.sbatch``: the batch script on the first node, srun across both."""
-    env = clean_env({**cluster.srun([2, 2]).env, "PYTHON": PY, "TRAIN_ARGS": "--epochs 3 --samples 1500"})
-    sub = subprocess.run(cluster.on_node(0, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2",
-                                         f"--output={tmp_path}/slurm-%j.out", str(ROOT / "jobs" / "slurm_pmix.sbatch")),
-                         env=env, cwd=ROOT, capture_output=True, text=True)
+def test_sbatch_two_nodes_signalled_requeued_resumed(cluster, tmp_path):
+    """``sbatch -N 2 --requeue jobs/slurm_pmix.sbatch``: the batch script on the first node, srun
+    across both; SIGUSR1 to the step stops both ranks at one step, rank 0 requeues the job, and it
+    comes back and ends with the weights of an uninterrupted run, bit for bit."""
+    import torch
+
+    train = "--epochs 150 --samples 1200 --seed 11 --backend hpcsync"
+    env = clean_env({**cluster.srun([1, 1]).env, "PYTHON": PY, "TRAIN_ARGS": train})
+    on = lambda *argv: cluster.on_node(0, *argv)  # noqa: E731
+    log = tmp_path / "job.out"
+    sub = subprocess.run(on("sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1", f"--output={log}",
+                            str(ROOT / "jobs" / "slurm_pmix.sbatch")), env=env, cwd=ROOT, capture_output=True, text=True)
     assert sub.returncode == 0, sub.stderr
     jid = sub.stdout.strip().split(";")[0]
-    info = slurm_cluster.wait_job(jid, env, timeout=300, on=lambda *argv: cluster.on_node(0, *argv))
+    ref = tmp_path / "reference"  # the same training, never stopped, on this machine (2 ranks under mpirun)
+    reference = subprocess.Popen([*openmpi().command(2), PY, str(ROOT / "examples" / "train.py"), *train.split(),
+                                  "--out", str(ref)], env=clean_env(openmpi().env), cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = ROOT / "runs" / f"slurm-{jid}"
     try:
-        log = (tmp_path / f"slurm-{jid}.out").read_text(errors="replace")
-        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-3000:]}"
+        slurm_cluster.wait_for("the job to train", lambda: log.exists() and "training on " in log.read_text(), 240)
+        subprocess.run(on("scancel", "--signal=USR1", jid), env=env, check=True)
+        slurm_cluster.start_requeued_now(jid, env, 1, on=on)
+        info = slurm_cluster.wait_job(jid, env, timeout=300, on=on)
+        text = log.read_text(errors="replace")
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", \
+            f"{info}\n{text[-3000:]}"
         assert info["NodeList"] == f"{cluster.names[0][:-1]}[0-1]", info
+        [step] = re.findall(r"stopped at step (\d+) \(signal SIGUSR1\)", text)
+        assert f"requeued Slurm job {jid} (restart 1" in text and f"(step {step})" in text, text[-3000:]
         summary = json.loads((out / "summary.json").read_text())
-        assert summary["world_size"] == 4 and summary["nodes"] == 2, summary
-        assert summary["loss_last"] < summary["loss_first"]
-        rows = (out / "metrics.csv").read_text().splitlines()
-        assert rows[0] == "rank,epoch,step,loss" and {r.split(",")[0] for r in rows[1:]} == {"0", "1", "2", "3"}
-        assert (out / "predictions.h5").exists() and (out / "model.pt").exists()
+        assert summary["world_size"] == 2 and summary["nodes"] == 2, summary
+        assert reference.wait(timeout=120) == 0, reference.stdout.read()
+        w0, w1 = (torch.load(d / "model.pt")["model"] for d in (ref, out))
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), "the resumed job's weights differ from the reference's"
+        assert (ref / "metrics.csv").read_bytes() == (out / "metrics.csv").read_bytes()
+        assert (out / "predictions.h5").exists()
     finally:
+        reference.kill()
         subprocess.run(["rm", "-rf", str(out)])
