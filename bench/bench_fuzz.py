@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fuzz.json"))
     a = ap.parse_args()
     if a.quick:
-        a.seeds, a.per_job, a.ending = 24, 24, 1
+        a.seeds, a.per_job, a.ending = 12, 12, 1
     rows, problems = [], []
     for mpi in a.mpi.split(","):
         ending = ENDING if not a.quick else ENDING[2:] if mpi == "openmpi" else ENDING[:2]  # quick: two each
