@@ -34,6 +34,7 @@ from typing import Any, List, Optional
 
 from . import comm
 from .errors import CheckpointError, raise_if_any
+from .filesync import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +72,6 @@ def _write(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpoints:
@@ -143,7 +136,7 @@ class Checkpoints:
             _write(os.path.join(tmp, name), data)
         marker = {"step": step, "world_size": len(locals_), "files": {n: len(d) for n, d in files.items()}}
         _write(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = self.path(step)
         if os.path.exists(final):  # the same step saved again: the new one replaces it
             old = os.path.join(self.root, f".step-{step:08d}.old.tmp")
@@ -152,7 +145,7 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         for old_step in self._complete_steps()[self.keep:]:
             shutil.rmtree(self.path(old_step), ignore_errors=True)
         return final

@@ -162,7 +162,8 @@ def _prepare_target(target: str, total: int) -> Tuple[Optional[str], Optional[st
     return tmp, None
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
+    """Flush a directory's entries to disk: a rename into it survives a crash only after this."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -228,7 +229,7 @@ def merge_parts(
         if me == root and err is None:
             try:
                 os.replace(tmp, target)  # type: ignore[arg-type]
-                _fsync_dir(os.path.dirname(target))
+                fsync_dir(os.path.dirname(target))
             except OSError as exc:
                 err = f"cannot rename into {target}: {exc}"
         _agree(comm, err, f"sync of {target}")
