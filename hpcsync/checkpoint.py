@@ -191,8 +191,10 @@ class Checkpoints:
 
     def load(self, step: Optional[int] = None) -> Optional[Checkpoint]:
         """The checkpoint ``step`` (default: the latest complete one), or None when there is none.
-        Rank 0 reads every file; each rank gets ``shared`` and its own ``local``. A checkpoint
-        written by a different number of ranks raises :class:`CheckpointError` on every rank."""
+        Rank 0 reads every file; each rank gets ``shared`` and its own ``local`` (rank 0 broadcasts
+        all of them: keep local states small -- RNG states, positions, sums -- and shard a model too
+        big for one rank's memory with torch.distributed.checkpoint instead). A checkpoint written
+        by a different number of ranks raises :class:`CheckpointError` on every rank."""
         payload, error = None, None
         if self._rank() == 0:
             try:
