@@ -108,11 +108,12 @@ def test_stage_benchmark_quick(tmp_path):
 def test_generated_programs_never_hang_and_never_return_wrong_data(tmp_path):
     """bench_fuzz --quick: 12 generated programs per MPI library on 3 ranks equal numpy's results;
     12 with a mismatch fault (op, dtype, count, reduce op, root) end with the same error on every
-    rank and the job goes on; sleep and raise (Open MPI), skip and extra (MPICH) end the same way
-    or with a report. The script exits non-zero with a replay command for any bad seed."""
+    rank and the job goes on; a raise (Open MPI) and a skipped collective (MPICH) end the same way
+    or with a report (the full run: all four job-ending faults on both). The script exits non-zero
+    with a replay command for any bad seed."""
     _, data, printed = run_quick(tmp_path, "bench_fuzz.py", timeout=1200)
     rows = {(r["mpi"], r["fault"]): r for r in data["rows"]}
-    ending = {"openmpi": ("sleep", "raise"), "mpich": ("skip", "extra")}  # two each in the quick run
+    ending = {"openmpi": ("raise",), "mpich": ("skip",)}  # one each in the quick run
     assert set(rows) == {(m, f) for m in ending for f in ("none", "mix", *ending[m])}
     assert data["problems"] == [] and all(r["bad"] == 0 for r in rows.values()), printed
     for mpi in ending:
@@ -121,4 +122,4 @@ def test_generated_programs_never_hang_and_never_return_wrong_data(tmp_path):
         for fault in ending[mpi]:
             r = rows[(mpi, fault)]
             assert r["same_error"] + r["ended_by_report"] == 1 and r["max_job_s"] < 60, r
-    assert rows[("openmpi", "raise")]["ended_by_report"] == 1 and rows[("openmpi", "sleep")]["ended_by_report"] == 1
+    assert rows[("openmpi", "raise")]["ended_by_report"] == 1

@@ -78,8 +78,7 @@ def sbatch(slurm, script, tmp_path, env):
     return jid, info, log
 
 
-@pytest.mark.parametrize("script,env", [
-    ("slurm_pmi2.sbatch", {}),
+@pytest.mark.parametrize("script,env", [  # (slurm_pmi2.sbatch: under test_requeue.py, signalled)
     ("slurm_mpirun.sbatch", {"MPIRUN": "mpirun.openmpi", "OMPI_ALLOW_RUN_AS_ROOT": "1",
                              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,vader"}),
 ])

@@ -53,7 +53,7 @@ class Regressor(L.LightningModule):
 torch.manual_seed(0)
 x = torch.randn(512, 4)
 y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-trainer = L.Trainer(max_epochs=150, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+trainer = L.Trainer(max_epochs=100, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False, default_root_dir=root, **hl.trainer_kwargs())
 model = Regressor()
 trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=32))
