@@ -131,9 +131,7 @@ def wait_job(job_id: str, env: dict, timeout: float = 300, on=lambda *argv: list
     else:
         subprocess.run(on("scancel", job_id), env=env)
         raise TimeoutError(f"job {job_id} still queued or running after {timeout}s")
-    out = subprocess.run(on("scontrol", "show", "job", "-o", job_id), env=env, capture_output=True, text=True,
-                         check=True).stdout
-    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+    return jobs(job_id, env, on)[0]
 
 
 def jobs(job_id: str, env: dict, on=lambda *argv: list(argv)) -> list:

@@ -2,7 +2,8 @@
 stops at one step on every rank, checkpoints, rank 0 requeues the job, and the job comes back and
 resumes to the same weights, bit for bit, as a run that was never stopped. Also: a finished job is
 not requeued, an array job requeues only the signalled task, the restart cap, and a missing
-``scontrol``. The three jobs run side by side (one fixture), each test checks one of them."""
+``scontrol``, and Lightning's Trainer. The four jobs run side by side (one fixture), each test
+checks one of them."""
 import os
 import re
 import subprocess
@@ -42,6 +43,7 @@ def signal_while_training(env, job, log, runs_before, batch=False):
 
 
 def finish(env, job):
+    """Every task's fields once the job (an array: all its tasks) left the queue."""
     slurm_cluster.wait_job(job, env, timeout=300)
     return slurm_cluster.jobs(job, env)
 
