@@ -22,10 +22,12 @@ from typing import Sequence, Tuple
 CPUS = 16
 
 
-def config(d: Path, controller: Tuple[str, str], nodes: Sequence[Tuple[str, str]], cpus: int = CPUS) -> str:
+def config(d: Path, controller: Tuple[str, str], nodes: Sequence[Tuple[str, str]], cpus: int = CPUS,
+           ports: Tuple[int, int] = (16817, 16818)) -> str:
     """slurm.conf for ``nodes`` = [(name, address), ...], every daemon's files under ``d``.
 
-    Per-node files carry ``%n`` (the node name), so several slurmd on one machine do not collide.
+    Per-node files carry ``%n`` (the node name), so several slurmd on one machine do not collide;
+    ``ports`` (slurmctld's, slurmd's) let two test clusters run side by side on one machine.
     """
     mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
     node_lines = "".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN\n"
@@ -53,13 +55,25 @@ SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd.%n.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/slurmd.%n.log
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
 MinJobAge=300
 KillWait=5
 InactiveLimit=0
 {node_lines}PartitionName=debug Nodes={",".join(n for n, _ in nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
+
+
+def free_ports(n: int) -> Tuple[int, ...]:
+    """``n`` TCP ports free on loopback now (bound together, so they differ, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return tuple(s.getsockname()[1] for s in socks)
+    finally:
+        for s in socks:
+            s.close()
 
 
 def munge() -> None:
@@ -87,7 +101,7 @@ def start(d: Path, timeout: float = 60) -> dict:
     for sub in ("state", f"spool/{host}"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     conf = d / "slurm.conf"
-    conf.write_text(config(d, (host, "127.0.0.1"), [(host, "127.0.0.1")]))
+    conf.write_text(config(d, (host, "127.0.0.1"), [(host, "127.0.0.1")], ports=free_ports(2)))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     munge()
     subprocess.run(["slurmctld", "-c"], env=env, check=True)
