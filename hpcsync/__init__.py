@@ -28,7 +28,6 @@ if settings.flag("HPCSYNC_HUGEPAGES"):
 # public name -> module that defines it (resolved lazily, PEP 562)
 _EXPORTS = {
     "Topology": "topology",
-    "topology": "topology",
     "local_comm": "topology",
     "init": "bootstrap",
     "shutdown": "bootstrap",
@@ -50,8 +49,8 @@ _EXPORTS = {
     "sync_file": "filesync",
     "SyncedFile": "filesync",
     "stage": "staging",
-    "preemption": "preemption",
     "PreemptionGuard": "preemption",
+    "Requeue": "requeue",
     "Checkpoints": "checkpoint",
     "StageResult": "staging",
     "HpcsyncError": "errors",
@@ -60,15 +59,16 @@ _EXPORTS = {
     "SyncError": "errors",
     "StageError": "errors",
     "CheckpointError": "errors",
+    "CollectiveTimeout": "errors",
     "MissingDependencyError": "errors",
 }
 
 # submodules reachable as attributes (``hpcsync.filesync.part_path``), imported on first use
-_SUBMODULES = ("backend", "bootstrap", "checkpoint", "cli", "comm", "doctor", "environments", "errors", "filesync",
-               "h5", "jobend", "lightning", "network", "nodemap", "requeue", "staging", "store",
+_SUBMODULES = ("backend", "bootstrap", "bounded", "checkpoint", "cli", "comm", "doctor", "environments", "errors", "filesync",
+               "h5", "jobend", "lightning", "network", "nodemap", "staging", "store",
                "watchdog")
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted([*_EXPORTS, "preemption", "requeue", "topology"]) + ["__version__"]
 
 
 def _register_backend_if_torch_loaded() -> None:
@@ -82,11 +82,12 @@ def _register_backend_if_torch_loaded() -> None:
 
 _register_backend_if_torch_loaded()
 
-# ``topology`` and ``preemption`` each name both a submodule and its main function. Bound eagerly
-# (the modules are light: no MPI, no torch), so that a later ``import hpcsync.topology`` -- which
-# every other module does -- cannot replace the function with the module ("module is not callable").
-from .topology import Topology, local_comm, topology  # noqa: E402, F401
-from .preemption import PreemptionGuard, preemption  # noqa: E402, F401
+# ``topology``, ``preemption`` and ``requeue`` each name a submodule and its main function: the
+# name is the module, callable as that function (``hpcsync.requeue()`` is
+# ``hpcsync.requeue.requeue()``), bound eagerly (the modules are light: no MPI, no torch).
+from . import preemption, requeue, topology  # noqa: E402, F401
+from .preemption import PreemptionGuard  # noqa: E402, F401
+from .topology import Topology, local_comm  # noqa: E402, F401
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, List, Optional, Union
 
-from . import _mpi, jobend, settings
+from . import _mpi, bounded, jobend, settings
 from .errors import AddressError, HpcsyncError, MissingDependencyError
 from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
@@ -39,14 +39,15 @@ def _timeout(timeout: Union[None, float, _dt.timedelta]) -> _dt.timedelta:
     return td
 
 
-def master_address(topo: Optional[Topology] = None, verify: bool = True) -> MasterChoice:
+def master_address(topo: Optional[Topology] = None, verify: bool = True, timeout: Optional[float] = None) -> MasterChoice:
     """Rank 0's routable address, chosen from every node's interfaces (collective under MPI).
 
     With ``verify`` and several nodes, the choice is proven before anyone uses it: rank 0 listens
     on each candidate (and accepts on a thread, so no accept-queue cap drops connections), one rank
     per other node connects to all of them (bounded by ``HPCSYNC_CONNECT_TIMEOUT``, default 3 s),
     and the first candidate every node reached wins. None reached: the same
-    :class:`AddressError` on every rank, with what each node has and what failed.
+    :class:`AddressError` on every rank, with what each node has and what failed. Every exchange
+    between the ranks waits at most ``timeout`` seconds (default ``HPCSYNC_TIMEOUT``).
     """
     topo = topo or topology()
     env_addr = settings.text("HPCSYNC_MASTER_ADDR")
@@ -56,7 +57,7 @@ def master_address(topo: Optional[Topology] = None, verify: bool = True) -> Mast
         if env_addr or launcher_addr:
             return MasterChoice(env_addr or launcher_addr, None, "environment")  # type: ignore[arg-type]
         return choose_master([NodeInterfaces(topo.hostname, local_interfaces())], ifname=ifname)
-    comm = _mpi.MPI().COMM_WORLD
+    comm = bounded.control("hpcsync.init: choosing the master address", timeout=timeout)
     mine = NodeInterfaces(topo.hostname, local_interfaces()) if topo.local_rank == 0 else None
     tables = comm.gather((topo.node_rank, mine), root=0)
     result: Any = None
@@ -213,9 +214,9 @@ def init(
             return topo
         name = _pick_backend(backend, topo)
         # The MPI-based backends need no address: do not pay for choosing and proving one.
-        choice = None if name in ("mpi", "hpcsync") else master_address(topo)
+        choice = None if name in ("mpi", "hpcsync") else master_address(topo, timeout=td.total_seconds())
         if choice is not None:
-            _own_interface(topo, choice, name)
+            _own_interface(topo, choice, name, td.total_seconds())
         if name == "nccl" and set_device:
             torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
         kv: Any = None  # the rendezvous store (TCPStore or MPIStore); `store` names its kind
@@ -266,7 +267,7 @@ def init(
         return topo
 
 
-def _own_interface(topo: Topology, choice: MasterChoice, backend: str) -> None:
+def _own_interface(topo: Topology, choice: MasterChoice, backend: str, timeout: float) -> None:
     """This rank's own interface for gloo / NCCL (the one its kernel routes to the master by, never
     a name from another node), proven between every pair of nodes when there are several."""
     from . import interfaces
@@ -278,14 +279,16 @@ def _own_interface(topo: Topology, choice: MasterChoice, backend: str) -> None:
     except AddressError as exc:
         err = str(exc)
     if topo.uses_mpi and topo.world_size > 1:  # one error, the same on every rank, whichever failed
-        errs = [e for e in _mpi.MPI().COMM_WORLD.allgather(err) if e]
+        ctl = bounded.control("hpcsync.init: each node's own interface", timeout=timeout)
+        errs = [e for e in ctl.allgather(err) if e]
         if errs:
             raise AddressError("\n".join(sorted(set(errs))))
     elif err:
         raise AddressError(err)
     assert link is not None
     if topo.uses_mpi and topo.num_nodes > 1:
-        interfaces.prove_peers(_mpi.MPI().COMM_WORLD, topo, link, backend)
+        interfaces.prove_peers(bounded.control("hpcsync.init: proving every pair of nodes", timeout=timeout),
+                               topo, link, backend)
     interfaces.export(link, backend)
     log.debug("rank %d: %s uses %s", topo.rank, backend, link)
 
@@ -300,7 +303,7 @@ def _tcp_store(topo: Topology, addr: str, port: Optional[int], td: _dt.timedelta
     """Rank 0 binds the store and broadcasts the port it really got (no probe-then-bind race)."""
     import torch.distributed as dist
 
-    comm = _mpi.MPI().COMM_WORLD
+    comm = bounded.control("hpcsync.init: the TCP store's port", timeout=td.total_seconds())
     store, err = None, None
     if topo.rank == 0:
         try:

@@ -7,11 +7,22 @@ must resume from the same one. :class:`Checkpoints` keeps ``ROOT/step-<N>/`` dir
   partial sums) is gathered to rank 0 over MPI and written there; on load rank 0 reads it back and
   broadcasts it. Ranks that see ``ROOT`` differently (node-local disks, a lagging network
   filesystem) cannot disagree, and ROOT need not be shared at all.
-- **written under a temporary name, marked complete last.** Files go into ``ROOT/.step-<N>.tmp``,
-  each flushed to disk; then a ``COMPLETE`` marker with every file's size; then the directory is
-  renamed to ``step-<N>``. A job killed at any moment leaves the previous checkpoint the latest.
-- **the latest complete one, chosen by rank 0 and broadcast.** A directory whose marker is
-  missing, or whose files do not have the sizes it lists, is skipped with a warning.
+- **written under a temporary name, marked complete last.** Files go into a temporary directory,
+  each flushed to disk; then a ``COMPLETE`` marker with every file's size and the checkpoint's
+  sequence number; then the directory is renamed into place. Nothing complete is renamed or
+  removed before the new one is in place, so a job killed at any moment leaves a complete
+  checkpoint (the previous one until the rename, the new one after).
+- **the latest is the last saved**, by sequence number, not by step: a root that still holds a
+  higher step of an abandoned run does not win over this run's newest, and pruning (``keep``)
+  never removes the checkpoint just written. Saving a step again writes ``step-<N>.<seq>``.
+- **one job per root.** Rank 0 records the job that uses ``ROOT`` (``ROOT/OWNER``); a second job
+  that is still running (Slurm's ``squeue``, or a live process on this host) gets a
+  :class:`~hpcsync.errors.CheckpointError` on every rank instead of loading or pruning the other's
+  checkpoints. A requeued job is the same job; a job that ended hands the root on.
+- **loading runs no code**: ``torch.load(weights_only=True)``, with numpy's arrays and scalars
+  allowed (RNG states) and whatever ``safe_globals`` adds.
+- **bounded.** Every exchange between the ranks waits at most ``timeout`` (``HPCSYNC_TIMEOUT``):
+  a rank that raised or is stuck gives the others :class:`~hpcsync.errors.CollectiveTimeout`.
 
 ::
 
@@ -29,27 +40,35 @@ import logging
 import os
 import re
 import shutil
+import socket
+import subprocess
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from . import comm
+from . import bounded, comm
 from .errors import CheckpointError, raise_if_any
 from .filesync import fsync_dir
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
-_NAME = re.compile(r"^step-(\d{8,})$")
+OWNER = "OWNER"
+_NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
+_SQUEUE_TIMEOUT_S = 30.0
+_FINISHED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+             "OUT_OF_MEMORY", "")
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What :meth:`Checkpoints.save` was given: ``shared`` (rank 0's) and this rank's ``local``."""
+    """What :meth:`Checkpoints.save` was given: ``shared`` (rank 0's) and this rank's ``local``;
+    ``seq`` orders checkpoints by when they were saved."""
 
     step: int
     path: str
     shared: Any
     local: Any
+    seq: int = -1
 
 
 def _dumps(obj: Any) -> bytes:
@@ -60,129 +79,268 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _loads(data: bytes) -> Any:
+def numpy_safe_globals() -> List[Any]:
+    """What ``torch.load(weights_only=True)`` needs to rebuild numpy arrays, dtypes and scalars
+    (numpy's RNG state is an array): data, no code."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")] if hasattr(np, "dtypes") else []
+    return [np.dtype, np.ndarray, multiarray.scalar, multiarray._reconstruct, *dtypes]
+
+
+def _loads(data: bytes, extra: Sequence[Any]) -> Any:
     import torch
 
-    # our own files: RNG states hold numpy arrays and tuples, which weights_only refuses
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals([*numpy_safe_globals(), *extra]):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with open(path, "xb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
+# -- which job uses a root ---------------------------------------------------------------------
+def _start_ticks(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+        return int(text[text.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def this_job() -> Dict[str, Any]:
+    """Who this job is, for ``OWNER``: its Slurm job id (the same across requeues; each array
+    task has its own), and rank 0's host and process."""
+    pid = os.getpid()
+    return {"slurm_job": os.environ.get("SLURM_JOB_ID") or None, "host": socket.gethostname(), "pid": pid,
+            "start": _start_ticks(pid)}
+
+
+def _describe_job(job: Dict[str, Any]) -> str:
+    if job.get("slurm_job"):
+        return f"Slurm job {job['slurm_job']}"
+    return f"process {job.get('pid')} on {job.get('host')}"
+
+
+def _same_job(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    if a.get("slurm_job") or b.get("slurm_job"):
+        return a.get("slurm_job") == b.get("slurm_job")
+    return (a.get("host"), a.get("pid"), a.get("start")) == (b.get("host"), b.get("pid"), b.get("start"))
+
+
+def job_running(job: Dict[str, Any]) -> Optional[bool]:
+    """Whether the job that wrote an ``OWNER`` record still runs: True, False, or None when this
+    machine cannot tell (no ``squeue``; a process on another host)."""
+    if job.get("slurm_job"):
+        squeue = shutil.which("squeue")
+        if squeue is None:
+            return None
+        try:
+            proc = subprocess.run([squeue, "-h", "-t", "all", "-j", str(job["slurm_job"]), "-o", "%T"], capture_output=True,
+                                  text=True, timeout=_SQUEUE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if proc.returncode != 0:  # "Invalid job id specified": gone from the queue
+            return False if "Invalid job id" in proc.stderr else None
+        return proc.stdout.strip().upper() not in _FINISHED
+    if job.get("host") != socket.gethostname():
+        return None
+    pid = job.get("pid")
+    return isinstance(pid, int) and _start_ticks(pid) is not None and _start_ticks(pid) == job.get("start")
+
+
 class Checkpoints:
     """The checkpoints under ``root`` (created on rank 0). ``keep``: how many complete ones stay
     after a save (older ones are removed; at least 1). Every method is collective over the world
-    (or ``group``, a torch process group)."""
+    or ``group`` (a torch process group or an mpi4py communicator), each exchange bounded by
+    ``timeout`` seconds (default ``HPCSYNC_TIMEOUT``). ``safe_globals``: further types a
+    checkpoint may hold (``torch.serialization.add_safe_globals``'s kind)."""
 
-    def __init__(self, root: str, keep: int = 2, group: Any = None) -> None:
+    def __init__(self, root: str, keep: int = 2, group: Any = None, timeout: Optional[float] = None,
+                 safe_globals: Sequence[Any] = ()) -> None:
         if keep < 1:
             raise ValueError(f"Checkpoints(keep={keep}): at least 1 must be kept")
         self.root = os.path.abspath(root)
         self.keep = keep
+        self.timeout = timeout
+        self.safe_globals = list(safe_globals)
         self._group = group
+        self._job = this_job()
+        self._warned: Set[str] = set()
 
-    def _rank(self) -> int:
-        return comm._comm(self._group).Get_rank()
-
-    def _size(self) -> int:
-        return comm._comm(self._group).Get_size()
-
-    def _agree(self, error: Optional[str], what: str) -> None:
-        raise_if_any(comm._comm(self._group), error, CheckpointError, what)
+    def _ctl(self, what: str) -> Any:
+        return bounded.control(f"hpcsync.checkpoint: {what}", self._group, self.timeout)
 
     def path(self, step: int) -> str:
+        """Where ``step`` is written when it is saved once (``step-<N>``; again: ``step-<N>.<seq>``)."""
         return os.path.join(self.root, f"step-{step:08d}")
 
     # -- rank 0 only ---------------------------------------------------------------------------
-    def _complete_steps(self) -> List[int]:
-        """Steps of the complete checkpoints under root, newest first (rank 0)."""
+    def _claim(self) -> None:
+        """Record this job in ``ROOT/OWNER``, unless another job that still runs holds the root."""
+        owner_path = os.path.join(self.root, OWNER)
         try:
-            names = os.listdir(self.root)
+            with open(owner_path) as f:
+                owner = json.load(f)
         except FileNotFoundError:
-            return []
-        steps = []
-        for name in names:
-            m = _NAME.match(name)
-            if m and self._is_complete(os.path.join(self.root, name)):
-                steps.append(int(m.group(1)))
-        return sorted(steps, reverse=True)
+            owner = None
+        except (OSError, ValueError) as exc:
+            log.warning("hpcsync.checkpoint: %s unreadable (%s); taking the root over", owner_path, exc)
+            owner = None
+        if owner is not None and _same_job(owner, self._job):
+            return
+        if owner is not None:
+            running = job_running(owner)
+            if running:
+                raise CheckpointError(
+                    f"{self.root} is in use by {_describe_job(owner)}, which is still running: two jobs on one "
+                    "checkpoint root would load and prune each other's checkpoints; give each job its own root "
+                    "(e.g. a folder per SLURM_ARRAY_TASK_ID)")
+            if running is None:
+                log.warning("hpcsync.checkpoint: %s was used by %s, which this machine cannot tell is over; "
+                            "taking it over", self.root, _describe_job(owner))
+        os.makedirs(self.root, exist_ok=True)
+        tmp = f"{owner_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self._job, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, owner_path)
 
-    def _is_complete(self, folder: str) -> bool:
+    def _marker(self, folder: str) -> Optional[dict]:
+        """The marker of a complete checkpoint directory, or None (warned once) when it is not."""
         try:
             with open(os.path.join(folder, MARKER)) as f:
                 marker = json.load(f)
             bad = [n for n, size in marker["files"].items() if os.path.getsize(os.path.join(folder, n)) != size]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("hpcsync.checkpoint: skipping %s: %s", folder, exc)
-            return False
-        if bad:
-            log.warning("hpcsync.checkpoint: skipping %s: %s differ in size from its marker", folder, ", ".join(bad))
-        return not bad
+            why = f"{', '.join(bad)} differ in size from its marker" if bad else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = str(exc)
+        if why is None:
+            return marker
+        if folder not in self._warned:
+            self._warned.add(folder)
+            log.warning("hpcsync.checkpoint: skipping %s: %s", folder, why)
+        return None
+
+    def _complete(self) -> List[Tuple[int, int, str]]:
+        """``(seq, step, folder)`` of the complete checkpoints under root, the last saved first;
+        a marker without a sequence number (an older hpcsync's) counts as older than any with one."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            m = _NAME.match(name)
+            if m:
+                folder = os.path.join(self.root, name)
+                marker = self._marker(folder)
+                if marker is not None:
+                    found.append((int(marker.get("seq", -1)), int(m.group(1)), folder))
+        return sorted(found, reverse=True)
+
+    def _next_seq(self) -> int:
+        seqs = [-1]
+        for name in os.listdir(self.root):
+            if _NAME.match(name):
+                try:
+                    with open(os.path.join(self.root, name, MARKER)) as f:
+                        seqs.append(int(json.load(f).get("seq", -1)))
+                except (OSError, ValueError, TypeError, AttributeError):
+                    continue
+        return max(seqs) + 1
 
     def _write_all(self, step: int, shared: bytes, locals_: List[bytes]) -> str:
-        os.makedirs(self.root, exist_ok=True)
-        for name in os.listdir(self.root):  # what an earlier, interrupted save left
+        self._claim()
+        for name in os.listdir(self.root):  # what an earlier, interrupted save of this root left
             if name.startswith(".step-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        tmp = os.path.join(self.root, f".step-{step:08d}.tmp")
+        seq = self._next_seq()
+        tmp = os.path.join(self.root, f".step-{step:08d}.{seq}.tmp")
         os.makedirs(tmp)
         files = {"shared.pt": shared, **{f"rank-{r:05d}.pt": data for r, data in enumerate(locals_)}}
         for name, data in files.items():
             _write(os.path.join(tmp, name), data)
-        marker = {"step": step, "world_size": len(locals_), "files": {n: len(d) for n, d in files.items()}}
+        marker = {"step": step, "seq": seq, "world_size": len(locals_), "files": {n: len(d) for n, d in files.items()},
+                  "job": self._job}
         _write(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
         fsync_dir(tmp)
         final = self.path(step)
-        if os.path.exists(final):  # the same step saved again: the new one replaces it
-            old = os.path.join(self.root, f".step-{step:08d}.old.tmp")
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        if os.path.lexists(final):  # the same step saved again: a name of its own, the old one stays
+            final = f"{final}.{seq}"
+        os.rename(tmp, final)
         fsync_dir(self.root)
-        for old_step in self._complete_steps()[self.keep:]:
-            shutil.rmtree(self.path(old_step), ignore_errors=True)
+        for _, _, folder in self._complete()[self.keep:]:  # the one just written is the newest
+            if folder != final:
+                shutil.rmtree(folder, ignore_errors=True)
         return final
+
+    def _read(self, step: Optional[int], size: int) -> Optional[Tuple[int, str, int, bytes, List[bytes]]]:
+        self._claim()
+        chosen = [c for c in self._complete() if step is None or c[1] == step]
+        if not chosen:
+            if step is not None:
+                raise ValueError(f"no complete checkpoint of step {step} under {self.root}")
+            return None
+        seq, found, folder = chosen[0]
+        with open(os.path.join(folder, MARKER)) as f:
+            world = json.load(f)["world_size"]
+        if world != size:
+            raise ValueError(f"{folder} was written by {world} ranks, this job has {size}")
+        with open(os.path.join(folder, "shared.pt"), "rb") as f:
+            shared = f.read()
+        locals_ = []
+        for r in range(world):
+            with open(os.path.join(folder, f"rank-{r:05d}.pt"), "rb") as f:
+                locals_.append(f.read())
+        return found, folder, seq, shared, locals_
 
     # -- collective ----------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
-        """The step of the newest complete checkpoint (rank 0 looks, every rank gets its answer)."""
-        steps: Optional[List[int]] = None
+        """The step of the last saved complete checkpoint (rank 0 looks, every rank gets its answer)."""
+        ctl = self._ctl("latest()")
+        found: Optional[int] = None
         error = None
-        if self._rank() == 0:
+        if ctl.Get_rank() == 0:
             try:
-                steps = self._complete_steps()
-            except OSError as exc:
-                error = f"cannot list {self.root}: {exc}"
-        found = comm.broadcast_object((steps[0] if steps else None, error), group=self._group)
-        if found[1]:
-            raise CheckpointError(f"hpcsync.checkpoint: rank 0 {found[1]}")
-        return found[0]
+                self._claim()
+                complete = self._complete()
+                found = complete[0][1] if complete else None
+            except Exception as exc:
+                error = f"cannot use {self.root}: {exc}"
+        found, error = ctl.bcast((found, error), root=0)
+        if error:
+            raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
+        return found
 
     def save(self, step: int, shared: Any = None, local: Any = None) -> str:
         """Write checkpoint ``step``: rank 0's ``shared`` (the same on every rank under DDP, so only
         rank 0's is kept) and every rank's ``local``. Returns its directory on every rank once it is
         complete; raises :class:`CheckpointError` on every rank if any part failed."""
+        ctl = self._ctl(f"save of step {step}")
         error, data = None, b""
         try:
             data = _dumps(local)
         except Exception as exc:  # an unpicklable state on one rank: the same error everywhere
             error = f"cannot serialise its local state: {exc!r}"
-        self._agree(error, f"hpcsync.checkpoint: step {step} not saved: ")
-        locals_ = comm.gather(data, dst=0, group=self._group)
+        raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
+        locals_ = comm.gather(data, dst=0, group=ctl)
         path, error = None, None
-        if self._rank() == 0:
+        if ctl.Get_rank() == 0:
             try:
                 path = self._write_all(step, _dumps(shared), locals_)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        path, error = comm.broadcast_object((path, error), group=self._group)
+        path, error = ctl.bcast((path, error), root=0)
         if error:
             raise CheckpointError(f"hpcsync.checkpoint: step {step} not saved (rank 0: {error}); "
                                   "the previous complete checkpoint is untouched")
@@ -190,35 +348,33 @@ class Checkpoints:
         return path
 
     def load(self, step: Optional[int] = None) -> Optional[Checkpoint]:
-        """The checkpoint ``step`` (default: the latest complete one), or None when there is none.
+        """The checkpoint ``step`` (default: the last saved complete one), or None when there is none.
         Rank 0 reads every file; each rank gets ``shared`` and its own ``local`` (rank 0 broadcasts
         all of them: keep local states small -- RNG states, positions, sums -- and shard a model too
         big for one rank's memory with torch.distributed.checkpoint instead). A checkpoint written
-        by a different number of ranks raises :class:`CheckpointError` on every rank."""
+        by a different number of ranks, or one holding types that ``weights_only`` loading refuses,
+        raises :class:`CheckpointError` on every rank."""
+        ctl = self._ctl("load()")
         payload, error = None, None
-        if self._rank() == 0:
+        if ctl.Get_rank() == 0:
             try:
-                chosen = step if step is not None else (self._complete_steps() or [None])[0]
-                if chosen is not None:
-                    folder = self.path(chosen)
-                    with open(os.path.join(folder, MARKER)) as f:
-                        world = json.load(f)["world_size"]
-                    if world != self._size():
-                        raise ValueError(f"{folder} was written by {world} ranks, this job has {self._size()}")
-                    with open(os.path.join(folder, "shared.pt"), "rb") as f:
-                        shared = f.read()
-                    locals_ = []
-                    for r in range(world):
-                        with open(os.path.join(folder, f"rank-{r:05d}.pt"), "rb") as f:
-                            locals_.append(f.read())
-                    payload = (chosen, folder, shared, locals_)
+                payload = self._read(step, ctl.Get_size())
             except Exception as exc:
                 error = f"cannot load from {self.root}: {type(exc).__name__}: {exc}"
-        payload, error = comm.broadcast_object((payload, error), group=self._group)
+        payload, error = comm.broadcast_object((payload, error), group=ctl)
         if error:  # rank 0's words, the same on every rank
             raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
         if payload is None:
             return None
-        chosen, folder, shared, locals_ = payload
+        chosen, folder, seq, shared, locals_ = payload
+        error, loaded = None, None
+        try:
+            loaded = (_loads(shared, self.safe_globals), _loads(locals_[ctl.Get_rank()], self.safe_globals))
+        except Exception as exc:  # e.g. a type weights_only refuses: never run it, say so everywhere
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+            error = f"{folder}: {type(exc).__name__}: {why}"
+        raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load (weights_only=True; add "
+                     "trusted types with Checkpoints(safe_globals=[...])): ")
         log.info("hpcsync.checkpoint: resuming from step %d (%s)", chosen, folder)
-        return Checkpoint(chosen, folder, _loads(shared), _loads(locals_[self._rank()]))
+        return Checkpoint(chosen, folder, loaded[0], loaded[1], seq)

@@ -109,7 +109,7 @@ def _interface_checks(topo: Any, choice: Any, checks: List[Check], connect: bool
     does not exist on some node."""
     import os
 
-    from . import _mpi, interfaces
+    from . import _mpi, bounded, interfaces
     from .errors import AddressError
 
     links, errors = [], []
@@ -128,7 +128,8 @@ def _interface_checks(topo: Any, choice: Any, checks: List[Check], connect: bool
     failed = sorted({e for es, _ in every for e in es})
     if not failed and multi and connect and topo.num_nodes > 1:
         try:
-            interfaces.prove_peers(_mpi.MPI().COMM_WORLD, topo, links[0], "gloo")
+            interfaces.prove_peers(bounded.control("hpcsync doctor: proving every pair of nodes"), topo, links[0],
+                                   "gloo")
         except AddressError as exc:
             failed = [str(exc)]
     if failed:

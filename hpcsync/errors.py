@@ -32,6 +32,11 @@ class CheckpointError(HpcsyncError):
     """A checkpoint could not be written or read; the previous complete checkpoint is untouched."""
 
 
+class CollectiveTimeout(HpcsyncError, TimeoutError):
+    """A control collective (checkpoint, requeue, address proof) waited past its timeout for the
+    other ranks: one raised or is stuck before it, or its node was lost."""
+
+
 def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], what: str) -> None:
     """Collective: if any rank has an ``error``, raise the same ``exc_type`` on every rank.
 

@@ -107,7 +107,9 @@ def export(link: NodeLink, backend: str, env: Optional[Dict[str, str]] = None) -
 
 def prove_peers(comm: Any, topo: Any, link: NodeLink, backend: str, timeout: Optional[float] = None) -> List[NodeLink]:
     """Collective: every node's ``link`` reached from every other node, or the same
-    :class:`AddressError` on every rank. Returns every node's link (index: node rank)."""
+    :class:`AddressError` on every rank. Returns every node's link (index: node rank). ``comm``:
+    a bounded one (:func:`hpcsync.bounded.control`), so a rank that fails before an exchange
+    leaves the others a timeout, not a hang."""
     timeout = settings.number("HPCSYNC_CONNECT_TIMEOUT") if timeout is None else timeout
     leader = topo.local_rank == 0
     listener, port, err = (None, 0, None)
@@ -125,7 +127,11 @@ def prove_peers(comm: Any, topo: Any, link: NodeLink, backend: str, timeout: Opt
         if leader:
             others = [n for n in sorted(nodes) if n != topo.node_rank]
             targets = [(nodes[n][0].address or "", nodes[n][1]) for n in others]
-            for n, res in zip(others, reach_all(targets, timeout)):
+            try:
+                reached = reach_all(targets, timeout)
+            except Exception as exc:  # this node's failure is an error of its pairs, never a missing rank
+                reached = [f"the connection test failed on this node: {type(exc).__name__}: {exc}"] * len(targets)
+            for n, res in zip(others, reached):
                 if res is not None:
                     errors.append((topo.node_rank, n, nodes[n][2] or res))
         every = comm.allgather(errors if leader else [])

@@ -329,9 +329,16 @@ def reach_all(targets: Sequence[Tuple[str, int]], timeout: float, window: int = 
                 if not port:
                     results[k] = "not listening"
                     continue
-                sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
-                sock.setblocking(False)
-                code = sock.connect_ex((addr.split("%")[0], port))
+                try:  # socket() fails with EMFILE past the open-files limit; an address may not parse
+                    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+                except OSError as exc:
+                    results[k] = f"cannot open a socket to try {addr}:{port}: {exc.strerror or exc}"
+                    continue
+                try:
+                    sock.setblocking(False)
+                    code = sock.connect_ex((addr.split("%")[0], port))
+                except OSError as exc:
+                    code = exc.errno or errno.EINVAL
                 if code not in (0, errno.EINPROGRESS):
                     results[k] = f"cannot connect to {addr}:{port}: {os.strerror(code)}"
                     sock.close()

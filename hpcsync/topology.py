@@ -177,3 +177,8 @@ def from_environment(env: Mapping[str, str]) -> Topology:
         launcher=launcher.name,
         mpi_library=None,
     )
+
+
+from ._callable import make_callable  # noqa: E402
+
+make_callable(__name__, topology)

@@ -21,7 +21,7 @@ def test_checkpoints_are_written_and_chosen_by_rank_0_only(tmp_path):
         assert d["past_leftovers"] == 12, "a temporary, unmarked or cut-short checkpoint was chosen"
         assert d["bad_local"] is not None and "rank 2: cannot serialise its local state" in d["bad_local"], d
         assert d["after_bad_local"] == 12
-    assert res.ranks[0]["kept"] == ["step-00000007", "step-00000012"]  # keep=2
+    assert res.ranks[0]["kept"] == ["OWNER", "step-00000007", "step-00000012"]  # keep=2, and which job uses it
     assert res.ranks[1]["kept"] is False and res.ranks[2]["kept"] is False  # nothing written off rank 0
     assert res.ranks[0]["wrong_world"] == res.ranks[1]["wrong_world"]
     assert "was written by 3 ranks, this job has 2" in res.ranks[0]["wrong_world"]
