@@ -372,7 +372,7 @@ class Checkpoints:
             loaded = (_loads(shared, self.safe_globals), _loads(locals_[ctl.Get_rank()], self.safe_globals))
         except Exception as exc:  # e.g. a type weights_only refuses: never run it, say so everywhere
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-            why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+            why = next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else "")
             error = f"{folder}: {type(exc).__name__}: {why}"
         raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load (weights_only=True; add "
                      "trusted types with Checkpoints(safe_globals=[...])): ")

@@ -2,12 +2,15 @@
 decision (which id, the cap, a missing or refusing scontrol). The requeue itself, on a real
 Slurm, is in test_requeue.py."""
 import os
+import shutil
 import stat
+import subprocess
+import time
 
 import pytest
 
 from hpcsync import requeue
-from launch import openmpi, run
+from launch import LAUNCHERS, PROGRAMS, PY, clean_env, openmpi, run
 
 
 def test_checkpoints_are_written_and_chosen_by_rank_0_only(tmp_path):
@@ -70,3 +73,118 @@ def test_restart_cap_setting(monkeypatch):
         requeue.restart_cap()
     monkeypatch.delenv("HPCSYNC_MAX_RESTARTS")
     assert requeue.restart_cap() == 8 and os.environ.get("HPCSYNC_MAX_RESTARTS") is None
+
+
+def ckpt_op(tmp_path, *args, expect_ok=True):
+    return run(None, 1, "ckpt_ops.py", *map(str, args), tmp_path=tmp_path, timeout=120, expect_ok=expect_ok)
+
+
+def load_here(root):
+    """The latest checkpoint as a new job sees it (this process; the writers have exited)."""
+    import hpcsync
+
+    got = hpcsync.Checkpoints(str(root)).load()
+    return None if got is None else (got.step, got.shared["v"])
+
+
+def test_the_last_saved_wins_over_a_higher_step_of_an_older_run(tmp_path):
+    """A root holding step 6000 of an abandoned run; a new run saves 100 and 200 with keep=1:
+    each save's path exists when it returns, and the resume is step 200, not 6000."""
+    root = tmp_path / "ckpt"
+    ckpt_op(tmp_path, "save", root, 2, "6000=old")
+    new = ckpt_op(tmp_path, "save", root, 1, "100=a", "200=b").ranks[0]
+    assert new["saved"] == [["step-00000100", True], ["step-00000200", True]], new
+    assert new["listing"] == ["OWNER", "step-00000200"], new
+    assert load_here(root) == (200, "b")
+
+
+def test_saving_a_step_again_keeps_a_complete_checkpoint_at_every_moment(tmp_path):
+    """step 5 is saved, then saved again with new content by a process that dies just before its
+    k-th filesystem change, for every k: the next start always finds a complete step 5, the old
+    content or the new, never nothing."""
+    base = tmp_path / "base"
+    ckpt_op(tmp_path, "save", base, 1, "5=old")
+    seen, k = set(), 1
+    while True:
+        root = tmp_path / f"crash{k}"
+        shutil.copytree(base, root)
+        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", expect_ok=False)
+        got = load_here(root)
+        assert got in {(5, "old"), (5, "new")}, f"killed before change {k}: the resume found {got}\n{res}"
+        seen.add(got[1])
+        if res.returncode == 0:  # no k-th change: the save ran to its end
+            assert res.ranks[0]["points"] == k - 1 and got == (5, "new"), res
+            break
+        assert res.returncode == 9, res
+        k += 1
+    assert k > 5 and seen == {"old", "new"}, (k, seen)
+
+
+def test_a_planted_checkpoint_runs_no_code_on_load(tmp_path):
+    """A newer step-* planted in the root (anyone who can write there could) whose shared.pt
+    would run a command when unpickled: load() refuses it with the reason, nothing runs."""
+    import io
+    import json
+
+    import torch
+
+    root = tmp_path / "ckpt"
+    ckpt_op(tmp_path, "save", root, 2, "10=mine")
+    victim = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {victim}",))
+
+    planted = root / "step-00999999"
+    planted.mkdir()
+    files = {}
+    for name, obj in (("shared.pt", {"v": Payload()}), ("rank-00000.pt", None)):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        (planted / name).write_bytes(buf.getvalue())
+        files[name] = len(buf.getvalue())
+    (planted / "COMPLETE").write_text(json.dumps({"step": 999999, "seq": 10**6, "world_size": 1, "files": files}))
+    got = ckpt_op(tmp_path, "load", root).ranks[0]["loaded"]
+    assert not victim.exists(), "loading the checkpoint ran the planted command"
+    assert "error" in got and "weights_only" in got["error"] and "system" in got["error"], got
+
+
+def test_two_jobs_on_one_root_is_a_clear_error(tmp_path):
+    """A second job on a root that a running job uses is refused (it would load and prune the
+    other's checkpoints); once the first has ended, the root is handed on."""
+    root = tmp_path / "ckpt"
+    ckpt_op(tmp_path, "save", root, 2, "3=first")
+    holder = subprocess.Popen([PY, str(PROGRAMS / "ckpt_ops.py"), "hold", str(root), "60"],
+                              env=clean_env({"HPCSYNC_TEST_OUT": str(tmp_path)}), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ckpt.held").exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the first job did not start"
+            time.sleep(0.05)
+        second = ckpt_op(tmp_path, "load", root).ranks[0]["loaded"]
+        assert "error" in second and f"in use by process {holder.pid} on" in second["error"] and \
+            "still running" in second["error"], second
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ckpt_op(tmp_path, "load", root).ranks[0]["loaded"]["v"] == "first"
+
+
+@pytest.mark.parametrize("launcher,mode", [("openmpi", "save"), ("mpich", "requeue")])
+def test_a_rank_failing_inside_a_collective_call_ends_the_others_within_the_timeout(launcher, mode, tmp_path):
+    """HPCSYNC_ABORT_ON_EXCEPTION=0 and rank 0 alone raises inside Checkpoints.save / requeue():
+    ranks 1 and 2 get one CollectiveTimeout each after the 4 s timeout, naming the call, and the
+    job ends (MPI cannot finalize with the abandoned collective: MPI_Abort at exit)."""
+    t0 = time.monotonic()
+    res = run(LAUNCHERS[launcher](), 3, "bounded_fail.py", mode, tmp_path=tmp_path, timeout=120, expect_ok=False,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_ABORT_GRACE": "2"})
+    took = time.monotonic() - t0
+    assert res.returncode != 0 and took < 4 + 25, (took, res)
+    assert res.ranks[0]["error"] == "RuntimeError: injected on rank 0", res
+    what = "save of step 2" if mode == "save" else "hpcsync.requeue"
+    for d in res.ranks[1:]:
+        assert d["error"].startswith("CollectiveTimeout: ") and what in d["error"], d
+        assert "did not all arrive within 4 s" in d["error"] and 3.9 < d["seconds"] < 4 + 3, d
+    assert res.stderr.count("CollectiveTimeout: ") == 2, res.stderr
+    assert "MPI cannot finalize with a collective in flight" in res.stderr, res.stderr  # the first abort may end the other

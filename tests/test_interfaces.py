@@ -8,6 +8,7 @@ link is ``ib0``. With rank 0's interface name exported everywhere, gloo on such 
 until the store timed out (``DistStoreError: wait timeout``).
 """
 import subprocess
+import time
 
 import pytest
 
@@ -102,3 +103,32 @@ def test_doctor_shows_each_nodes_interface(clusters, tmp_path):
         assert f"node {i} {name}: {cluster.links(i)[0]} {cluster.address(i)}" in out, out
     assert "interface names differ between nodes" in out and "eth1 on node(s) " in out, out
     assert p.returncode == 0, out + p.stderr
+
+
+def test_a_rank_failing_inside_the_proof_ends_every_rank_within_the_timeout(clusters, tmp_path):
+    """HPCSYNC_ABORT_ON_EXCEPTION=0, rank 0 alone raises in the proof of every pair of nodes,
+    before its first exchange: ranks 1 and 2 raise one CollectiveTimeout at init's 5 s timeout
+    instead of waiting forever, and the job ends."""
+    cluster = clusters(BRIDGED)
+    t0 = time.monotonic()
+    res = run(cluster.openmpi([1, 1, 1]), 3, "interfaces.py", "gloo", "fault=raise", "timeout=5", tmp_path=tmp_path,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_ABORT_GRACE": "2"}, timeout=120, expect_ok=False)
+    assert res.returncode != 0 and time.monotonic() - t0 < 5 + 40, res
+    assert res.ranks[0]["error"] == "RuntimeError: injected on rank 0", res
+    for d in res.ranks[1:]:
+        assert d["error"].startswith("CollectiveTimeout: hpcsync.init: proving every pair of nodes"), d
+        assert 4.9 < d["seconds"] < 5 + 10, d
+
+
+def test_a_node_out_of_file_descriptors_is_an_error_of_its_pairs(clusters, tmp_path):
+    """Node 0 runs out of file descriptors in its connection test (EMFILE at socket()): every rank raises the same
+    AddressError that names the pairs and the reason, within the bound; nobody waits."""
+    cluster = clusters(BRIDGED)
+    res = run(cluster.openmpi([1, 1, 1]), 3, "interfaces.py", "gloo", "fault=emfile", "timeout=20", tmp_path=tmp_path,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"}, timeout=120, expect_ok=False)
+    errors = {d["error"] for d in res.ranks}
+    assert len(errors) == 1, errors
+    (err,) = errors
+    assert err.startswith("AddressError: gloo connects every pair of ranks, but "), err
+    assert "Too many open files" in err and f"node 0 ({cluster.names[0]}" in err, err
+    assert all(d["seconds"] < 15 for d in res.ranks), res

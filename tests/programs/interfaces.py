@@ -1,9 +1,12 @@
 """hpcsync.init(BACKEND) on nodes whose interfaces are named differently; every pair of ranks talks.
 
-    interfaces.py BACKEND [HOST=IFACE]
+    interfaces.py BACKEND [HOST=IFACE] [fault=raise|emfile] [timeout=SECONDS]
 
 ``HOST=IFACE``: the ranks on node HOST export ``GLOO_SOCKET_IFNAME=IFACE`` themselves before
-init (a user's per-node setting). Each rank reports the interface its backend was given, the
+init (a user's per-node setting). ``fault``: rank 0 alone fails in the proof of every pair of
+nodes -- ``raise``: an exception before its first exchange; ``emfile``: its open-files limit is
+lowered to what it holds, so each ``socket()`` of the connection test fails with EMFILE.
+``timeout``: init's (default 40 s). Each rank reports the interface its backend was given, the
 master address, an all_reduce and an all_to_all across every pair, or the error and how long it took.
 """
 import os
@@ -18,16 +21,40 @@ import hpcsync
 from hpcsync.topology import topology
 from _report import report
 
-backend = sys.argv[1]
+backend, options = sys.argv[1], {}
 for spec in sys.argv[2:]:
     host, iface = spec.split("=", 1)
-    if socket.gethostname() == host:
+    if host in ("fault", "timeout"):
+        options[host] = iface
+    elif socket.gethostname() == host:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
 topo = topology()
+if topo.rank == 0 and options.get("fault"):
+    import resource
+
+    import hpcsync.interfaces as ifs
+
+    real_listener, real_reach = ifs.open_listener, ifs.reach_all
+
+    def failing_listener(*args, **kwargs):
+        raise RuntimeError("injected on rank 0")
+
+    def reach_without_files(*args, **kwargs):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+        try:
+            return real_reach(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    if options["fault"] == "raise":
+        ifs.open_listener = failing_listener
+    else:
+        ifs.reach_all = reach_without_files
 out = {"rank": topo.rank, "world_size": topo.world_size, "hostname": socket.gethostname()}
 t0 = time.monotonic()
 try:
-    hpcsync.init(backend=backend, timeout=40)
+    hpcsync.init(backend=backend, timeout=float(options.get("timeout", 40)))
     out["gloo_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME")
     out["nccl_ifname"] = os.environ.get("NCCL_SOCKET_IFNAME")
     out["master"] = hpcsync.bootstrap._state["master"].address if hpcsync.bootstrap._state.get("master") else None
@@ -39,7 +66,11 @@ try:
     dist.all_to_all_single(recv, send)
     out["all_to_all"] = recv.tolist()
     hpcsync.shutdown()
-except hpcsync.HpcsyncError as exc:
+except Exception as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, hpcsync.HpcsyncError) or options.get("fault"):
+        out["seconds"] = time.monotonic() - t0
+        report(topo.rank, out)
+        raise
 out["seconds"] = time.monotonic() - t0
 report(topo.rank, out)

@@ -1,0 +1,64 @@
+"""One process, one hpcsync.Checkpoints operation on ROOT, the outcome in rank0.json.
+
+    ckpt_ops.py save ROOT KEEP STEP=VALUE...  save shared={"v": VALUE} for each; report each path and
+                                              whether it still exists after the save
+    ckpt_ops.py load ROOT                     report the latest: step, v (or None), or the error
+    ckpt_ops.py crash ROOT K STEP VALUE       save, but die (os._exit, no clean-up) just before the K-th
+                                              filesystem change of the save (rename, replace, rmtree,
+                                              makedirs, fsync); report how many there were if it got through
+    ckpt_ops.py hold ROOT SECONDS             load, write ROOT.held, sleep (a second job using the root)
+"""
+import os
+import shutil
+import sys
+import time
+
+import hpcsync
+from _report import report
+
+op, root = sys.argv[1], sys.argv[2]
+out: dict = {"world_size": 1, "op": op}
+
+
+def load(ckpts):
+    try:
+        got = ckpts.load()
+        return {"step": got.step, "v": got.shared["v"], "seq": got.seq} if got else None
+    except hpcsync.CheckpointError as exc:
+        return {"error": str(exc)}
+
+
+if op == "save":
+    ckpts = hpcsync.Checkpoints(root, keep=int(sys.argv[3]))
+    out["saved"] = []
+    for item in sys.argv[4:]:
+        step, value = item.split("=")
+        path = ckpts.save(int(step), shared={"v": value})
+        out["saved"].append([os.path.basename(path), os.path.isdir(path)])
+    out["listing"] = sorted(os.listdir(root))
+elif op == "load":
+    out["loaded"] = load(hpcsync.Checkpoints(root))
+elif op == "crash":
+    k, count = int(sys.argv[3]), [0]
+
+    def dying(fn):
+        def wrapper(*args, **kwargs):  # counts hpcsync's own calls only (not torch's, not os's recursion)
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("hpcsync."):
+                count[0] += 1
+                if count[0] == k:
+                    os._exit(9)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    ckpts = hpcsync.Checkpoints(root, keep=1)
+    for mod, name in ((os, "rename"), (os, "replace"), (os, "fsync"), (os, "makedirs"), (shutil, "rmtree")):
+        setattr(mod, name, dying(getattr(mod, name)))
+    ckpts.save(int(sys.argv[4]), shared={"v": sys.argv[5]})
+    out["points"] = count[0]
+elif op == "hold":
+    ckpts = hpcsync.Checkpoints(root)
+    out["loaded"] = load(ckpts)
+    with open(root + ".held", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(float(sys.argv[3]))
+report(0, out)
