@@ -28,7 +28,7 @@ from .errors import CollectiveTimeout
 SPIN_S = 0.05  # test without sleeping this long first (a peer a few µs late costs no ms)
 LARGE_BYTES = 64 << 10  # a transfer above this polls without sleeping (MPI progresses only inside calls)
 
-_abandoned: List[Any] = []  # (request, buffers) MPI may still write into
+_abandoned: List[Any] = []  # (why, request, buffers): operations MPI may still complete, and write into
 
 
 def wait(req: Any, timeout: float, large: bool = False) -> None:
@@ -97,9 +97,9 @@ class BoundedComm:
         try:
             wait(req, self.timeout, large)
         except CollectiveTimeout:
-            _abandoned.append((req, keep))
             self._p.broken = (f"{self.what}: {op} timed out after {self.timeout:g} s on rank {self._rank} "
                               f"(hpcsync's control communicator of {self._size} ranks is unusable from here)")
+            abandon(self._p.broken, req, keep)
             raise CollectiveTimeout(f"{self.what}: the other ranks did not all arrive within {self.timeout:g} s "
                                     f"({op}, rank {self._rank} of {self._size}): a rank raised or is stuck "
                                     "before this point (its own error says which), or its node was lost") from None
@@ -173,15 +173,24 @@ def control(what: str, group: Any = None, timeout: Optional[float] = None) -> An
         return base
     private = _private.get(id(base))
     if private is None or private.base is not base:
-        private = _private[id(base)] = _Private(base)
-        if len(_private) == 1:
+        if not _private and not _abandoned:
             jobend.at_exit("backend", _at_exit)
+        private = _private[id(base)] = _Private(base)
     return BoundedComm(private, default_timeout() if timeout is None else timeout, what)
 
 
+def abandon(why: str, req: Any, keep: Any = None) -> None:
+    """Keep a timed-out request and its buffers for good (MPI may still complete it and write into
+    them); the process then ends with ``MPI_Abort`` at exit, saying ``why``."""
+    if not _abandoned and not _private:
+        jobend.at_exit("backend", _at_exit)
+    _abandoned.append((why, req, keep))
+
+
 def broken() -> Optional[str]:
-    """Why a control communicator of this process is unusable, or None."""
-    return next((p.broken for p in _private.values() if p.broken), None)
+    """Why this process has an MPI operation abandoned in flight (a control collective or the
+    preemption guard's flags timed out), or None."""
+    return _abandoned[0][0] if _abandoned else None
 
 
 def _at_exit() -> None:

@@ -227,7 +227,10 @@ class PreemptionGuard:
                 self._agreed[:] = self._tensor.numpy()
         except (CollectiveTimeout, RuntimeError) as exc:
             self._broken = what
-            self._abandoned = req  # MPI may still write into the flags: kept with the guard
+            if self._mode == "mpi":  # MPI may still write into the flags: kept, and the job ends at exit
+                from . import bounded
+
+                bounded.abandon(what, req, (self._flag, self._agreed))
             raise CollectiveTimeout(what) from (exc if self._mode != "mpi" else None)
 
     def requeue(self, max_restarts: Optional[int] = None) -> Any:

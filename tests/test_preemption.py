@@ -31,19 +31,25 @@ def start(launcher, n, tmp_path, *args):
     return proc, out, [int((out / f"pid{r}").read_text()) for r in range(n)]
 
 
-def finish(proc, out, n):
-    """Exit 0, one stop step on every rank, and the checkpoint holds it."""
+def finish(proc, out, n, sig=signal.SIGUSR1):
+    """One stop step on every rank, the checkpoint holds it, and the exit code says why: 0 after
+    SIGUSR1 (nothing to requeue outside Slurm), 128 + 15 after SIGTERM (an ending signal: never
+    requeued); SIGTERM stays ignored after ``close()`` once ``requeue()`` has run."""
     try:
         stdout, stderr = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail(f"the job did not stop: {proc.communicate()}")
-    assert proc.returncode == 0, stderr[-3000:]
+    code = 0 if sig == signal.SIGUSR1 else 128 + sig
+    assert proc.returncode == code, stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
     steps = {d["stop_step"] for d in ranks}
     assert len(steps) == 1 and None not in steps, ranks
     assert json.loads((out / "ckpt.json").read_text()) == {"step": steps.pop()}, ranks
-    assert {d["reason"] for d in ranks} == {"signal SIGUSR1"}, ranks
+    assert {d["reason"] for d in ranks} == {f"signal {signal.Signals(sig).name}"}, ranks
+    assert {(d["exit_code"], d["requeued"], d["sigterm_after_close"]) for d in ranks} == {(code, False, "SIG_IGN")}
+    if sig == signal.SIGTERM:
+        assert all("stopped on SIGTERM, which ends a job" in d["message"] for d in ranks), ranks
     return ranks
 
 
@@ -75,6 +81,17 @@ def test_a_signal_to_the_launcher_reaches_every_rank_and_stops_them_together(lau
     assert all(d["received"] == signal.SIGUSR1 for d in ranks), ranks
 
 
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_sigterm_to_one_rank_stops_every_rank_and_never_requeues(launcher, tmp_path):
+    """SIGTERM (scancel, the end) to one rank: every rank stops at the same step with the
+    checkpoint, and the outcome is "not requeued", exit 143, on every rank."""
+    proc, out, pids = start(launcher, 3, tmp_path, "400")
+    time.sleep(0.5)
+    psutil.Process(pids[2]).send_signal(signal.SIGTERM)
+    ranks = finish(proc, out, 3, signal.SIGTERM)
+    assert ranks[2]["received"] == signal.SIGTERM and ranks[0]["received"] is None, ranks
+
+
 def test_dataloader_workers_ignore_the_signal(tmp_path):
     """The signal goes to one rank and its two DataLoader workers: the workers live on (the guard's
     worker_init_fn), the ranks stop together."""
@@ -96,3 +113,20 @@ def test_without_mpi_the_guard_agrees_over_torch_distributed(tmp_path):
     psutil.Process(pids[0]).send_signal(signal.SIGUSR1)
     ranks = finish(proc, out, 2)
     assert ranks[0]["received"] == signal.SIGUSR1 and ranks[1]["received"] is None, ranks
+
+
+@pytest.mark.parametrize("launcher,args", [("openmpi", ()), ("mpich", ("group",)), ("torchrun", ())],
+                         ids=["openmpi", "mpich-torch-group", "torchrun"])
+def test_a_rank_that_stops_calling_is_a_timeout_at_the_guards_bound(launcher, args, tmp_path):
+    """Rank 1 stops calling should_stop(): rank 0 raises TimeoutError about 2 s (the guard's
+    timeout) after the last call they shared -- also without MPI, where the wait was torch's own
+    60 s -- and close() afterwards does not wait a second time. A torch group is a valid group=
+    (and comm=) under MPI."""
+    from launch import run
+
+    res = run(LAUNCHERS[launcher](), 2, "guard_timeout.py", *args, tmp_path=tmp_path, timeout=120, expect_ok=False,
+              env={"HPCSYNC_ABORT_GRACE": "2"})
+    d = res.ranks[0]
+    assert d is not None and res.ranks[1] == {"rank": 1, "world_size": 2, "calls": 3}, res
+    assert d["error"].startswith("CollectiveTimeout: hpcsync.preemption: should_stop() #"), d
+    assert 1.9 < d["after_s"] < 2 + 1.5 and d["close_s"] < 0.5, d

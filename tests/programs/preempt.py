@@ -6,7 +6,8 @@ Each rank writes its pid to ``$HPCSYNC_TEST_OUT/pid<rank>`` once the guard is in
 runs up to STEPS steps of about 20 ms: every 5th step a 32 MiB Allreduce (under torchrun a
 torch.distributed all_reduce over gloo), every 7th a ``sync_file``; ``--loader``: each step's batch from a torch DataLoader with 2 workers (the guard's
 ``worker_init_fn``). When ``should_stop()`` says so, rank 0 writes the checkpoint (the step),
-every rank reports, and the job exits 0.
+``guard.requeue()`` says what comes next, every rank reports, and the job exits with its code
+(0 after SIGUSR1 outside Slurm, 143 after SIGTERM).
 """
 import json
 import os
@@ -85,6 +86,11 @@ for step in range(steps):
             os.replace(os.path.join(out_dir, "ckpt.tmp"), os.path.join(out_dir, "ckpt.json"))
         break
 del batches  # the workers end here, before MPI finalizes
-report(topo.rank, {"rank": topo.rank, "world_size": topo.world_size, "stop_step": stopped, "reason": guard.reason,
-                   "received": guard.received, "ran": step + 1, "landed": landed})
+outcome = guard.requeue()  # not a Slurm job: nothing to requeue, but the exit code says why it stopped
 guard.close()
+term = signal.getsignal(signal.SIGTERM)
+report(topo.rank, {"rank": topo.rank, "world_size": topo.world_size, "stop_step": stopped, "reason": guard.reason,
+                   "received": guard.received, "ran": step + 1, "landed": landed, "exit_code": outcome.exit_code,
+                   "message": outcome.message, "requeued": outcome.requeued,
+                   "sigterm_after_close": getattr(term, "name", str(term))})
+sys.exit(outcome.exit_code)
