@@ -3,11 +3,13 @@ never a wrong result, and with a fault every rank ends with the same error or th
 report, within the timeout plus a slack. Prints a table, writes JSON, exits 1 on any bad seed
 with the command that replays it.
 
-    python bench/bench_fuzz.py [--quick] [--seeds N] [--ranks 3] [--mpi openmpi,mpich] [--out F]
+    python bench/bench_fuzz.py [--quick] [--seeds N] [--ranks 3] [--mpi openmpi,mpich]
+                               [--levels multiple,serialized,funneled] [--out F]
 
-Per MPI library: N seeds without a fault (several seeds per job), N seeds with a mismatch fault
-(op, dtype, count, reduce op, root: the job goes on), and a few seeds per fault that may end the
-job (skip, extra, sleep, raise: one job each).
+Per MPI library and MPI thread level (``MPI4PY_RC_THREAD_LEVEL``): N seeds without a fault
+(several seeds per job), N seeds with a mismatch fault (op, dtype, count, reduce op, root: the
+job goes on), and a few seeds per fault that may end the job (skip, extra, sleep, raise: one job
+each). ``--quick`` (CI): a few of these cells, every level among them.
 """
 from __future__ import annotations
 
@@ -41,12 +43,13 @@ def launcher(mpi: str, n: int) -> tuple:
     return [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(n)], env
 
 
-def job(mpi: str, n: int, first: int, count: int, fault: str, wall: float) -> Dict[str, Any]:
-    """One mpirun of fuzz.py; every rank's report (None where a rank wrote none)."""
+def job(mpi: str, n: int, first: int, count: int, fault: str, wall: float, level: str = "multiple") -> Dict[str, Any]:
+    """One mpirun of fuzz.py at MPI thread level ``level``; every rank's report (None where a rank
+    wrote none)."""
     out = tempfile.mkdtemp(prefix="hpcsync-fuzz-")
     argv, env = launcher(mpi, n)
     env = {**env, "HPCSYNC_TEST_OUT": out, "HPCSYNC_REPORT_DIR": out, "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "MPI4PY_RC_THREAD_LEVEL": level}
     cmd = [*argv, sys.executable, PROGRAM, str(first), str(count), *([fault] if fault != "none" else [])]
     t0 = time.monotonic()
     try:
@@ -96,6 +99,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=2000)
     ap.add_argument("--ranks", type=int, default=3)
     ap.add_argument("--mpi", default="openmpi,mpich")
+    ap.add_argument("--levels", default="multiple,serialized,funneled", help="MPI thread levels")
     ap.add_argument("--per-job", type=int, default=250, help="seeds per job when the job goes on")
     ap.add_argument("--ending", type=int, default=6, help="seeds per fault that may end the job")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fuzz.json"))
@@ -104,16 +108,22 @@ def main() -> int:
         a.seeds, a.per_job, a.ending = 12, 12, 1
     rows, problems = [], []
     for mpi in a.mpi.split(","):
-        ending = ENDING if not a.quick else ("raise",) if mpi == "openmpi" else ("skip",)  # quick: one each
-        plans = [("none", a.seeds), ("mix", a.seeds)] + [(f, a.ending) for f in ending]
-        for fault, seeds in plans:
+        if a.quick:  # one job per cell: both faults kinds, every thread level, two ending faults in all
+            plans = [("none", a.seeds, "multiple"), ("mix", a.seeds, "multiple"),
+                     ("none" if mpi == "openmpi" else "mix", a.seeds, "serialized"),
+                     ("mix" if mpi == "openmpi" else "none", a.seeds, "funneled"),
+                     ("raise" if mpi == "openmpi" else "skip", a.ending, "multiple")]
+        else:
+            plans = [(fault, seeds, level) for level in a.levels.split(",")
+                     for fault, seeds in [("none", a.seeds), ("mix", a.seeds)] + [(f, a.ending) for f in ENDING]]
+        for fault, seeds, level in plans:
             per = a.per_job if fault in ("none", "mix") else 1
-            stats = {"mpi": mpi, "fault": fault, "seeds": 0, "jobs": 0, "bad": 0, "ended_by_report": 0,
-                     "same_error": 0, "max_job_s": 0.0, "seconds": 0.0}
+            stats = {"mpi": mpi, "level": level, "fault": fault, "seeds": 0, "jobs": 0, "bad": 0,
+                     "ended_by_report": 0, "same_error": 0, "max_job_s": 0.0, "seconds": 0.0}
             for first in range(0, seeds, per):
                 count = min(per, seeds - first)
                 wall = 60 + count * (TIMEOUT if fault in ENDING else 3)
-                res = job(mpi, a.ranks, first, count, fault, wall)
+                res = job(mpi, a.ranks, first, count, fault, wall, level)
                 bad = judge(res, first, count, fault)
                 stats["jobs"] += 1
                 stats["seeds"] += count
@@ -125,16 +135,16 @@ def main() -> int:
                     stats["same_error"] += count
                 if bad:
                     stats["bad"] += 1
-                    replay = (f"{' '.join(launcher(mpi, a.ranks)[0])} {sys.executable} {PROGRAM} {first} {count} "
-                              f"{fault if fault != 'none' else ''}")
-                    problems.append({"mpi": mpi, "fault": fault, "first": first, "count": count,
+                    replay = (f"MPI4PY_RC_THREAD_LEVEL={level} {' '.join(launcher(mpi, a.ranks)[0])} {sys.executable} "
+                              f"{PROGRAM} {first} {count} {fault if fault != 'none' else ''}")
+                    problems.append({"mpi": mpi, "level": level, "fault": fault, "first": first, "count": count,
                                      "problems": bad[:5], "replay": replay.strip()})
             rows.append(stats)
-            print(f"{mpi:8s} {fault:6s} seeds={stats['seeds']:5d} jobs={stats['jobs']:4d} bad={stats['bad']} "
+            print(f"{mpi:8s} {level:10s} {fault:6s} seeds={stats['seeds']:5d} jobs={stats['jobs']:4d} bad={stats['bad']} "
                   f"same-error={stats['same_error']} ended-by-report={stats['ended_by_report']} "
                   f"max-job={stats['max_job_s']:.1f}s total={stats['seconds']:.0f}s", flush=True)
     for p in problems:
-        print(f"\nBAD: {p['mpi']} {p['fault']} seeds {p['first']}..{p['first'] + p['count'] - 1}:\n  "
+        print(f"\nBAD: {p['mpi']} {p['level']} {p['fault']} seeds {p['first']}..{p['first'] + p['count'] - 1}:\n  "
               + "\n  ".join(p["problems"]) + f"\n  replay: {p['replay']}")
     save_json(a.out, "rows", rows, problems=problems, ranks=a.ranks, timeout_s=TIMEOUT)
     return 1 if problems else 0

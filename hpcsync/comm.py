@@ -57,6 +57,14 @@ def _comm(group: Any = None) -> Any:
     return TorchComm(group)
 
 
+def group_comm(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
+    """The transport for a public call's ``group=`` -- a torch process group or an mpi4py
+    communicator, default the world -- or for ``comm=``, its older name, still accepted."""
+    if group is not None and comm is not None:
+        raise TypeError(f"{where}: give group= (comm= is its older name), not both")
+    return _comm(group if group is not None else comm)
+
+
 def _mpi_subcomm(group: Any) -> Any:
     """The MPI communicator of a torch group's ranks (created once per group, by its members)."""
     import torch.distributed as dist

@@ -184,13 +184,18 @@ def merge_parts(
     method: str = "auto",
     round_bytes: int = _bigmpi.DEFAULT_ROUND_BYTES,
     progress: Optional[bool] = None,
+    group: Any = None,
     comm: Any = None,
 ) -> SyncResult:
-    """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order)."""
+    """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order).
+    ``group``: the ranks taking part (a torch process group or an mpi4py communicator; default the
+    world; ``comm`` is its older name)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     t0 = time.perf_counter()
-    comm = comm if comm is not None else _world()
+    from .comm import group_comm
+
+    comm = group_comm(group, comm, "merge_parts")
     size, me = comm.Get_size(), comm.Get_rank()
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")

@@ -152,6 +152,8 @@ def parallel_available(comm: Any = None) -> Tuple[bool, str]:
 
 class CollectiveWriter:
     """Open ``path`` collectively; :meth:`write` appends each rank's rows in rank order.
+    ``group``: the ranks writing (a torch process group under MPI, or an mpi4py communicator;
+    default the world; ``comm`` is its older name).
 
     >>> with CollectiveWriter("preds.h5") as w:
     ...     w.write("pred", my_rows)          # collective; my_rows may have 0 rows
@@ -159,12 +161,14 @@ class CollectiveWriter:
     """
 
     def __init__(self, path: str, mode: str = "w", comm: Any = None, root: int = 0,
-                 parallel: Optional[bool] = None, round_bytes: int = 256 << 20) -> None:
+                 parallel: Optional[bool] = None, round_bytes: int = 256 << 20, group: Any = None) -> None:
         global _warned
         if mode not in ("w", "a", "r+", "w-", "x"):
             raise ValueError(f"unsupported mode {mode!r}")
         self.h5py = _h5py()
-        self.comm = comm if comm is not None else _world()
+        from .comm import group_comm
+
+        self.comm = group_comm(group, comm, "CollectiveWriter")
         self.root = root
         self.round_bytes = round_bytes  # fallback: bytes per gather round (bounds the root's memory)
         self.rank = self.comm.Get_rank()

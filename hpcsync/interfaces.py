@@ -69,10 +69,16 @@ def own_link(master: str, backend: str = "gloo", ifaces: Optional[Sequence[Inter
     var = BACKEND_VARS.get(backend, "GLOO_SOCKET_IFNAME")
     user = env.get(var)
     if user:
-        names = [i.name for i in up if ifname_matches(user, i.name)]
+        if var == "GLOO_SOCKET_IFNAME":  # gloo: exact names, comma-separated, every one must exist
+            wanted = [n.strip() for n in user.split(",") if n.strip()]
+            missing = [n for n in wanted if n not in {i.name for i in up}]
+            names = [] if missing else wanted
+        else:  # NCCL: its own rules (prefixes, =exact, ^exclude)
+            names = [i.name for i in up if ifname_matches(user, i.name)]
         if not names:
             raise AddressError(f"{var}={user!r} (set by the user) matches no interface that is up on node "
-                               f"{node} ({hostname}); it has: {have}")
+                               f"{node} ({hostname}); it has: {have}"
+                               + (" (gloo takes exact names, not NCCL's prefixes)" if var.startswith("GLOO") else ""))
         return NodeLink(node, hostname, names[0], _first_address(up, names[0], family), f"{var}={user}, set by the user")
     spec = settings.text("HPCSYNC_IFNAME") if env is os.environ else env.get("HPCSYNC_IFNAME")
     src = route(master)
@@ -94,13 +100,15 @@ def own_link(master: str, backend: str = "gloo", ifaces: Optional[Sequence[Inter
 
 
 def export(link: NodeLink, backend: str, env: Optional[Dict[str, str]] = None) -> Optional[str]:
-    """Set this rank's ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` to its own interface unless
-    the user set it; returns the variable set, or None."""
+    """Set this rank's ``GLOO_SOCKET_IFNAME`` (``eth1``) / ``NCCL_SOCKET_IFNAME`` (``=eth1``: NCCL
+    reads a bare name as a prefix) to its own interface unless the user set it; returns the
+    variable set, or None."""
     env = os.environ if env is None else env
     set_var = None
     for var in BACKEND_VARS.values():
         if link.ifname and var not in env:
-            env[var] = link.ifname
+            # NCCL reads a bare name as a prefix (eth1 would match eth10 too): "=" makes it exact
+            env[var] = f"={link.ifname}" if var == "NCCL_SOCKET_IFNAME" else link.ifname
             set_var = set_var or var
     return set_var
 

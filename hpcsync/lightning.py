@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from typing import Any, Dict, Optional, Sequence
 
 from .bootstrap import init, master_address
@@ -90,18 +91,22 @@ class PreemptionCallback(Callback):
     """SLURM auto-requeue for ``lightning.Trainer``, without Lightning's pitfalls: the handlers only
     record (Lightning's checkpoint from inside the handler, and its SIGTERM handler's broadcast, run
     collectives re-entrantly on whichever rank got the signal); every rank stops after the same
-    batch (:meth:`~hpcsync.preemption.PreemptionGuard.should_stop` at each batch end); the checkpoint
-    is Lightning's own ``hpc_ckpt_<N>.ckpt`` in ``default_root_dir``, written under a temporary name
-    first, so Lightning resumes from it by itself when the job starts again under Slurm. After
-    ``fit`` returns, rank 0 requeues the job (:func:`hpcsync.requeue.requeue`) and, with
-    ``exit_on_stop``, every rank exits with its exit code (the rest of the script must not run on a
-    half-trained model)."""
+    batch (:meth:`~hpcsync.preemption.PreemptionGuard.should_stop` at each batch end), whatever
+    ``min_epochs`` / ``min_steps`` say (the allocation is ending), without the validation pass a
+    stop would otherwise start (it would eat the warning time); the checkpoint is Lightning's own
+    ``hpc_ckpt_<N>.ckpt`` in ``default_root_dir``, written under a unique temporary name first
+    (created exclusively), flushed to disk and renamed, so Lightning resumes from it by itself when
+    the job starts again under Slurm. After ``fit`` returns, rank 0 requeues the job
+    (:func:`hpcsync.requeue.requeue`: never after SIGTERM, nor when the stop came at training's
+    last batch) and, with ``exit_on_stop``, every rank exits with its exit code (the rest of the
+    script must not run on a half-trained model)."""
 
-    def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS, max_restarts: Optional[int] = None,
+    def __init__(self, signals: Any = DEFAULT_SIGNALS, max_restarts: Optional[int] = None,
                  exit_on_stop: bool = True) -> None:
-        self.signals, self.max_restarts, self.exit_on_stop = tuple(signals), max_restarts, exit_on_stop
+        self.signals, self.max_restarts, self.exit_on_stop = signals, max_restarts, exit_on_stop
         self.guard: Optional[PreemptionGuard] = None
         self.checkpoint: Optional[str] = None  # where the stop's checkpoint went
+        self.finished = False  # the stop came at the last batch of training: nothing to requeue
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and self.guard is None:
@@ -116,20 +121,47 @@ class PreemptionCallback(Callback):
             return
         with self.guard.checkpointing():
             final = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
-            # a name Lightning's search for hpc_ckpt_<N> cannot match while it is incomplete
-            partial = os.path.join(os.path.dirname(final), ".hpcsync-incomplete.ckpt")
-            trainer.save_checkpoint(partial)
-            if trainer.is_global_zero:
-                os.replace(partial, final)
-            trainer.strategy.barrier("hpcsync-preemption-checkpoint")
-        self.checkpoint = final
+            self.checkpoint = self._save(trainer, final)
+        loop = trainer.fit_loop
+        self.finished = (0 < trainer.max_steps <= trainer.global_step) or (
+            trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+            and loop.epoch_loop.batch_progress.is_last_batch)
+        loop.min_epochs = 0  # Lightning ignores should_stop until the minimums are met
+        loop.epoch_loop.min_steps = None
+        trainer.limit_val_batches = 0  # no validation pass on the way out
         trainer.should_stop = True
         if trainer.is_global_zero:
             log.info("hpcsync.lightning: every rank stopped at global step %d (%s); checkpoint %s",
                      trainer.global_step, self.guard.reason, final)
 
+    @staticmethod
+    def _save(trainer: Any, final: str) -> str:
+        """``trainer.save_checkpoint`` (collective; rank 0 writes) into a unique temporary file that
+        Lightning's search for ``hpc_ckpt_<N>`` cannot match, flushed, renamed to ``final``."""
+        from .filesync import fsync_dir
+
+        folder = os.path.dirname(final) or "."
+        partial = os.path.join(folder, ".hpcsync-incomplete.ckpt")  # ranks other than 0 write nothing
+        if trainer.is_global_zero:
+            os.makedirs(folder, exist_ok=True)
+            fd, partial = tempfile.mkstemp(prefix=".hpcsync-incomplete-", suffix=".ckpt", dir=folder)
+            os.close(fd)
+        trainer.save_checkpoint(partial)
+        if trainer.is_global_zero:
+            with open(partial, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(partial, final)
+            fsync_dir(folder)
+        trainer.strategy.barrier("hpcsync-preemption-checkpoint")
+        return final
+
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.guard is None or self.checkpoint is None:
+            return
+        if self.finished:
+            if trainer.is_global_zero:
+                log.info("hpcsync.lightning: the stop came at the last batch of training: not requeued")
+            self._close()
             return
         outcome = self.guard.requeue(self.max_restarts)
         self._close()

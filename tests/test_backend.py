@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from launch import mpich, openmpi, run
+from launch import LAUNCHERS, mpich, openmpi, run
 
 
 @pytest.mark.parametrize("launcher,n", [(openmpi, 1), (openmpi, 2), (openmpi, 3), (openmpi, 4), (mpich, 3)])
@@ -89,3 +89,19 @@ def test_sparse_all_reduce_sum(tmp_path):
     for d in res.ranks:
         assert d["ok"] == [True, True, True]
         assert "supports ReduceOp.SUM only" in d["max"]
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+@pytest.mark.parametrize("level", ["serialized", "funneled", "multiple"])
+def test_point_to_point_completes_at_every_thread_level(launcher, level, tmp_path):
+    """3 ranks in a ring post a receive and a send before waiting (either order, a
+    batch_isend_irecv ring, is_completed() polled), 16 floats and 4 MiB: right data, no wait
+    anywhere near the 10 s timeout, at the thread level the job asked for; under FUNNELED an
+    operation from another thread is refused with the reason."""
+    res = run(LAUNCHERS[launcher](), 3, "p2p_levels.py", tmp_path=tmp_path, timeout=180,
+              env={"MPI4PY_RC_THREAD_LEVEL": level})
+    for d in res.ranks:
+        assert d["level"] == level, d
+        assert len(d["cases"]) == 8 and all(ok is True and s < 2.0 for ok, s in d["cases"].values()), d["cases"]
+        if level == "funneled":  # MPI from another thread would be undefined: a clear error instead
+            assert "THREAD_FUNNELED" in d["thread_error"] and "'worker'" in d["thread_error"], d

@@ -233,6 +233,21 @@ def test_the_users_interface_variables_win_and_fail_clearly():
         link_of("cn2", env={"GLOO_SOCKET_IFNAME": "ib0"})
 
 
+def test_gloo_takes_exact_names_and_nccl_gets_an_exact_spec():
+    """gloo reads GLOO_SOCKET_IFNAME as exact names (NCCL's prefix "eth" names nothing to gloo);
+    hpcsync exports NCCL_SOCKET_IFNAME=eth1 as "=eth1" (a bare eth1 would match eth10 too)."""
+    from hpcsync.interfaces import NodeLink, export
+
+    with pytest.raises(AddressError, match=r"GLOO_SOCKET_IFNAME='eth' .*gloo takes exact names"):
+        link_of("cn1", env={"GLOO_SOCKET_IFNAME": "eth"})
+    with pytest.raises(AddressError, match=r"GLOO_SOCKET_IFNAME='eth0,ib0'"):
+        link_of("cn1", env={"GLOO_SOCKET_IFNAME": "eth0,ib0"})  # every listed one must exist
+    assert link_of("head", env={"GLOO_SOCKET_IFNAME": "eth1,eth0"}).ifname == "eth1"
+    env = {}
+    export(NodeLink(0, "cn", "eth1", "10.0.0.1", "test"), "gloo", env)
+    assert env == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1"}
+
+
 def test_hpcsync_ifname_names_an_interface_per_node():
     """HPCSYNC_IFNAME=eth1,eth0 (a list): node 1 has only eth0, node 2 only eth1: each its own."""
     assert [link_of(h, env={"HPCSYNC_IFNAME": "eth1,eth0"}).ifname for h in SPLIT] == ["eth0", "eth0", "eth1"]

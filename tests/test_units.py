@@ -1,5 +1,6 @@
 """In process, no mpirun: the backend's pure pieces (fingerprints, aliasing, chunking) and the
 gather round schedule."""
+import pytest
 import torch
 
 from hpcsync import _bigmpi
@@ -90,3 +91,30 @@ def test_gather_rounds_split_the_budget_and_finish():
     assert [sum(r[i] for r in rounds) for i in range(4)] == [10, 0, 3, 25]
     assert len(rounds) == 5  # ceil(38 / 8): unused shares are handed to the ranks with data left
     assert list(_bigmpi.schedule([0, 0])) == []
+
+
+def test_one_name_per_concept():
+    """hpcsync.topology / preemption / requeue are each the module, callable as its main function,
+    whatever was imported first; group= is the name of "the ranks taking part" everywhere, comm=
+    its older name, never both."""
+    import inspect
+    import types
+
+    import hpcsync
+    import hpcsync.preemption as p  # the import form that used to give the function
+    import hpcsync.requeue
+
+    for name in ("topology", "preemption", "requeue"):
+        mod = getattr(hpcsync, name)
+        assert isinstance(mod, types.ModuleType) and callable(mod) and hasattr(mod, name), name
+    assert p.PreemptionGuard is hpcsync.PreemptionGuard and hpcsync.requeue.EXIT_RESTARTS_SPENT == 75
+    assert hpcsync.topology().world_size == 1
+    from hpcsync import h5
+
+    for fn in (hpcsync.PreemptionGuard, hpcsync.Checkpoints, hpcsync.requeue.requeue, hpcsync.stage,
+               hpcsync.filesync.merge_parts, h5.CollectiveWriter, hpcsync.comm.all_gather):
+        assert "group" in inspect.signature(fn).parameters, fn
+    from hpcsync.comm import group_comm
+
+    with pytest.raises(TypeError, match="give group= .comm= is its older name., not both"):
+        group_comm(object(), object(), "x")

@@ -40,6 +40,7 @@ from . import deadline
 from .desync import _describe, _explain, debug_mode  # noqa: F401  (re-exported)
 from .engine import BACKEND_NAME, _broken_groups
 from .group import ProcessGroupHpcsync
+from .serial import SERIAL
 from .work import MPIWork  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,15 @@ def _bounded_call(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 
 def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
+    """A group for torch; below THREAD_MULTIPLE made under the process's MPI lock."""
+    MPI = _mpi.MPI()
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        return _create_group(opts)
+    with SERIAL:
+        return _create_group(opts)
+
+
+def _create_group(opts: Any) -> ProcessGroupHpcsync:
     from ..topology import topology
 
     topology()  # silent-singleton check, MPI initialised

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .. import _mpi, jobend, nodemap, settings
 from ..errors import ranks_by_value
+from .serial import nap
 
 _OP_IDS = {name: k for k, name in enumerate((
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced", "gather",
@@ -133,7 +134,7 @@ class Agreement:
             if time.monotonic() > until:
                 raise dist.DistBackendError(f"hpcsync backend: {what} {self._log.name!r} timed out after "
                                             f"{self._timeout_s:g}s: not every rank of the group joined")
-            time.sleep(0.001)
+            nap(self._serial, 0.001)
 
     def _fingerprint(self, vec: List[int], beside: bool) -> Any:
         """``Allreduce(MAX)`` of ``[fp, -fp]`` (fp: the hash of ``vec``) on the group's check

@@ -31,6 +31,7 @@ from . import deadline
 from .deadline import _broken_groups  # noqa: F401  (re-exported)
 from .desync import DTYPE_NAMES, FP_MASK, Agreement, Call, _describe, debug_mode, hot_vector
 from .p2p import PointToPoint
+from .serial import SERIAL, nap
 from .work import DoneWork, MPIWork
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def _nonblocking_fast() -> Set[str]:
 
 
 _monotonic, _now = time.monotonic, time.time
+
 
 
 
@@ -111,6 +113,11 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         self._timeout = timeout
         self._timeout_s = timeout.total_seconds()
         self._log = watchdog.group_log(id(self), name, list(global_ranks or range(comm.Get_size())))
+        MPI = _mpi.MPI()
+        level = MPI.Query_thread()
+        self._threads_ok = level == MPI.THREAD_MULTIPLE
+        self._serial: Optional[threading.Condition] = None if self._threads_ok else SERIAL
+        self._main_only = level < MPI.THREAD_SERIALIZED  # FUNNELED: MPI from the main thread alone
         # private duplicates, each bounded by the timeout: a rank that never joins is an error here
         self._coll, self._p2p_comm, self._check = (self._dup(comm) for _ in range(3))  # _check: fingerprints
         self._broken: Optional[str] = None
@@ -142,10 +149,8 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         self._fp = array("q", [0, 0])
         self._fp_req: Any = None
         self._vec: List[int] = []
-        MPI = _mpi.MPI()
         self._int64 = MPI.INT64_T
         self._max = MPI.MAX
-        self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._nb_calls = _nonblocking_fast()  # MPI calls made non-blocking everywhere
         self._in_place = MPI.IN_PLACE
         self._address = MPI.buffer.fromaddress  # (pointer, bytes) -> buffer: the cheapest wrapper
@@ -157,7 +162,8 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         self._watched = self._agree_mode()
         self._hot = self._watched and self._fingerprints and not self._debug  # see _blocking_op
         if not self._threads_ok:
-            log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously")
+            log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously, "
+                        "one MPI call at a time in the process")
         if self._watched or self._threads_ok:  # polled groups: the worker's callbacks only
             deadline.watch(self)
 
@@ -259,8 +265,22 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         whose own arguments are invalid (``call.invalid``) joins the agreement and raises its error
         there, so the other ranks fail at once instead of at the timeout.
         """
+        self._check_thread()
         with self._issue:
-            self._execute_locked(fn, call, work, timeout_s)
+            if self._serial is None:
+                self._execute_locked(fn, call, work, timeout_s)
+            else:
+                with self._serial:
+                    self._execute_locked(fn, call, work, timeout_s)
+
+    def _check_thread(self) -> None:
+        """Under THREAD_FUNNELED only the main thread may call MPI: an operation from another
+        thread is a clear error, not undefined behaviour inside MPI."""
+        if self._main_only and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"hpcsync backend: MPI provides THREAD_FUNNELED (only the main thread may call MPI), "
+                               f"but thread {threading.current_thread().name!r} issued an operation on group "
+                               f"{self._log.name!r}; ask for THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple) or "
+                               "issue it from the main thread")
 
     def _execute_locked(self, fn: Callable[[], None], call: Call, work: Optional[MPIWork], timeout_s: float) -> None:
         if self._broken:
@@ -294,13 +314,17 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
             if fp_req is None and self._fp_differs:
                 self._agree(rec, vec, in_flight=False)
         self._fp_req, self._vec = fp_req, vec
+        if fp_req is not None:
+            # Polled: the fingerprint is agreed before the data moves, like the watched mode's. A
+            # mismatch beside the data call reaches MPI, and Open MPI's non-blocking collectives
+            # answer a truncation (MPI_ERR_TRUNCATE) with a corrupted heap ("double free"), seen
+            # with mismatched counts under HPCSYNC_ABORT_ON_EXCEPTION=0.
+            self._fp_req = None
+            self._wait(fp_req)
+            fp_req = None
+            if self._fp_differs:
+                self._agree(rec, vec, in_flight=False)
         if call.counts is not None and (self._fingerprints or self._debug):
-            if fp_req is not None:  # the fingerprint first: ranks that disagree make no count check
-                self._fp_req = None
-                self._wait(fp_req)
-                fp_req = None
-                if self._fp_differs:
-                    self._agree(rec, vec, in_flight=False)
             self._check_counts(rec, *call.counts)
         try:
             fn()
@@ -399,7 +423,9 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
                     self._agree(self._rec, self._vec)
             if now > self._deadline:
                 self._timed_out(self._rec)
-            if now > spin_until:
+            if self._serial is not None:  # every test: another thread may need the process's MPI lock
+                nap(self._serial, 0.001 if now > spin_until else 0.00005)
+            elif now > spin_until:
                 time.sleep(0.001)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -412,7 +438,10 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         for t in (self._worker, self._p2p_thread):
             if t is not None:
                 t.join(timeout=0.1 if self._broken else min(self._timeout_s, 3600))
-        if not self._broken and any(t is not None and t.is_alive() for t in (self._worker, self._p2p_thread)):
+        if not self._threads_ok and self._p2p_queue and not self._broken:
+            self._p2p_drive(None)  # below THREAD_MULTIPLE nobody else completes what MPI finished
+        if not self._broken and (self._p2p_queue or any(t is not None and t.is_alive()
+                                                        for t in (self._worker, self._p2p_thread))):
             # still inside MPI: its communicators must not be freed, and MPI cannot finalize
             # with it in flight, so the exit ends the job (bounded) instead of hanging
             self._broken = f"hpcsync backend: group {self._log.name!r} was shut down with an operation in flight"

@@ -1,6 +1,10 @@
-"""Point-to-point: ``Isend``/``Irecv`` started in the caller's thread, completed by a thread of
-their own that tests every outstanding request at once (one unmatched receive never holds up
-the completion of later sends), each bounded by the group's timeout and recorded in the group's
+"""Point-to-point: ``Isend``/``Irecv`` posted in the caller's thread when they are issued, and
+completed by whoever can call MPI: under ``THREAD_MULTIPLE`` a thread of their own that tests
+every outstanding request at once (one unmatched receive never holds up the completion of later
+sends); below it (``SERIALIZED``, ``FUNNELED``: no thread may call MPI beside the caller) the
+caller, in ``wait()`` / ``is_completed()``, testing every outstanding request of the group under
+the group's issue lock. Either way ``irecv(left); isend(right)`` on every rank completes: nothing
+blocks at issue. Each request is bounded by the group's timeout and recorded in the group's
 flight recorder (numbered apart from the collectives). Past its deadline a request breaks the
 group: in the default mode the rank reports the send or receive, with what its peer is doing,
 and ends the job; in the polled mode its work raises ``DistBackendError``."""
@@ -17,6 +21,7 @@ from .. import _mpi, jobend, watchdog
 from .buffers import _Staged
 from .deadline import REPORT_S
 from .desync import DTYPE_NAMES
+from .serial import nap
 from .work import MPIWork
 
 IDLE_S = 0.0002  # between two tests of the outstanding requests when none completed
@@ -36,6 +41,7 @@ class PointToPoint:
     the broken and closed states)."""
 
     def _start_p2p(self, op: str, t: torch.Tensor, peer: int) -> Any:
+        self._check_thread()
         if self._closed:
             raise RuntimeError("hpcsync backend: process group was shut down")
         if self._broken:
@@ -46,8 +52,10 @@ class PointToPoint:
                rec: Any) -> MPIWork:
         work = MPIWork(outputs, self._p2p_cv)
         item = _Pending(request, work, after, rec, time.monotonic() + self._timeout_s)
-        if not self._threads_ok:  # no thread may call MPI beside the caller: complete it here
-            self._p2p_complete([item], until_done=True)
+        if not self._threads_ok:  # no thread may call MPI beside the caller: completed in its wait()
+            work._driver = self
+            with self._p2p_cv:
+                self._p2p_queue.append(item)
             return work
         with self._p2p_cv:
             self._p2p_queue.append(item)
@@ -68,6 +76,23 @@ class PointToPoint:
                 if not active:
                     return
             active = self._p2p_complete(active)
+
+    def _p2p_drive(self, work: Optional[MPIWork], until: Optional[float] = None) -> None:
+        """Below THREAD_MULTIPLE: test every outstanding request of the group (under the process's
+        MPI lock, given up between tests) until ``work`` is done (each request ends at its
+        own deadline) or ``until``; once when ``work`` is None."""
+        self._check_thread()
+        while True:
+            with self._serial:  # type: ignore[union-attr]  (below THREAD_MULTIPLE it is the process's MPI lock)
+                with self._p2p_cv:
+                    active = list(self._p2p_queue)
+                    self._p2p_queue.clear()
+                left = self._p2p_complete(active) if active else []
+                with self._p2p_cv:
+                    self._p2p_queue.extendleft(reversed(left))
+                if work is None or work._done or (until is not None and time.monotonic() >= until):
+                    return
+                nap(self._serial, IDLE_S)
 
     def _p2p_complete(self, active: List[_Pending], until_done: bool = False) -> List[_Pending]:
         """Test every request in ``active`` once (``until_done``: until all are done), complete
@@ -124,16 +149,25 @@ class PointToPoint:
                 jobend.abort(1)
         return dist.DistBackendError(msg)
 
+    def _post(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``Isend``/``Irecv`` now; below THREAD_MULTIPLE under the process's MPI lock (one call at
+        a time), under it beside the other threads' calls (MPI allows it; a lock would make a
+        send wait for a collective that may itself wait for that send's peer)."""
+        if self._serial is None:
+            return call(*args, **kwargs)
+        with self._serial:
+            return call(*args, **kwargs)
+
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> MPIWork:
         rec = self._start_p2p("send", tensors[0], dst)
         s = _Staged(tensors[0])
-        req = self._p2p_comm.Isend(s.spec(), dest=dst, tag=tag)
+        req = self._post(self._p2p_comm.Isend, s.spec(), dest=dst, tag=tag)
         return self._track(req, tensors, lambda status, work, keep=s: None, rec)
 
     def _recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> MPIWork:
         rec = self._start_p2p("recv", tensors[0], src)
         s = _Staged(tensors[0], read=False)
-        req = self._p2p_comm.Irecv(s.spec(), source=src, tag=tag)
+        req = self._post(self._p2p_comm.Irecv, s.spec(), source=src, tag=tag)
 
         def after(status: Any, work: MPIWork) -> None:
             s.finish()

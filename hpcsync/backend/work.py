@@ -31,6 +31,7 @@ class MPIWork(dist.Work):
         self._source = -1
         self._group: Any = None
         self._started: Optional[Tuple[Any, float]] = None  # (record, deadline) once running
+        self._driver: Any = None  # below THREAD_MULTIPLE: the group whose p2p requests wait() completes
 
     def _complete(self, exc: Optional[BaseException] = None) -> Optional[Future]:
         """Called with ``self._cv`` held; returns the future the caller must settle once it has
@@ -51,6 +52,8 @@ class MPIWork(dist.Work):
         if not self._done:
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
             mine = time.monotonic() + seconds if seconds > 0 else None
+            if self._driver is not None:  # nobody else may call MPI: complete it here (bounded)
+                self._driver._p2p_drive(self, mine)
             with self._cv:
                 while not self._done:
                     if self._group is not None and self._group._broken and self._started is None:
@@ -75,6 +78,8 @@ class MPIWork(dist.Work):
         return True
 
     def get_future(self) -> Future:
+        if self._driver is not None and not self._done:  # below THREAD_MULTIPLE only a waiter completes it
+            self._driver._p2p_drive(self)
         with self._cv:
             fut = self._future
             if fut is None:
@@ -87,6 +92,8 @@ class MPIWork(dist.Work):
         return fut
 
     def is_completed(self) -> bool:
+        if self._driver is not None and not self._done:
+            self._driver._p2p_drive(None)
         return self._done
 
     def is_success(self) -> bool:
@@ -117,6 +124,7 @@ class DoneWork(MPIWork):
     _source = -1
     _group = None
     _started = None
+    _driver = None
 
     def __init__(self, outputs: List[torch.Tensor], exc: Optional[BaseException] = None) -> None:
         dist.Work.__init__(self)

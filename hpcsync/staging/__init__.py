@@ -90,6 +90,7 @@ def stage(
     durable: bool = False,
     progress: Optional[bool] = None,
     comm: Any = None,
+    group: Any = None,
 ) -> StageResult:
     """Copy ``src`` (a file or directory that rank ``root`` can read) into the directory ``dst`` on
     every node (collective).
@@ -98,11 +99,14 @@ def stage(
     ``dst/<name>``. Each source byte is read once, by ``root``; files already staged and unchanged
     are skipped. ``chunk_bytes`` bounds each of the three pipeline buffers; ``durable`` syncs the
     destination filesystem before recording files; ``progress`` shows a bar on the root (default:
-    when stderr is a terminal). ``comm``: an mpi4py communicator (default: the world).
+    when stderr is a terminal). ``group``: the ranks taking part, a torch process group (under MPI)
+or an mpi4py communicator (default: the world; ``comm`` is its older name).
     Raises :class:`~hpcsync.errors.StageError` on every rank if anything fails.
     """
     t0 = time.perf_counter()
-    comm = _transport(comm)
+    from ..comm import group_comm
+
+    comm = _transport(group_comm(group, comm, "stage"))
     me, size = comm.Get_rank(), comm.Get_size()
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
