@@ -213,7 +213,15 @@ class Checkpoints:
             json.dump(self._job, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, owner_path)
+        if owner is not None:  # taking over from a job that ended
+            os.replace(tmp, owner_path)
+            return
+        try:  # a root nobody claimed: of two jobs starting together, one creates OWNER (link is atomic)
+            os.link(tmp, owner_path)
+        except FileExistsError:
+            self._claim()  # the other job was first: judge it like any owner
+        finally:
+            os.unlink(tmp)
 
     def _marker(self, folder: str) -> Optional[dict]:
         """The marker of a complete checkpoint directory, or None (warned once) when it is not."""

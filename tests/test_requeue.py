@@ -7,6 +7,7 @@ checks one of them."""
 import os
 import re
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -101,27 +102,64 @@ def lightning_job(slurm, tmp):
             "root": root}
 
 
+def cancelled_job(slurm, tmp):
+    """jobs/slurm_pmix.sbatch, plain `scancel` (SIGTERM to every task) while it trains."""
+    env = clean_env({**slurm, **OPENMPI, "PYTHON": PY, "TRAIN_ARGS": TRAIN})
+    log = tmp / "cancelled.out"
+    job = submit(env, "slurm_pmix.sbatch", log)
+    slurm_cluster.wait_for(f"job {job} to train", lambda: "training on " in read(log), timeout=180)
+    subprocess.run(["scancel", job], env=env, check=True)
+    slurm_cluster.wait_job(job, env, timeout=120)
+    time.sleep(30)  # a requeue would have made it PENDING again by now
+    state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True).stdout
+    return {"job": job, "info": slurm_cluster.jobs(job, env)[0], "queued_after_30s": state.strip(), "log": read(log)}
+
+
+def requeued_by_slurm_job(slurm, tmp):
+    """jobs/slurm_pmix.sbatch requeued from outside while it trains (`scontrol requeue`, what
+    PreemptMode=REQUEUE does): Slurm's SIGTERM stops it, and Slurm brings it back by itself."""
+    env = clean_env({**slurm, **OPENMPI, "PYTHON": PY, "TRAIN_ARGS": TRAIN})
+    log = tmp / "slurm-requeued.out"
+    job = submit(env, "slurm_pmix.sbatch", log)
+    slurm_cluster.wait_for(f"job {job} to train", lambda: "training on " in read(log), timeout=180)
+    subprocess.run(["scontrol", "requeue", job], env=env, check=True)
+    slurm_cluster.start_requeued_now(job, env, 1)
+    return {"job": job, "info": finish(env, job)[0], "log": read(log)}
+
+
+def shared_root_array(slurm, tmp):
+    """An array of 2 given one CHECKPOINT_DIR: the task that comes second must be refused."""
+    root = tmp / "one-root"
+    env = clean_env({**slurm, **OPENMPI, "PYTHON": PY, "TRAIN_ARGS": TRAIN, "CHECKPOINT_DIR": str(root)})
+    job = submit(env, "slurm_pmix.sbatch", tmp / "shared-%A_%a.out", "--array=0-1")
+    tasks = {int(t["ArrayTaskId"]): t for t in finish(env, job)}
+    return {"job": job, "tasks": tasks, "logs": [read(tmp / f"shared-{job}_{i}.out") for i in (0, 1)]}
+
+
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("requeue")
     c = no_scontrol_job(slurm, tmp)  # submitted first: the others wait on it below, in threads
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(6) as pool:
         futures = {"array": pool.submit(array_job, slurm, tmp), "capped": pool.submit(capped_job, slurm, tmp),
-                   "lightning": pool.submit(lightning_job, slurm, tmp)}
+                   "lightning": pool.submit(lightning_job, slurm, tmp),
+                   "cancelled": pool.submit(cancelled_job, slurm, tmp),
+                   "by_slurm": pool.submit(requeued_by_slurm_job, slurm, tmp),
+                   "shared_root": pool.submit(shared_root_array, slurm, tmp)}
         env = clean_env(slurm)
         signal_while_training(env, c["job"], c["log"], 0)
         c.update(info=finish(env, c["job"])[0], log=read(c["log"]))
         results = {name: f.result() for name, f in futures.items()}
     results["no_scontrol"] = c
     yield results
-    for r in (results["array"]["tasks"].values()):
+    for r in [*results["array"]["tasks"].values(), *results["shared_root"]["tasks"].values()]:
         subprocess.run(["rm", "-rf", str(ROOT / "runs" / f"slurm-{r['JobId']}")])
-    for name in ("capped", "no_scontrol"):
+    for name in ("capped", "no_scontrol", "cancelled", "by_slurm"):
         subprocess.run(["rm", "-rf", str(ROOT / "runs" / f"slurm-{results[name]['job']}")])
 
 
-def stop_steps(log):
-    return [int(s) for s in re.findall(r"stopped at step (\d+) \(signal SIGUSR1\)", log)]
+def stop_steps(log, sig="SIGUSR1"):
+    return [int(s) for s in re.findall(rf"stopped at step (\d+) \(signal {sig}\)", log)]
 
 
 def test_signalled_task_is_requeued_and_resumes_bitwise(jobs):
@@ -158,7 +196,7 @@ def test_missing_scontrol_is_one_clear_error_and_its_exit_code(jobs):
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "69:0" and info["Restarts"] == "0", f"{info}\n{log}"
     assert log.count("scontrol is not on PATH") == 1 and len(stop_steps(log)) == 1, log
     ckpt = ROOT / "runs" / f"slurm-{jobs['no_scontrol']['job']}" / "checkpoints"
-    assert [p.name for p in ckpt.iterdir()] == [f"step-{stop_steps(log)[0]:08d}"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["OWNER", f"step-{stop_steps(log)[0]:08d}"]
 
 
 def test_lightning_trainer_is_requeued_and_resumes_from_its_checkpoint(jobs):
@@ -173,3 +211,34 @@ def test_lightning_trainer_is_requeued_and_resumes_from_its_checkpoint(jobs):
     assert again == [f"{r} start 1 hpc_ckpt_1.ckpt {stopped}" for r in (0, 1)], starts  # resumed where it stopped
     assert sorted(line for line in starts if " done " in line) == [f"{r} done {100 * 8}" for r in (0, 1)], starts
     assert [p.name for p in j["root"].glob("*.ckpt")] == ["hpc_ckpt_1.ckpt"]  # nothing left incomplete
+
+
+def test_scancel_ends_the_job_for_good(jobs):
+    """scancel is SIGTERM: every rank stops and checkpoints, nobody requeues; 30 s later the job is
+    still gone (Slurm accepts a requeue from inside a job being cancelled: it must not be asked)."""
+    j = jobs["cancelled"]
+    info, log = j["info"], j["log"]
+    assert info["JobState"] in ("CANCELLED", "COMPLETED") and info["Restarts"] == "0", f"{info}\n{log}"
+    assert j["queued_after_30s"] == "", j
+    [step] = stop_steps(log, "SIGTERM")
+    assert f"job {j['job']} stopped on SIGTERM, which ends a job" in log and "requeued Slurm job" not in log, log
+    ckpt = ROOT / "runs" / f"slurm-{j['job']}" / "checkpoints"
+    assert (ckpt / f"step-{step:08d}" / "COMPLETE").exists(), sorted(p.name for p in ckpt.iterdir())
+
+
+def test_a_job_slurm_requeued_itself_is_said_so_and_resumes(jobs):
+    j = jobs["by_slurm"]
+    info, log = j["info"], j["log"]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", f"{info}\n{log}"
+    [step] = stop_steps(log, "SIGTERM")
+    assert f"Slurm has already requeued job {j['job']} (restart 1)" in log and "ERROR" not in log, log
+    assert re.search(rf"resuming at epoch \d+, batch \d+ \(step {step}\) .*Slurm restart 1", log), log
+
+
+def test_two_array_tasks_on_one_checkpoint_root_one_is_refused(jobs):
+    j = jobs["shared_root"]
+    states = sorted(t["JobState"] for t in j["tasks"].values())
+    assert states == ["COMPLETED", "FAILED"], (j["tasks"], j["logs"])
+    failed = next(i for i, t in j["tasks"].items() if t["JobState"] == "FAILED")
+    other = j["tasks"][1 - failed]["JobId"]
+    assert f"is in use by Slurm job {other}, which is still running" in j["logs"][failed], j["logs"][failed]
