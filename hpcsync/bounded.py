@@ -53,7 +53,7 @@ class _Private:
 
     def __init__(self, base: Any) -> None:
         self.base = base
-        self.comm: Any = None
+        self.dup: Any = None
         self.broken: Optional[str] = None
 
 
@@ -87,11 +87,11 @@ class BoundedComm:
         p = self._p
         if p.broken:
             raise CollectiveTimeout(f"{self.what}: not attempted: {p.broken}")
-        if p.comm is None:
+        if p.dup is None:
             comm, req = p.base.Idup()
             self._wait(req, "creating hpcsync's private communicator", (comm,), large=False)
-            p.comm = comm
-        return p.comm
+            p.dup = comm
+        return p.dup
 
     def _wait(self, req: Any, op: str, keep: Any, large: bool) -> None:
         try:
@@ -207,7 +207,7 @@ def _at_exit() -> None:
         sys.stderr.flush()
         jobend.abort(1)
     for p in list(_private.values()):
-        if p.comm is not None:
-            p.comm.Free()
-            p.comm = None
+        if p.dup is not None:
+            p.dup.Free()
+            p.dup = None
     _private.clear()

@@ -57,12 +57,18 @@ def _comm(group: Any = None) -> Any:
     return TorchComm(group)
 
 
-def group_comm(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
-    """The transport for a public call's ``group=`` -- a torch process group or an mpi4py
-    communicator, default the world -- or for ``comm=``, its older name, still accepted."""
-    if group is not None and comm is not None:
+def pick_group(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
+    """A public call's ``group=`` -- a torch process group or an mpi4py communicator, default
+    (None) the world -- or ``comm=``, its older name, still accepted; never both."""
+    given = [g for g in (group, comm) if g is not None]
+    if len(given) > 1:
         raise TypeError(f"{where}: give group= (comm= is its older name), not both")
-    return _comm(group if group is not None else comm)
+    return given[0] if given else None
+
+
+def group_comm(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
+    """The transport for :func:`pick_group`'s choice."""
+    return _comm(pick_group(group, comm, where))
 
 
 def _mpi_subcomm(group: Any) -> Any:

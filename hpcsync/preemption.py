@@ -106,8 +106,6 @@ class PreemptionGuard:
                  margin_s: float = 30.0, timeout: Optional[float] = None, *, comm: Any = None) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("hpcsync.preemption: signal handlers can only be installed from the main thread")
-        if comm is not None and group is not None:
-            raise TypeError("hpcsync.preemption: give group= (comm= is its older name), not both")
         import numpy as np
 
         from . import comm as comm_mod
@@ -123,7 +121,7 @@ class PreemptionGuard:
         self.step_s: Optional[float] = None  # the longest recent step (what the next one may take)
         self.checkpoint_s = 0.0  # the last checkpoint's time
         self._timeout = float(timeout if timeout is not None else settings.number("HPCSYNC_TIMEOUT"))
-        self._group = group if group is not None else comm  # what requeue() agrees over (None: the world)
+        self._group = comm_mod.pick_group(group, comm, "hpcsync.preemption")  # what requeue() agrees over
         base = comm_mod._comm(self._group)
         self._mode = "mpi" if hasattr(base, "Iallreduce") else "torch" if hasattr(base, "group") else "local"
         self._bits = 0  # every signal this rank got, bit (signum - 1)

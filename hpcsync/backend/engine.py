@@ -31,7 +31,7 @@ from . import deadline
 from .deadline import _broken_groups  # noqa: F401  (re-exported)
 from .desync import DTYPE_NAMES, FP_MASK, Agreement, Call, _describe, debug_mode, hot_vector
 from .p2p import PointToPoint
-from .serial import SERIAL, nap
+from .serial import SERIAL, check_thread, nap
 from .work import DoneWork, MPIWork
 
 log = logging.getLogger(__name__)
@@ -274,13 +274,7 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
                     self._execute_locked(fn, call, work, timeout_s)
 
     def _check_thread(self) -> None:
-        """Under THREAD_FUNNELED only the main thread may call MPI: an operation from another
-        thread is a clear error, not undefined behaviour inside MPI."""
-        if self._main_only and threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(f"hpcsync backend: MPI provides THREAD_FUNNELED (only the main thread may call MPI), "
-                               f"but thread {threading.current_thread().name!r} issued an operation on group "
-                               f"{self._log.name!r}; ask for THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple) or "
-                               "issue it from the main thread")
+        check_thread(self._main_only, self._log.name)
 
     def _execute_locked(self, fn: Callable[[], None], call: Call, work: Optional[MPIWork], timeout_s: float) -> None:
         if self._broken:

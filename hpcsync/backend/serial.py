@@ -25,3 +25,13 @@ def nap(serial: Optional[threading.Condition], seconds: float) -> None:
     except RuntimeError:  # not held by this thread: nothing to give up
         pass
     time.sleep(seconds)
+
+
+def check_thread(main_only: bool, group: str) -> None:
+    """Under THREAD_FUNNELED (``main_only``) only the main thread may call MPI: an operation from
+    another thread is a clear error, not undefined behaviour inside MPI."""
+    if main_only and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(f"hpcsync backend: MPI provides THREAD_FUNNELED (only the main thread may call MPI), "
+                           f"but thread {threading.current_thread().name!r} issued an operation on group "
+                           f"{group!r}; ask for THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple) or issue it "
+                           "from the main thread")
