@@ -78,7 +78,7 @@ def test_example_signalled_under_mpiexec_resumes_bitwise(tmp_path):
     first = log.read_text()
     assert job.returncode == 0, first[-3000:]
     [step] = re.findall(r"stopped at step (\d+) \(signal SIGUSR1\)", first)
-    assert "not a Slurm job, nothing to requeue" in first and [p.name for p in ckpt.iterdir()] == [f"step-{int(step):08d}"]
+    assert "not a Slurm job, nothing to requeue" in first and sorted(p.name for p in ckpt.iterdir()) == ["OWNER", f"step-{int(step):08d}"]
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and f"(step {step})" in again.stderr, again.stderr[-3000:]
     w0, w1 = (torch.load(d / "model.pt")["model"] for d in (tmp_path / "ref", out))
