@@ -20,6 +20,7 @@ never stopped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
@@ -119,6 +120,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stage-to", help="node-local directory to stage --data into before training")
     p.add_argument("--checkpoint-dir", help="checkpoint here when the job is signalled or its time runs out, "
                    "requeue it under Slurm, and resume from the latest checkpoint at start")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                   help="also checkpoint every STEPS steps, written in the background (needs --checkpoint-dir): "
+                   "a lost node then costs at most STEPS steps under `hpcsync run`")
+    p.add_argument("--checkpoint-sync", action="store_true", help="write the periodic checkpoints before going on")
     p.add_argument("--seed", type=int, help="seed of the initial weights (default: a random one, shared)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     return p.parse_args()
@@ -141,6 +146,8 @@ def main() -> None:
     train, val = torch.utils.data.random_split(data, [len(data) - n_val, n_val],
                                                generator=torch.Generator().manual_seed(1))
     sampler = ResumableSampler(DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0))
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise SystemExit("--checkpoint-every needs --checkpoint-dir")
     ckpts = hpcsync.Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
     guard = hpcsync.preemption() if ckpts else None  # records SIGUSR1 / SIGTERM; stops at an agreed step
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
@@ -196,11 +203,16 @@ def main() -> None:
                     if guard is None:
                         continue
                     rows.append(row)
-                    if guard.should_stop():  # True on every rank at the same step
-                        with guard.checkpointing():
+                    stop = guard.should_stop()  # True on every rank at the same step
+                    if stop or (args.checkpoint_every and steps_done % args.checkpoint_every == 0):
+                        # the state after this step: the resumed run goes on bit for bit; a periodic
+                        # one is written in the background, a stop's before the job ends
+                        with guard.checkpointing() if stop else contextlib.nullcontext():  # a stop's is timed
                             ckpts.save(steps_done, shared={"model": model.state_dict(), "optimizer": opt.state_dict(),
                                                            "epoch": epoch, "batch": step + 1, "history": history},
-                                       local={"rows": rows, "total": total, "count": count, "rng": rng_states()})
+                                       local={"rows": rows, "total": total, "count": count, "rng": rng_states()},
+                                       background=not stop and not args.checkpoint_sync)
+                    if stop:
                         stopped = guard.reason
                         break
                 if stopped:
@@ -214,6 +226,7 @@ def main() -> None:
             print(f"stopped at step {steps_done} ({stopped}): checkpoint in {args.checkpoint_dir}", flush=True)
         outcome = guard.requeue()  # rank 0 requeues the Slurm job; outside Slurm there is nothing to do
         guard.close()
+        ckpts.close()
         hpcsync.shutdown()
         sys.exit(outcome.exit_code)
 
@@ -246,6 +259,7 @@ def main() -> None:
               f"(metrics.csv, predictions.h5, model.pt, summary.json)", flush=True)
     if guard is not None:  # open until here: a late signal (training is done) is recorded, not fatal
         guard.close()
+        ckpts.close()  # a periodic checkpoint still being written
     hpcsync.shutdown()
 
 

@@ -64,7 +64,7 @@ _EXPORTS = {
 }
 
 # submodules reachable as attributes (``hpcsync.filesync.part_path``), imported on first use
-_SUBMODULES = ("backend", "bootstrap", "bounded", "checkpoint", "cli", "comm", "doctor", "environments", "errors", "filesync",
+_SUBMODULES = ("backend", "bootstrap", "bounded", "checkpoint", "cli", "comm", "doctor", "environments", "errors", "failure", "filesync",
                "h5", "jobend", "lightning", "network", "nodemap", "staging", "store",
                "watchdog")
 

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, List, Optional, Union
 
-from . import _mpi, bounded, jobend, settings
+from . import _mpi, bounded, failure, jobend, settings
 from .errors import AddressError, HpcsyncError, MissingDependencyError
 from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
@@ -387,6 +387,8 @@ def install_abort_hook() -> None:
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(f"[hpcsync] uncaught exception on rank {rank}:\n{text}")
         sys.stderr.flush()
+        if not issubclass(exc_type, KeyboardInterrupt):
+            failure.note_exception(exc)
         if _mpi.use_mpi() and not issubclass(exc_type, KeyboardInterrupt):
             world = _mpi.MPI().COMM_WORLD
             if world.Get_size() > 1:

@@ -42,10 +42,11 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from . import bounded, comm
+from . import bounded, comm, failure
 from .errors import CheckpointError, raise_if_any
 from .filesync import fsync_dir
 
@@ -99,7 +100,7 @@ def _loads(data: bytes, extra: Sequence[Any]) -> Any:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def _write(path: str, data: bytes) -> None:
+def _write_file(path: str, data: bytes) -> None:
     with open(path, "xb") as f:
         f.write(data)
         f.flush()
@@ -175,6 +176,9 @@ class Checkpoints:
         self._group = group
         self._job = this_job()
         self._warned: Set[str] = set()
+        self._pending: Optional[int] = None  # the step a background save is writing (every rank)
+        self._future: Any = None  # rank 0: that write
+        self._pool: Any = None
 
     def _ctl(self, what: str) -> Any:
         return bounded.control(f"hpcsync.checkpoint: {what}", self._group, self.timeout)
@@ -267,24 +271,30 @@ class Checkpoints:
                     continue
         return max(seqs) + 1
 
-    def _write_all(self, step: int, shared: bytes, locals_: List[bytes]) -> str:
+    def _plan(self, step: int, shared: bytes, locals_: List[bytes]) -> Tuple[str, str, Dict[str, bytes], dict]:
+        """Claim the root, clear what an interrupted save left, and name the new checkpoint:
+        ``(temporary dir, final dir, files, marker)``."""
         self._claim()
         for name in os.listdir(self.root):  # what an earlier, interrupted save of this root left
             if name.startswith(".step-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         seq = self._next_seq()
         tmp = os.path.join(self.root, f".step-{step:08d}.{seq}.tmp")
-        os.makedirs(tmp)
         files = {"shared.pt": shared, **{f"rank-{r:05d}.pt": data for r, data in enumerate(locals_)}}
-        for name, data in files.items():
-            _write(os.path.join(tmp, name), data)
         marker = {"step": step, "seq": seq, "world_size": len(locals_), "files": {n: len(d) for n, d in files.items()},
-                  "job": self._job}
-        _write(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
-        fsync_dir(tmp)
+                  "job": self._job, "time": time.time()}
         final = self.path(step)
         if os.path.lexists(final):  # the same step saved again: a name of its own, the old one stays
             final = f"{final}.{seq}"
+        return tmp, final, files, marker
+
+    def _write(self, tmp: str, final: str, files: Dict[str, bytes], marker: dict) -> str:
+        """Write, flush, mark complete, rename into place, prune (rank 0; maybe in the background)."""
+        os.makedirs(tmp)
+        for name, data in files.items():
+            _write_file(os.path.join(tmp, name), data)
+        _write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+        fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(self.root)
         for _, _, folder in self._complete()[self.keep:]:  # the one just written is the newest
@@ -301,7 +311,8 @@ class Checkpoints:
             return None
         seq, found, folder = chosen[0]
         with open(os.path.join(folder, MARKER)) as f:
-            world = json.load(f)["world_size"]
+            marker = json.load(f)
+        world = marker["world_size"]
         if world != size:
             raise ValueError(f"{folder} was written by {world} ranks, this job has {size}")
         with open(os.path.join(folder, "shared.pt"), "rb") as f:
@@ -310,11 +321,13 @@ class Checkpoints:
         for r in range(world):
             with open(os.path.join(folder, f"rank-{r:05d}.pt"), "rb") as f:
                 locals_.append(f.read())
+        failure.note_resume(found, folder, marker.get("time"))
         return found, folder, seq, shared, locals_
 
     # -- collective ----------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
         """The step of the last saved complete checkpoint (rank 0 looks, every rank gets its answer)."""
+        self.wait()
         ctl = self._ctl("latest()")
         found: Optional[int] = None
         error = None
@@ -330,10 +343,17 @@ class Checkpoints:
             raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
         return found
 
-    def save(self, step: int, shared: Any = None, local: Any = None) -> str:
+    def save(self, step: int, shared: Any = None, local: Any = None, background: bool = False) -> str:
         """Write checkpoint ``step``: rank 0's ``shared`` (the same on every rank under DDP, so only
         rank 0's is kept) and every rank's ``local``. Returns its directory on every rank once it is
-        complete; raises :class:`CheckpointError` on every rank if any part failed."""
+        complete; raises :class:`CheckpointError` on every rank if any part failed.
+
+        ``background``: return once the states are copied to memory (serialised on every rank and
+        gathered to rank 0); rank 0 writes the files on a thread of its own while training goes
+        on. The next save, :meth:`load`, :meth:`latest` and :meth:`wait` first wait for it (and
+        raise its error, if any, on every rank); a crash while it writes leaves the previous
+        complete checkpoint the latest. The returned directory exists once it completes."""
+        self.wait()
         ctl = self._ctl(f"save of step {step}")
         error, data = None, b""
         try:
@@ -345,15 +365,65 @@ class Checkpoints:
         path, error = None, None
         if ctl.Get_rank() == 0:
             try:
-                path = self._write_all(step, _dumps(shared), locals_)
+                plan = self._plan(step, _dumps(shared), locals_)
+                if background:
+                    if self._pool is None:
+                        from concurrent.futures import ThreadPoolExecutor
+
+                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-checkpoint")
+                    self._future = self._pool.submit(self._write, *plan)
+                    path = plan[1]
+                else:
+                    path = self._write(*plan)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
         path, error = ctl.bcast((path, error), root=0)
         if error:
             raise CheckpointError(f"hpcsync.checkpoint: step {step} not saved (rank 0: {error}); "
                                   "the previous complete checkpoint is untouched")
+        if background:
+            self._pending = step
+            log.info("hpcsync.checkpoint: saving step %d to %s in the background", step, path)
+        else:
+            log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
+        return path
+
+    def wait(self) -> Optional[str]:
+        """Collective: wait for the save in the background, if any; its directory (None when none
+        was pending), or :class:`CheckpointError` on every rank if it failed (the previous complete
+        checkpoint is then still the latest)."""
+        if self._pending is None:
+            return None
+        step, self._pending = self._pending, None
+        ctl = self._ctl(f"background save of step {step}")
+        path, error = None, None
+        if ctl.Get_rank() == 0:
+            future, self._future = self._future, None
+            try:
+                path = future.result()  # type: ignore[union-attr]
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        path, error = ctl.bcast((path, error), root=0)
+        if error:
+            raise CheckpointError(f"hpcsync.checkpoint: step {step} not saved (rank 0, in the background: {error}); "
+                                  "the previous complete checkpoint is untouched")
         log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
         return path
+
+    def close(self) -> None:
+        """Collective: wait for a save in the background (:meth:`wait`), stop its thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def load(self, step: Optional[int] = None) -> Optional[Checkpoint]:
         """The checkpoint ``step`` (default: the last saved complete one), or None when there is none.
@@ -362,6 +432,7 @@ class Checkpoints:
         big for one rank's memory with torch.distributed.checkpoint instead). A checkpoint written
         by a different number of ranks, or one holding types that ``weights_only`` loading refuses,
         raises :class:`CheckpointError` on every rank."""
+        self.wait()
         ctl = self._ctl("load()")
         payload, error = None, None
         if ctl.Get_rank() == 0:

@@ -1,4 +1,5 @@
-"""Command line: ``hpcsync info``, ``merge``, ``stage`` and ``doctor`` (run them under your launcher)."""
+"""Command line: ``hpcsync info``, ``merge``, ``stage`` and ``doctor`` (run them under your launcher), and
+``run`` (in the batch script: the step, relaunched without a failed node)."""
 from __future__ import annotations
 
 import argparse
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check MPI, launcher, addresses, torch, GPUs, HDF5; non-zero exit on problems")
     doctor.add_argument("--no-connect", action="store_true", help="skip the TCP reachability test to rank 0")
     doctor.set_defaults(func=cmd_doctor)
+    from . import supervisor
+
+    supervisor.add_parser(sub)
     return parser
 
 

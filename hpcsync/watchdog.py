@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from . import _mpi, jobend, nodemap, settings
+from . import _mpi, failure, jobend, nodemap, settings
 
 RING = 64  # operations kept per group
 _TAG_ASK, _TAG_STATE, _TAG_DONE = settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE
@@ -338,6 +338,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         _wait_done(peers, printer, 10)
         return None
     text = format_report(rep)
+    failure.note_hang(rep)
     try:
         path = write_report(rep)
         text += f"\n[hpcsync] report written to {path}"
@@ -379,6 +380,7 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
     elif peer is not None:
         lines.append(f"  rank {peer}: no reply (node lost, process dead or frozen)")
     text = "\n".join(lines)
+    failure.note_p2p_hang(peer, answer is not None, lines[0].replace("[hpcsync] HANG REPORT: ", ""))
     try:
         path = write_report({"kind": "hpcsync p2p hang report", "group": group.name, "operation": asdict(rec),
                              "rank": me, "peer": peer, "timeout_s": timeout_s, "peer_state": answer,

@@ -24,6 +24,14 @@ def test_checkpoints_are_written_and_chosen_by_rank_0_only(tmp_path):
         assert d["past_leftovers"] == 12, "a temporary, unmarked or cut-short checkpoint was chosen"
         assert d["bad_local"] is not None and "rank 2: cannot serialise its local state" in d["bad_local"], d
         assert d["after_bad_local"] == 12
+        # background: save() returns the path at once, wait() the same path once written, and the
+        # checkpoint holds the states as they were at save() though the program changed them after
+        assert d["bg_returned"] == d["bg_waited"] == "step-00000020" and d["bg_wait_again"] is None, d
+        assert d["bg_loaded"] == {"step": 20, "w": [0.0] * 4, "rank": r}, d
+        # rank 0's write failed in the background: the next call raised it on every rank
+        assert d["bg_error"] and "step 21 not saved (rank 0, in the background: OSError: No space left" in d["bg_error"], d
+        assert d["after_bg_error"] == 20, d
+    assert res.ranks[0]["bg_error"] == res.ranks[2]["bg_error"]
     assert res.ranks[0]["kept"] == ["OWNER", "step-00000007", "step-00000012"]  # keep=2, and which job uses it
     assert res.ranks[1]["kept"] is False and res.ranks[2]["kept"] is False  # nothing written off rank 0
     assert res.ranks[0]["wrong_world"] == res.ranks[1]["wrong_world"]
@@ -98,17 +106,18 @@ def test_the_last_saved_wins_over_a_higher_step_of_an_older_run(tmp_path):
     assert load_here(root) == (200, "b")
 
 
-def test_saving_a_step_again_keeps_a_complete_checkpoint_at_every_moment(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "background"])
+def test_saving_a_step_again_keeps_a_complete_checkpoint_at_every_moment(mode, tmp_path):
     """step 5 is saved, then saved again with new content by a process that dies just before its
     k-th filesystem change, for every k: the next start always finds a complete step 5, the old
-    content or the new, never nothing."""
+    content or the new, never nothing; the same when the new one is written in the background."""
     base = tmp_path / "base"
     ckpt_op(tmp_path, "save", base, 1, "5=old")
     seen, k = set(), 1
     while True:
         root = tmp_path / f"crash{k}"
         shutil.copytree(base, root)
-        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", expect_ok=False)
+        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", mode, expect_ok=False)
         got = load_here(root)
         assert got in {(5, "old"), (5, "new")}, f"killed before change {k}: the resume found {got}\n{res}"
         seen.add(got[1])

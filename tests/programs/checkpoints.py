@@ -61,6 +61,34 @@ except hpcsync.CheckpointError as exc:
     result["bad_local"] = str(exc)
 result["after_bad_local"] = ckpts.latest()
 
+# a save in the background: the states as they were at save(), written while the program goes on
+w = torch.zeros(4)
+path = ckpts.save(20, shared={"w": w}, local={"rank": rank}, background=True)
+w += 1  # training goes on
+result["bg_returned"] = os.path.basename(path)
+result["bg_waited"] = os.path.basename(ckpts.wait() or "")
+result["bg_wait_again"] = ckpts.wait()  # nothing pending any more
+got = ckpts.load()
+result["bg_loaded"] = {"step": got.step, "w": got.shared["w"].tolist(), "rank": got.local["rank"]}
+
+# rank 0's background write fails: save() returned, the next call raises it on every rank
+import hpcsync.checkpoint as _ck  # noqa: E402
+
+real_write = _ck._write_file
+if rank == 0:
+    def failing(path, data):
+        raise OSError("No space left on device (injected)")
+    _ck._write_file = failing
+ckpts.save(21, shared={"w": w}, local={"rank": rank}, background=True)
+try:
+    ckpts.latest()
+    result["bg_error"] = None
+except hpcsync.CheckpointError as exc:
+    result["bg_error"] = str(exc)
+_ck._write_file = real_write
+result["after_bg_error"] = ckpts.latest()
+ckpts.close()
+
 # 2 of the 3 ranks load a 3-rank checkpoint: the same error on both
 sub = MPI.COMM_WORLD.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
 if sub != MPI.COMM_NULL:

@@ -3,7 +3,7 @@
     ckpt_ops.py save ROOT KEEP STEP=VALUE...  save shared={"v": VALUE} for each; report each path and
                                               whether it still exists after the save
     ckpt_ops.py load ROOT                     report the latest: step, v (or None), or the error
-    ckpt_ops.py crash ROOT K STEP VALUE       save, but die (os._exit, no clean-up) just before the K-th
+    ckpt_ops.py crash ROOT K STEP VALUE MODE  save (MODE sync or background, then wait), but die (os._exit, no clean-up) just before the K-th
                                               filesystem change of the save (rename, replace, rmtree,
                                               makedirs, fsync); report how many there were if it got through
     ckpt_ops.py hold ROOT SECONDS             load, write ROOT.held, sleep (a second job using the root)
@@ -53,7 +53,8 @@ elif op == "crash":
     ckpts = hpcsync.Checkpoints(root, keep=1)
     for mod, name in ((os, "rename"), (os, "replace"), (os, "fsync"), (os, "makedirs"), (shutil, "rmtree")):
         setattr(mod, name, dying(getattr(mod, name)))
-    ckpts.save(int(sys.argv[4]), shared={"v": sys.argv[5]})
+    ckpts.save(int(sys.argv[4]), shared={"v": sys.argv[5]}, background=sys.argv[6] == "background")
+    ckpts.wait()
     out["points"] = count[0]
 elif op == "hold":
     ckpts = hpcsync.Checkpoints(root)

@@ -1,0 +1,166 @@
+"""What ended a job, as a small JSON record: for the people who read the report, and for
+``hpcsync run``, which relaunches without a failed node but never retries the program's own bug.
+
+A rank that sees the job end writes one record, ``hpcsync-failure-<job>-r<rank>-<cause>.json``,
+beside the hang report in ``HPCSYNC_REPORT_DIR`` (default: the working directory; an exception's
+record only where the variable is set, as ``hpcsync run`` does):
+
+- ``cause``: ``exception`` (an uncaught exception), ``hang`` (a collective or a send/receive past
+  its timeout: the hang report's verdict), ``timeout`` (a wait bounded by hpcsync's timeout that
+  another rank never met), ``killed`` (the launcher saw ranks die by a signal: ``hpcsync run``
+  writes it from the launcher's words);
+- ``program_error``: True only when the program's own code raised: the same code at the same
+  step fails again, so it is not retried by default;
+- ``ranks`` and ``nodes``: whom the failure implicates (the ranks that did not answer or never
+  arrived, the rank that raised, the ranks that died), and ``blame_nodes``: the nodes to leave out
+  of a relaunch (empty for a program error);
+- ``reporter`` (rank and node), ``time`` (epoch seconds) and ``detail`` (one line).
+
+Writing a record never raises: a job that is ending must not fail a second time on its report.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, Dict, Iterable, List, Optional
+
+from . import settings
+
+log = logging.getLogger(__name__)
+
+PREFIX = "hpcsync-failure-"
+RESUMED = "hpcsync-resumed.json"
+
+
+def report_dir() -> str:
+    return settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
+
+
+def _job() -> str:
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("OMPI_MCA_orte_ess_jobid") or str(os.getpid())
+
+
+def _me() -> Dict[str, Any]:
+    """This process's rank and node, from MPI when it runs, else the launcher's variables."""
+    from . import _mpi, nodemap
+
+    rank: Optional[int] = None
+    try:
+        if _mpi.already_initialized():
+            rank = _mpi.MPI().COMM_WORLD.Get_rank()
+    except Exception:  # a record must never fail on its own
+        rank = None
+    if rank is None:
+        value = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
+        rank = int(value) if value and value.isdigit() else -1
+    nodes = nodemap.current()
+    return {"rank": rank, "node": nodes.host(rank) if nodes is not None and rank >= 0 else socket.gethostname()}
+
+
+def nodes_of(ranks: Iterable[int]) -> List[str]:
+    """The nodes of ``ranks`` from the job's node map (empty when it is not known)."""
+    from . import nodemap
+
+    nodes = nodemap.current()
+    return nodes.nodes(ranks) if nodes is not None else []
+
+
+def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, program_error: bool = False,
+          blame_nodes: Optional[Iterable[str]] = None, folder: Optional[str] = None,
+          reporter: Optional[Dict[str, Any]] = None, **extra: Any) -> Optional[str]:
+    """Write one record (see the module's text); its path, or None when it could not be written."""
+    me = reporter if reporter is not None else _me()
+    nodes = sorted(set(nodes))
+    record = {"kind": "hpcsync failure record", "cause": cause, "program_error": bool(program_error),
+              "ranks": sorted(set(ranks)), "nodes": nodes,
+              "blame_nodes": [] if program_error else sorted(set(nodes if blame_nodes is None else blame_nodes)),
+              "reporter": me, "time": time.time(), "detail": detail[:2000], "attempt": settings.text("HPCSYNC_RUN_ATTEMPT"),
+              **extra}
+    folder = folder or report_dir()
+    path = os.path.join(folder, f"{PREFIX}{_job()}-r{me['rank']}-{cause}.json")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        os.replace(tmp, path)
+        return path
+    except OSError as exc:
+        log.warning("hpcsync: could not write the failure record %s: %s", path, exc)
+        return None
+
+
+def _not_the_programs(exc: BaseException) -> bool:
+    """Errors that say another rank failed or stayed away (a timeout, a peer that hung up), not
+    that this rank's program is wrong."""
+    from .errors import CollectiveTimeout
+
+    if isinstance(exc, (CollectiveTimeout, TimeoutError, ConnectionError)):
+        return True
+    name = type(exc).__name__
+    text = str(exc).lower()
+    return name in ("DistBackendError", "DistNetworkError", "DistStoreError") and any(
+        w in text for w in ("timed out", "timeout", "connection reset", "connection closed", "broken pipe"))
+
+
+def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
+    """The record of an uncaught exception on this rank (the abort hook calls it; ``exit_code``: the
+    code the job ends with). Only where ``HPCSYNC_REPORT_DIR`` is set (``hpcsync run`` sets it):
+    the traceback on stderr says it all to a person, and a working directory is no place to litter."""
+    if not settings.text("HPCSYNC_REPORT_DIR"):
+        return None
+    me = _me()
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    if _not_the_programs(exc):  # the cause is elsewhere; whoever sees it (the hang report) blames nodes
+        return write("timeout", [me["rank"]], [me["node"]], line, blame_nodes=[], reporter=me)
+    return write("exception", [me["rank"]], [me["node"]], line, program_error=True, reporter=me, exit_code=exit_code)
+
+
+def note_hang(report: Dict[str, Any]) -> Optional[str]:
+    """The record of a hang report: the ranks that did not answer (node lost, process dead or
+    frozen) and those that never arrived (stuck elsewhere) are implicated, with their nodes."""
+    silent, never = list(report.get("no_reply", [])), list(report.get("never_entered", []))
+    ranks = silent + never
+    op = report.get("operation", {})
+    detail = (f"{op.get('op')} #{op.get('seq')} in group {report.get('group')!r} did not complete within "
+              f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
+    return write("hang", ranks, nodes_of(ranks), detail, silent=silent, never_entered=never)
+
+
+def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[str]:
+    """The record of a send or receive past its timeout: its peer is implicated."""
+    ranks = [] if peer is None else [peer]
+    return write("hang", ranks, nodes_of(ranks), what, silent=[] if answered else ranks,
+                 never_entered=ranks if answered else [])
+
+
+def note_resume(step: int, path: str, saved_at: Optional[float]) -> None:
+    """Under ``hpcsync run``: which checkpoint this attempt resumed from (rank 0, at load)."""
+    if not settings.text("HPCSYNC_RUN_ATTEMPT"):
+        return
+    try:
+        folder = report_dir()
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, RESUMED), "w") as f:
+            json.dump({"step": step, "path": path, "saved_at": saved_at, "time": time.time()}, f)
+    except OSError as exc:
+        log.warning("hpcsync: could not note the resumed checkpoint: %s", exc)
+
+
+def read(folder: str) -> List[Dict[str, Any]]:
+    """Every failure record in ``folder``, the earliest first."""
+    out = []
+    for path in glob.glob(os.path.join(folder, f"{PREFIX}*.json")):
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "hpcsync failure record":
+            rec["path"] = path
+            out.append(rec)
+    return sorted(out, key=lambda r: r.get("time", 0))

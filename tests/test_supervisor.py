@@ -1,0 +1,230 @@
+"""``hpcsync run`` across namespace nodes: a node's ranks killed or its link taken down mid-training
+relaunch the step without that node and the training ends equal to a never-interrupted run, bit
+for bit; the program's own exception is not relaunched; failures past the cap end the run with the
+list of attempts. Under Open MPI's ``mpirun`` over a host list here; under Slurm in
+test_supervisor_slurm.py."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from hpcsync import supervisor
+from launch import PY, PROGRAMS, ROOT, clean_env, openmpi
+from netns_cluster import ROUTED, Cluster
+
+EXAMPLE = str(ROOT / "examples" / "train.py")
+TRAIN = ["--epochs", "120", "--samples", "1200", "--seed", "7", "--backend", "hpcsync"]
+TIMEOUT = "6"  # the group timeout: a lost link is a hang report after 6 s
+
+
+# -- the verdict, from records and launcher words (no job needed) ----------------------------------
+def test_launcher_words_blame_the_node_whose_ranks_died():
+    srun = supervisor.LauncherWords()
+    for line in ("srun: error: n1: task 1: Killed", "srun: launch/slurm: _step_signal: Terminating StepId=1.0",
+                 "srun: error: n0: task 0: Terminated", "srun: error: n2: task 2: Exited with exit code 1",
+                 "srun: error: n3: task 3: Killed"):  # killed by srun itself, after its SIGTERM went unheeded
+        srun.feed(line)
+    assert srun.nodes == ["n1"]
+    ompi = supervisor.LauncherWords()
+    ompi.feed("mpirun noticed that process rank 1 with PID 4242 on node n7 exited on signal 9 (Killed).")
+    ompi.feed("mpirun noticed that process rank 0 with PID 4241 on node n0 exited on signal 15 (Terminated).")
+    assert ompi.nodes == ["n7"]
+    hydra = supervisor.LauncherWords()
+    for line in ("=   RANK 0 PID 11 RUNNING AT n0", "=   EXIT STATUS: 15", "=   RANK 1 PID 12 RUNNING AT n3",
+                 "=   KILLED BY SIGNAL: 9 (Killed)"):
+        hydra.feed(line)
+    assert hydra.nodes == ["n3"]
+
+
+def test_judge_never_relaunches_the_programs_own_exception():
+    raised = {"cause": "exception", "program_error": True, "blame_nodes": [], "detail": "ValueError: bad",
+              "reporter": {"rank": 3, "node": "n1"}, "time": 1.0}
+    hang = {"cause": "hang", "program_error": False, "blame_nodes": ["n2"], "detail": "all_reduce #5",
+            "reporter": {"rank": 0, "node": "n0"}, "time": 2.0}
+    killed = supervisor.LauncherWords()
+    killed.feed("srun: error: n1: task 3: Killed")
+    v = supervisor.judge(1, [raised, hang], killed, False)
+    assert v.action == "stop-program" and "rank 3 on n1 raised ValueError: bad" in v.detail
+    v = supervisor.judge(1, [hang], killed, False)
+    assert (v.action, v.blamed) == ("relaunch", ["n2"])  # what hpcsync saw inside wins
+    v = supervisor.judge(137, [], killed, False)
+    assert (v.action, v.cause, v.blamed) == ("relaunch", "killed", ["n1"])
+    # a node cut off reports the others silent as they report it: the supervisor's own node decides
+    other_side = {**hang, "blame_nodes": ["n0"], "reporter": {"rank": 2, "node": "n2"}, "time": 1.5}
+    assert supervisor.judge(1, [other_side, hang], killed, False, here="n0").blamed == ["n2"]
+    assert supervisor.judge(0, [hang], killed, False).action == "done"
+    assert supervisor.judge(143, [], killed, True).action == "done"  # the run itself was ended
+    assert supervisor.judge(75, [], supervisor.LauncherWords(), False).action == "done"  # e.g. the requeue cap
+
+
+def test_failure_records_say_whose_fault(tmp_path, monkeypatch):
+    """The program's own exception is the program's; a timeout blames nobody by itself; a hang
+    report blames the nodes of the ranks that did not answer or never arrived."""
+    from hpcsync import errors, failure, nodemap
+
+    monkeypatch.setenv("HPCSYNC_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setattr(nodemap, "_current", nodemap.NodeMap([0, 0, 1, 2], ["a", "b", "c"]))
+    failure.note_exception(ValueError("bad sample"))
+    failure.note_exception(errors.CollectiveTimeout("the other ranks did not all arrive"))
+    failure.note_hang({"no_reply": [3], "never_entered": [2], "operation": {"op": "all_reduce", "seq": 9},
+                       "group": "0", "timeout_s": 6})
+    raised, timeout, hang = sorted(failure.read(str(tmp_path)), key=lambda r: ["exception", "timeout", "hang"].index(r["cause"]))
+    assert raised["program_error"] and raised["ranks"] == [2] and raised["nodes"] == ["b"] and raised["blame_nodes"] == []
+    assert raised["detail"] == "ValueError: bad sample" and raised["exit_code"] == 1
+    assert not timeout["program_error"] and timeout["blame_nodes"] == []
+    assert hang["ranks"] == [2, 3] and hang["blame_nodes"] == ["b", "c"] and hang["silent"] == [3], hang
+    monkeypatch.delenv("HPCSYNC_REPORT_DIR")
+    monkeypatch.chdir(tmp_path / "..")
+    assert failure.note_exception(ValueError("x")) is None  # no folder asked for: no litter
+
+
+def test_hosts_from_a_list_and_a_hostfile():
+    assert supervisor.parse_hosts("a:2,b:2") == [("a", 2), ("b", 2)]
+    assert supervisor.parse_hosts("a slots=4\n# spare\nb slots=4\nc\n") == [("a", 4), ("b", 4), ("c", 1)]
+
+
+# -- real failures across namespace nodes ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("run-nodes"), 3, ROUTED).start()
+    yield c
+    c.stop()
+
+
+def supervised(cluster, work, program, *run_args, env=None):
+    """``hpcsync run`` inside node 0 with Open MPI over the three nodes (one rank each)."""
+    lau = cluster.openmpi([1, 1, 1])
+    argv = list(lau.argv)
+    exe = argv.pop(0)
+    at = argv.index("--host")
+    del argv[at:at + 2]
+    env = clean_env({**lau.env, "HPCSYNC_TIMEOUT": TIMEOUT, "HPCSYNC_ABORT_GRACE": "3", "HPCSYNC_TEST_OUT": str(work),
+                     **(env or {})})
+    forward = [a for k in sorted(env) if k.startswith(("HPCSYNC_", "MPI4PY_", "OMP_", "PYTHON", "PATH"))
+               for a in ("-x", k)]
+    cmd = cluster.on_node(0, PY, "-m", "hpcsync", "run", "--hosts", ",".join(f"{n}:1" for n in cluster.names),
+                          "--mpirun", exe, "--launcher-args=" + " ".join([*argv, *forward]),
+                          "--state-dir", str(work / "state"), *run_args, "--", PY, *program)
+    log = work / "run.log"
+    f = open(log, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=work)
+    f.close()
+    return proc, log
+
+
+def ranks_on(cluster, node, needle="examples/train.py"):
+    """The pids of the Python processes on ``node`` that run ``needle``."""
+    found = []
+    for pid in subprocess.run(["ip", "netns", "pids", cluster.names[node]], capture_output=True, text=True).stdout.split():
+        try:
+            p = psutil.Process(int(pid))
+            if p.name().startswith("python") and any(arg.endswith(needle) for arg in p.cmdline()):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def reference(tmp_path):
+    """The same training, never interrupted: 2 ranks under mpirun on this machine."""
+    ref = tmp_path / "reference"
+    return ref, subprocess.Popen([*openmpi().command(2), PY, EXAMPLE, *TRAIN, "--out", str(ref)],
+                                 env=clean_env(openmpi().env), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+
+
+def same_training(ref, out):
+    import torch
+
+    w0, w1 = (torch.load(d / "model.pt")["model"] for d in (ref, out))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "the relaunched run's weights differ"
+    assert (ref / "metrics.csv").read_bytes() == (out / "metrics.csv").read_bytes()
+
+
+def wait_for_checkpoint(proc, log, ckpt, deadline_s=150):
+    deadline = time.monotonic() + deadline_s
+    while not any(p.name.startswith("step-") for p in ckpt.glob("step-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("failure", ["kill", "link"])
+def test_mpirun_relaunches_without_the_failed_node(cluster, failure, tmp_path):
+    """One spare of three hosts: the step runs on nodes 0 and 1; node 1's rank is SIGKILLed (or
+    its link goes down) after the first periodic checkpoint; ``hpcsync run`` relaunches on nodes 0
+    and 2, the run resumes from that checkpoint and ends with the weights and metrics of a run that
+    was never interrupted, bit for bit."""
+    if failure == "link" and cluster.names[1] in getattr(cluster, "_links_down", ()):
+        pytest.fail("node 1's link is already down")
+    ref, ref_proc = reference(tmp_path)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    proc, log = supervised(cluster, tmp_path, [EXAMPLE, *TRAIN, "--out", str(out), "--checkpoint-dir", str(ckpt),
+                                               "--checkpoint-every", "150"], "--spare-nodes", "1")
+    wait_for_checkpoint(proc, log, ckpt)
+    t_fail = time.time()
+    if failure == "kill":
+        victims = ranks_on(cluster, 1)
+        assert victims, log.read_text()[-3000:]
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+    else:
+        cluster.link_down(1)
+        cluster._links_down = (cluster.names[1],)
+    proc.wait(timeout=300)
+    ref_proc.wait(timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0 and ref_proc.returncode == 0, text[-4000:]
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    first, second = state["attempts"]
+    assert first["nodes"] == cluster.names[:2] and first["blamed"] == [cluster.names[1]], first
+    assert first["cause"] == ("killed" if failure == "kill" else "hang"), first
+    assert second["nodes"] == [cluster.names[0], cluster.names[2]] and second["exit_code"] == 0, second
+    assert second["resumed_step"] and second["resumed_step"] % 150 == 0, second
+    assert state["bad_nodes"] == [cluster.names[1]]
+    assert f"leaving out {cluster.names[1]}" in text and "failure cost" in text, text[-3000:]
+    if failure == "link":  # node 0's hang report named node 1 (node 1's, cut off, names node 0: not believed)
+        recs = [json.loads(p.read_text()) for p in (tmp_path / "state" / "attempt-1").glob("hpcsync-failure-*")]
+        [rec] = [r for r in recs if r["reporter"]["node"] == cluster.names[0]]
+        assert rec["cause"] == "hang" and rec["blame_nodes"] == [cluster.names[1]] and not rec["program_error"], rec
+    print(f"{failure}: failure at +{t_fail - first['started']:.1f} s, step ended +{first['ended'] - t_fail:.1f} s "
+          f"after it, relaunch {second['started'] - first['ended']:.1f} s, restore "
+          f"{second['resumed_at'] - second['started']:.1f} s")
+    same_training(ref, out)
+    if failure == "link":
+        cluster.stop()  # node 1 stays cut off: the next test gets fresh nodes
+        cluster.start()
+        cluster._links_down = ()
+
+
+def test_the_programs_own_exception_is_not_relaunched(cluster, tmp_path):
+    """Rank 1 raises at step 30 on every start: one attempt, one message naming the rank and its
+    node, the program's exit code; its record says it was the program's own error."""
+    proc, log = supervised(cluster, tmp_path, [str(PROGRAMS / "fail_at.py"), "raise", "1", "30"], "--spare-nodes", "1")
+    proc.wait(timeout=180)
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert len(state["attempts"]) == 1 and state["bad_nodes"] == [], state
+    assert text.count("the program failed: ") == 1 and text.count("attempt 2") == 0, text[-3000:]
+    assert f"rank 1 on {cluster.names[1]} raised ValueError: bad sample at step 30" in text, text[-3000:]
+    assert "not relaunched" in text
+    [rec] = [json.loads(p.read_text()) for p in (tmp_path / "state" / "attempt-1").glob("hpcsync-failure-*")]
+    assert rec["program_error"] and rec["cause"] == "exception" and rec["ranks"] == [1], rec
+
+
+def test_failures_past_the_cap_end_the_run_with_every_attempt(cluster, tmp_path):
+    """Rank 1 dies by SIGKILL on every start, with one restart allowed: nodes 1 then 2 are left
+    out, then the run ends with exit 75 and the list of both attempts."""
+    proc, log = supervised(cluster, tmp_path, [str(PROGRAMS / "fail_at.py"), "kill", "1", "20"], "--spare-nodes", "1",
+                           "--max-restarts", "1")
+    proc.wait(timeout=180)
+    text = log.read_text()
+    assert proc.returncode == supervisor.EXIT_RESTARTS_SPENT, text[-3000:]
+    assert "giving up after 2 attempt(s), the cap is 1 restart(s)" in text, text[-3000:]
+    a, b = cluster.names[:2], [cluster.names[0], cluster.names[2]]
+    assert f"attempt 1 on {', '.join(a)}: killed" in text and f"attempt 2 on {', '.join(b)}: killed" in text, text[-3000:]

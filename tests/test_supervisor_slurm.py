@@ -1,0 +1,96 @@
+"""``hpcsync run`` in ``jobs/slurm_pmix.sbatch`` on a real Slurm across three namespace nodes: node 1's
+ranks SIGKILLed (or its link taken down) mid-training relaunch the step on nodes 0 and 2 (the spare)
+inside the same allocation; with no spare the job is requeued without node 1. Either way the job
+completes with the weights and metrics of a never-interrupted run, bit for bit."""
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+import slurm_cluster
+from launch import PY, ROOT, clean_env
+from netns_cluster import ROUTED, Cluster
+from test_supervisor import TIMEOUT, TRAIN, ranks_on, reference, same_training
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("slurm-run-nodes"), 3, ROUTED).start()
+    try:
+        c.start_slurm()
+    except RuntimeError as exc:
+        c.stop()
+        pytest.fail(f"could not start Slurm on the namespace nodes: {exc}")
+    yield c
+    c.stop()
+
+
+def submit(cluster, tmp_path, nodes, spares):
+    env = clean_env({**cluster.srun([1, 1]).env, "PYTHON": PY, "TRAIN_ARGS": " ".join(TRAIN), "SPARE_NODES": str(spares),
+                     "CHECKPOINT_EVERY": "150", "HPCSYNC_TIMEOUT": TIMEOUT, "HPCSYNC_ABORT_GRACE": "3"})
+    log = tmp_path / "job.out"
+    sub = subprocess.run(cluster.on_node(0, "sbatch", "--parsable", "-N", str(nodes), "--ntasks-per-node=1",
+                                         f"--output={log}", str(ROOT / "jobs" / "slurm_pmix.sbatch")),
+                         env=env, cwd=ROOT, capture_output=True, text=True)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0], env, log
+
+
+@pytest.mark.parametrize("failure,nodes,spares", [("kill", 3, 1), ("link", 3, 1), ("kill", 2, 0)],
+                         ids=["kill-spare", "link-spare", "kill-no-spare"])
+def test_sbatch_survives_a_failed_node(cluster, tmp_path, failure, nodes, spares):
+    on = lambda *argv: cluster.on_node(0, *argv)  # noqa: E731
+    ref, ref_proc = reference(tmp_path)
+    jid, env, log = None, None, tmp_path / "job.out"
+    try:
+        jid, env, log = submit(cluster, tmp_path, nodes, spares)
+        out = ROOT / "runs" / f"slurm-{jid}"
+        ckpt = out / "checkpoints"
+        def checkpointed():
+            queued = subprocess.run(on("squeue", "-h", "-j", jid), env=env, capture_output=True, text=True).stdout
+            assert queued.strip(), f"the job ended before its first checkpoint:\n{log.read_text()[-3000:]}"
+            return any(ckpt.glob("step-*"))
+
+        slurm_cluster.wait_for("the first periodic checkpoint", checkpointed, 240)
+        if failure == "kill":
+            victims = ranks_on(cluster, 1)
+            assert victims, log.read_text()[-3000:]
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            cluster.link_down(1)
+        if spares == 0:  # requeued without node 1: start it at once instead of Slurm's two minutes
+            slurm_cluster.start_requeued_now(jid, env, 1, on=on, timeout=180)
+        if failure == "link":
+            # the batch script ends once the relaunched step completes; the job itself stays
+            # COMPLETING until Slurm hears from node 1 (SlurmdTimeout marks it down): Slurm's own time
+            slurm_cluster.wait_for("the relaunched step", lambda: "attempt 2 on" in log.read_text(), 240)
+            info = {"Restarts": "0"}
+        else:
+            info = slurm_cluster.wait_job(jid, env, timeout=300, on=on)
+            assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log.read_text()[-4000:]}"
+        text = log.read_text(errors="replace")
+        state = json.loads((out / "attempts" / "state.json").read_text())
+        attempts = state["attempts"]
+        assert attempts[0]["nodes"] == cluster.names[:2] and attempts[0]["blamed"] == [cluster.names[1]], attempts
+        assert attempts[-1]["nodes"] == [cluster.names[0], cluster.names[2]] and attempts[-1]["exit_code"] == 0, attempts
+        assert attempts[-1]["resumed_step"] and attempts[-1]["resumed_step"] % 150 == 0, attempts
+        if spares:
+            assert len(attempts) == 2 and info["Restarts"] == "0", (info, attempts)  # within the allocation
+        else:
+            assert info["Restarts"] == "1" and cluster.names[1] in info.get("ExcNodeList", ""), info
+            assert f"requeued Slurm job {jid} without {cluster.names[1]}" in text, text[-3000:]
+            assert f"nodes left out after earlier failures: {cluster.names[1]}" in text, text[-3000:]
+        assert ref_proc.wait(timeout=300) == 0
+        same_training(ref, out)
+    finally:
+        ref_proc.kill()
+        if jid is not None:
+            subprocess.run(on("scancel", jid), env=env, capture_output=True)
+            if failure != "link":
+                slurm_cluster.wait_job(jid, env, timeout=120, on=on)
+            subprocess.run(["rm", "-rf", str(ROOT / "runs" / f"slurm-{jid}")])
