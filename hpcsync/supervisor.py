@@ -318,8 +318,9 @@ class Supervisor:
             t.start()
         rc = self._child.wait()
         rc = rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+        drained = time.monotonic() + 2.0  # a process left on a lost node may hold the pipes open for good
         for t in pumps:
-            t.join(timeout=10)
+            t.join(timeout=max(0.0, drained - time.monotonic()))
         self._child = None
         return rc, words
 

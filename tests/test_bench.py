@@ -123,3 +123,15 @@ def test_generated_programs_never_hang_and_never_return_wrong_data(tmp_path):
             r = rows[(mpi, fault)]
             assert r["same_error"] + r["ended_by_report"] == 1 and r["max_job_s"] < 60, r
     assert rows[("openmpi", "raise")]["ended_by_report"] == 1
+
+
+def test_recovery_benchmark_quick(tmp_path):
+    """bench_recovery --quick: the checkpoint stall written before going on and in the background
+    (the time lost per failure needs namespace nodes: --failures, measured by hand)."""
+    _, data, stdout = run_quick(tmp_path, "bench_recovery.py", timeout=600)
+    stall = data["stall"]
+    assert stall["ranks"] == 2 and stall["state_mib"] > 16, stall
+    for mode in ("sync", "background"):
+        assert stall[mode]["stall_s"] > 0 and stall[mode]["complete_s"] > 0, stall
+    assert stall["background"]["complete_s"] >= stall["background"]["stall_s"], stall
+    assert "background stall / synchronous stall" in stdout
