@@ -321,7 +321,8 @@ class Checkpoints:
         for r in range(world):
             with open(os.path.join(folder, f"rank-{r:05d}.pt"), "rb") as f:
                 locals_.append(f.read())
-        failure.note_resume(found, folder, marker.get("time"))
+        if step is None:  # the latest: what a supervised attempt resumes from
+            failure.note_resume(found, folder, marker.get("time"))
         return found, folder, seq, shared, locals_
 
     # -- collective ----------------------------------------------------------------------------

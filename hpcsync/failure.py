@@ -6,7 +6,8 @@ beside the hang report in ``HPCSYNC_REPORT_DIR`` (default: the working directory
 record only where the variable is set, as ``hpcsync run`` does):
 
 - ``cause``: ``exception`` (an uncaught exception), ``hang`` (a collective or a send/receive past
-  its timeout: the hang report's verdict), ``timeout`` (a wait bounded by hpcsync's timeout that
+  its timeout with ranks that did not answer: the hang report's verdict), ``stall`` (the same, but
+  every rank answered: some are stuck elsewhere), ``timeout`` (a wait bounded by hpcsync's timeout that
   another rank never met), ``killed`` (the launcher saw ranks die by a signal: ``hpcsync run``
   writes it from the launcher's words);
 - ``program_error``: True only when the program's own code raised: the same code at the same
@@ -81,7 +82,8 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
               "reporter": me, "time": time.time(), "detail": detail[:2000], "attempt": settings.text("HPCSYNC_RUN_ATTEMPT"),
               **extra}
     folder = folder or report_dir()
-    path = os.path.join(folder, f"{PREFIX}{_job()}-r{me['rank']}-{cause}.json")
+    who = f"r{me['rank']}" if me["rank"] >= 0 else f"{me['node']}-pid{os.getpid()}"  # before MPI is up
+    path = os.path.join(folder, f"{PREFIX}{_job()}-{who}-{cause}.json")
     try:
         os.makedirs(folder, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -94,17 +96,22 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
         return None
 
 
+# What torch.distributed's backends say when a peer died or its network went away (gloo raises a
+# plain RuntimeError; NCCL a DistBackendError).
+_PEER_GONE = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe",
+              "remote process exited", "network error", "closed by peer", "peer closed")
+
+
 def _not_the_programs(exc: BaseException) -> bool:
-    """Errors that say another rank failed or stayed away (a timeout, a peer that hung up), not
-    that this rank's program is wrong."""
+    """Errors that say another rank failed or stayed away (hpcsync's bounded waits, a collective
+    whose peer timed out or hung up), not that this rank's program is wrong. A program's own
+    ``TimeoutError`` or ``ConnectionError`` (a data fetch) stays the program's."""
     from .errors import CollectiveTimeout
 
-    if isinstance(exc, (CollectiveTimeout, TimeoutError, ConnectionError)):
+    if isinstance(exc, CollectiveTimeout):
         return True
-    name = type(exc).__name__
-    text = str(exc).lower()
-    return name in ("DistBackendError", "DistNetworkError", "DistStoreError") and any(
-        w in text for w in ("timed out", "timeout", "connection reset", "connection closed", "broken pipe"))
+    distributed = type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError")
+    return (distributed or type(exc) is RuntimeError) and any(w in str(exc).lower() for w in _PEER_GONE)
 
 
 def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
@@ -122,19 +129,23 @@ def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
 
 def note_hang(report: Dict[str, Any]) -> Optional[str]:
     """The record of a hang report: the ranks that did not answer (node lost, process dead or
-    frozen) and those that never arrived (stuck elsewhere) are implicated, with their nodes."""
+    frozen) and those that never arrived (alive, stuck elsewhere) are implicated, with their
+    nodes; only the silent ones' nodes are blamed (a rank that answers runs on a node that works)."""
     silent, never = list(report.get("no_reply", [])), list(report.get("never_entered", []))
     ranks = silent + never
     op = report.get("operation", {})
     detail = (f"{op.get('op')} #{op.get('seq')} in group {report.get('group')!r} did not complete within "
               f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
-    return write("hang", ranks, nodes_of(ranks), detail, silent=silent, never_entered=never)
+    return write("hang" if silent else "stall", ranks, nodes_of(ranks), detail, blame_nodes=nodes_of(silent),
+                 silent=silent, never_entered=never)
 
 
 def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[str]:
-    """The record of a send or receive past its timeout: its peer is implicated."""
+    """The record of a send or receive past its timeout: its peer is implicated (blamed when it
+    did not answer)."""
     ranks = [] if peer is None else [peer]
-    return write("hang", ranks, nodes_of(ranks), what, silent=[] if answered else ranks,
+    return write("hang" if not answered else "stall", ranks, nodes_of(ranks), what,
+                 blame_nodes=[] if answered else nodes_of(ranks), silent=[] if answered else ranks,
                  never_entered=ranks if answered else [])
 
 

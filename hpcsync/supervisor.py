@@ -45,6 +45,7 @@ from . import failure, requeue
 from .environments import expand_hostlist
 
 EXIT_NO_NODES = 66  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
+EXIT_SIGNALLED = 128 + signal.SIGTERM  #: ended by a signal to the supervisor between two attempts
 EXIT_RESTARTS_SPENT = requeue.EXIT_RESTARTS_SPENT  #: failures past ``--max-restarts``
 _FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
@@ -59,7 +60,7 @@ def say(text: str) -> None:
 _SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (.+)$")
 _SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for \S+ failed on node) (\S+?)[:\s]")
 _OMPI_SIGNAL = re.compile(r"process rank \d+ with PID \d+ on node (\S+) exited on signal (\d+)")
-_OMPI_DAEMON = re.compile(r"(?:Remote daemon|daemon).*? on node (\S+)")
+_OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
 _HYDRA_AT = re.compile(r"RUNNING AT (\S+)")
 _HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)")
 _NOT_A_DEATH = ("Terminated", "Exited with exit code")
@@ -90,7 +91,7 @@ class LauncherWords:
             self._blame(m.group(1), line)
             return
         m = _SRUN_NODE.search(line) or _OMPI_DAEMON.search(line)
-        if m and "lost communication" not in line:
+        if m:
             self._blame(m.group(1), line)
             return
         m = _OMPI_SIGNAL.search(line)
@@ -117,6 +118,19 @@ class Verdict:
     detail: str = ""
 
 
+def _blamed(records: Sequence[Dict[str, Any]], majority: bool) -> List[str]:
+    """The nodes ``records`` blame; with ``majority``, only those blamed from the most reporting
+    nodes (three nodes, one cut off: it blames both others, each of them blames it)."""
+    votes: Dict[str, set] = {}
+    for r in records:
+        for n in r.get("blame_nodes", []):
+            votes.setdefault(n, set()).add(r.get("reporter", {}).get("node"))
+    if not votes:
+        return []
+    most = max(len(v) for v in votes.values())
+    return [n for n, v in votes.items() if not majority or len(v) == most]
+
+
 def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
           here: Optional[str] = None) -> Verdict:
     """The records first (hpcsync saw the failure from inside), the launcher's words second.
@@ -132,12 +146,10 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
         first = program[0]
         who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
         return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
-    blamed: List[str] = []
     ours = [r for r in records if r.get("reporter", {}).get("node") == here]
-    for r in ours or records:
-        blamed += [n for n in r.get("blame_nodes", []) if n not in blamed]
+    blamed = _blamed(ours or records, majority=not ours)
     if blamed:
-        first = next(r for r in ours or records if r.get("blame_nodes"))
+        first = next(r for r in ours or records if set(r.get("blame_nodes", [])) & set(blamed))
         return Verdict("relaunch", first["cause"], blamed, first["detail"])
     if words.nodes:
         return Verdict("relaunch", "killed", list(words.nodes), "; ".join(words.lines[:3]))
@@ -358,6 +370,9 @@ class Supervisor:
         say(f"{self.width} node(s) x {self.per_node} rank(s) with {self.launcher.name}; spares: "
             f"{', '.join(self.hosts[self.width:]) or 'none'}; at most {self.max_restarts} restart(s)")
         while True:
+            if self._signalled:  # a TERM / INT that came between two attempts ends the run too
+                say("signalled between attempts: not relaunched")
+                return EXIT_SIGNALLED
             if len(self.hosts) < self.width:
                 return self._no_spare()
             previous = self.state.attempts[-1] if self.state.attempts and self.state.attempts[-1].failed else None
@@ -385,6 +400,7 @@ class Supervisor:
             if self.state.restarts() >= self.max_restarts:
                 return self._give_up()
             attempt.failed = True
+            verdict.blamed = [self._host_name(n) for n in verdict.blamed]
             for node in verdict.blamed:
                 if node not in self.state.bad_nodes:
                     self.state.bad_nodes.append(node)
@@ -392,6 +408,14 @@ class Supervisor:
             self.state.save()
             if verdict.blamed:
                 say(f"leaving out {', '.join(verdict.blamed)}; healthy nodes: {', '.join(self.hosts) or 'none'}")
+
+    def _host_name(self, node: str) -> str:
+        """The launcher's name of ``node`` (a record says what the node's hostname is: maybe the
+        fully qualified form of a Slurm node name)."""
+        if node in self.hosts:
+            return node
+        short = node.split(".")[0]
+        return next((h for h in self.hosts if h.split(".")[0] == short), node)
 
     def _give_up(self) -> int:
         lines = "\n".join(f"  {a.line()}" for a in self.state.attempts)
@@ -403,30 +427,51 @@ class Supervisor:
         if self.slurm_job is None:
             say(f"no spare node left ({self.width} needed, healthy: {', '.join(self.hosts) or 'none'}; left out: {bad})")
             return EXIT_NO_NODES
-        return requeue_excluding(self.slurm_job, self.state)
+        return requeue_excluding(self.slurm_job, self.state, lambda: self._signalled)
 
 
-def requeue_excluding(job: str, state: State) -> int:
+def _scontrol(scontrol: str, *args: str) -> Tuple[bool, str]:
+    try:
+        proc = subprocess.run([scontrol, *args], capture_output=True, text=True, timeout=requeue.SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    return proc.returncode == 0, (proc.stderr or proc.stdout).strip()
+
+
+def requeue_excluding(job: str, state: State, signalled: Any = lambda: False) -> int:
     """Requeue the Slurm job with ``state.bad_nodes`` added to its ExcNodeList: held first (a
-    running job's ExcNodeList cannot change), updated, released. SIGTERM, which Slurm sends the
-    batch script once the job is requeued, is ignored until then."""
+    running job's ExcNodeList cannot change), updated, released -- released whatever happened
+    to the update, so the job is never left held. A job being ended (``scancel``: no longer
+    RUNNING, or a TERM to the supervisor) is never requeued. SIGTERM, which Slurm sends the batch
+    script once the job is requeued, is ignored from the hold on."""
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         say("no spare node left and scontrol is not on PATH: cannot requeue")
         return requeue.EXIT_NO_SCONTROL
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    show = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True, timeout=60).stdout
+    ok, show = _scontrol(scontrol, "show", "job", "-o", job)
+    m = re.search(r"\bJobState=(\S+)", show)
+    if signalled() or not ok or m is None or m.group(1) != "RUNNING":
+        say(f"no spare node left; job {job} is being ended ({m.group(1) if m else show or 'signalled'}): not requeued")
+        return EXIT_SIGNALLED
     m = re.search(r"\bExcNodeList=(\S+)", show)
     excluded = [] if m is None or m.group(1) == "(null)" else expand_hostlist(m.group(1))
     excluded += [n for n in state.bad_nodes if n not in excluded]
     state.requeues += 1
     state.save()
-    for cmd in (["requeuehold", job], ["update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}"],
-                ["release", job]):
-        proc = subprocess.run([scontrol, *cmd], capture_output=True, text=True, timeout=60)
-        if proc.returncode != 0:
-            say(f"`scontrol {' '.join(cmd)}` failed: {(proc.stderr or proc.stdout).strip()}")
-            return requeue.EXIT_REQUEUE_FAILED
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ok, why = _scontrol(scontrol, "requeuehold", job)
+    if not ok:
+        say(f"`scontrol requeuehold {job}` failed: {why}")
+        return requeue.EXIT_REQUEUE_FAILED
+    updated, why_update = _scontrol(scontrol, "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}")
+    released, why_release = _scontrol(scontrol, "release", job)
+    if not released:
+        say(f"`scontrol release {job}` failed: {why_release}; the job is held: `scontrol release {job}` by hand")
+        return requeue.EXIT_REQUEUE_FAILED
+    if not updated:
+        say(f"`scontrol update JobId={job} ExcNodeList=...` failed: {why_update}; requeued without excluding "
+            f"{', '.join(excluded)}")
+        return requeue.EXIT_REQUEUE_FAILED
     say(f"no spare node left: requeued Slurm job {job} without {', '.join(excluded)}; it resumes from its "
         "checkpoint when it starts again")
     return requeue.EXIT_REQUEUED

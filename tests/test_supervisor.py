@@ -33,6 +33,11 @@ def test_launcher_words_blame_the_node_whose_ranks_died():
     ompi.feed("mpirun noticed that process rank 1 with PID 4242 on node n7 exited on signal 9 (Killed).")
     ompi.feed("mpirun noticed that process rank 0 with PID 4241 on node n0 exited on signal 15 (Terminated).")
     assert ompi.nodes == ["n7"]
+    lost = supervisor.LauncherWords()  # Open MPI's lost daemon: its own node is named too, and is healthy
+    for line in ("ORTE has lost communication with a remote daemon.", "  HNP daemon   : [[4321,0],0] on node n0",
+                 "  Remote daemon: [[4321,0],1] on node n1"):
+        lost.feed(line)
+    assert lost.nodes == ["n1"]
     hydra = supervisor.LauncherWords()
     for line in ("=   RANK 0 PID 11 RUNNING AT n0", "=   EXIT STATUS: 15", "=   RANK 1 PID 12 RUNNING AT n3",
                  "=   KILLED BY SIGNAL: 9 (Killed)"):
@@ -56,6 +61,14 @@ def test_judge_never_relaunches_the_programs_own_exception():
     # a node cut off reports the others silent as they report it: the supervisor's own node decides
     other_side = {**hang, "blame_nodes": ["n0"], "reporter": {"rank": 2, "node": "n2"}, "time": 1.5}
     assert supervisor.judge(1, [other_side, hang], killed, False, here="n0").blamed == ["n2"]
+    # the supervisor's node ran no rank: the node blamed from the most nodes (three nodes, n1 cut off)
+    cut = [{**hang, "blame_nodes": ["n1"], "reporter": {"rank": 0, "node": "n0"}},
+           {**hang, "blame_nodes": ["n1"], "reporter": {"rank": 2, "node": "n2"}},
+           {**hang, "blame_nodes": ["n0", "n2"], "reporter": {"rank": 1, "node": "n1"}}]
+    assert supervisor.judge(1, cut, killed, False, here="login").blamed == ["n1"]
+    stall = {**hang, "cause": "stall", "blame_nodes": []}  # every rank answered: same nodes, bounded by the cap
+    v = supervisor.judge(1, [stall], supervisor.LauncherWords(), False)
+    assert (v.action, v.cause, v.blamed) == ("relaunch", "stall", [])
     assert supervisor.judge(0, [hang], killed, False).action == "done"
     assert supervisor.judge(143, [], killed, True).action == "done"  # the run itself was ended
     assert supervisor.judge(75, [], supervisor.LauncherWords(), False).action == "done"  # e.g. the requeue cap
@@ -73,14 +86,68 @@ def test_failure_records_say_whose_fault(tmp_path, monkeypatch):
     failure.note_exception(errors.CollectiveTimeout("the other ranks did not all arrive"))
     failure.note_hang({"no_reply": [3], "never_entered": [2], "operation": {"op": "all_reduce", "seq": 9},
                        "group": "0", "timeout_s": 6})
-    raised, timeout, hang = sorted(failure.read(str(tmp_path)), key=lambda r: ["exception", "timeout", "hang"].index(r["cause"]))
+    failure.note_hang({"no_reply": [], "never_entered": [0], "operation": {"op": "barrier", "seq": 2},
+                       "group": "0", "timeout_s": 6})
+    order = ["exception", "timeout", "hang", "stall"]
+    raised, timeout, hang, stall = sorted(failure.read(str(tmp_path)), key=lambda r: order.index(r["cause"]))
     assert raised["program_error"] and raised["ranks"] == [2] and raised["nodes"] == ["b"] and raised["blame_nodes"] == []
     assert raised["detail"] == "ValueError: bad sample" and raised["exit_code"] == 1
     assert not timeout["program_error"] and timeout["blame_nodes"] == []
-    assert hang["ranks"] == [2, 3] and hang["blame_nodes"] == ["b", "c"] and hang["silent"] == [3], hang
+    # the silent rank's node is blamed; the one that answered but never arrived runs on a working node
+    assert hang["ranks"] == [2, 3] and hang["blame_nodes"] == ["c"] and hang["silent"] == [3], hang
+    assert stall["ranks"] == [0] and stall["nodes"] == ["a"] and stall["blame_nodes"] == [], stall
+    # a peer gone, as gloo and NCCL say it, is not the program's; the program's own timeout is
+    assert not failure._not_the_programs(TimeoutError("fetching shard 3 timed out"))
+    assert not failure._not_the_programs(RuntimeError("index 3 out of range"))
+    assert failure._not_the_programs(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     monkeypatch.delenv("HPCSYNC_REPORT_DIR")
     monkeypatch.chdir(tmp_path / "..")
     assert failure.note_exception(ValueError("x")) is None  # no folder asked for: no litter
+
+
+def test_a_signal_between_attempts_ends_the_run(tmp_path):
+    """A TERM that reached the supervisor while no step ran (the record read, the state save):
+    no further attempt."""
+    marker = tmp_path / "launched"
+
+    class Touch(supervisor.Launcher):
+        def command(self, nodes, per_node, program):
+            return ["touch", str(marker)]
+
+    sup = supervisor.Supervisor(Touch("touch", []), ["n0", "n1"], 1, 1, 3, str(tmp_path / "state"), ["prog"])
+    sup._signalled = True
+    assert sup.run() == supervisor.EXIT_SIGNALLED and not marker.exists()
+    for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+
+
+@pytest.mark.parametrize("job_state,update_rc,code,calls", [
+    ("RUNNING", 0, 0, ["requeuehold", "update", "release"]),
+    ("RUNNING", 1, 70, ["requeuehold", "update", "release"]),  # never left held
+    ("COMPLETING", 0, 143, []),  # scancel'ed meanwhile: not brought back
+])
+def test_requeue_without_the_bad_nodes(tmp_path, monkeypatch, job_state, update_rc, code, calls):
+    exe = tmp_path / "scontrol"
+    exe.write_text(f"""#!/bin/sh
+echo "$1" >> {tmp_path}/calls
+case "$1" in
+  show) echo "JobId=7 JobState={job_state} Restarts=0 ExcNodeList=n9" ;;
+  update) echo "$@" > {tmp_path}/update; exit {update_rc} ;;
+esac
+""")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    state = supervisor.State(str(tmp_path / "state"))
+    state.bad_nodes = ["n1"]
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        assert supervisor.requeue_excluding("7", state) == code
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    done = (tmp_path / "calls").read_text().split()
+    assert done == ["show", *calls], done
+    if calls:
+        assert (tmp_path / "update").read_text().split() == ["update", "JobId=7", "ExcNodeList=n9,n1"]
 
 
 def test_hosts_from_a_list_and_a_hostfile():
