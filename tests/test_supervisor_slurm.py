@@ -80,6 +80,10 @@ def test_sbatch_survives_a_failed_node(cluster, tmp_path, failure, nodes, spares
         assert attempts[0]["nodes"] == cluster.names[:2] and attempts[0]["blamed"] == [cluster.names[1]], attempts
         assert attempts[-1]["nodes"] == [cluster.names[0], cluster.names[2]] and attempts[-1]["exit_code"] == 0, attempts
         assert attempts[-1]["resumed_step"] and attempts[-1]["resumed_step"] % 150 == 0, attempts
+        if failure == "link":  # node 0's hang report named node 1 (node 1, cut off, names node 0: not believed)
+            recs = [json.loads(p.read_text()) for p in (out / "attempts" / "attempt-1").glob("hpcsync-failure-*")]
+            [rec] = [r for r in recs if r["reporter"]["node"] == cluster.names[0]]
+            assert rec["cause"] == "hang" and rec["blame_nodes"] == [cluster.names[1]] and not rec["program_error"], rec
         if spares:
             assert len(attempts) == 2 and info["Restarts"] == "0", (info, attempts)  # within the allocation
         else:
