@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -145,11 +144,7 @@ def failures(args: argparse.Namespace) -> list:
                                                       "--checkpoint-every", str(every)], "--spare-nodes", "1")
             ts.wait_for_checkpoint(proc, log, work / "ckpt")
             t_fail = time.time()
-            if failure == "kill":
-                for pid in ts.ranks_on(cluster, 1):
-                    os.kill(pid, 9)
-            else:
-                cluster.link_down(1)
+            ts.break_node(cluster, failure)
             proc.wait(timeout=600)
             if proc.returncode != 0:
                 raise SystemExit(log.read_text()[-3000:])

@@ -107,6 +107,21 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _from_rank0(ctl: Any, fn: Any, failed: str) -> Any:
+    """Collective: ``fn()`` on rank 0, its result on every rank; its error as one
+    :class:`CheckpointError` on every rank (``failed`` with ``{}`` for the error)."""
+    value, error = None, None
+    if ctl.Get_rank() == 0:
+        try:
+            value = fn()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    value, error = ctl.bcast((value, error), root=0)
+    if error:
+        raise CheckpointError(f"hpcsync.checkpoint: {failed.format(error)}; the previous complete checkpoint is untouched")
+    return value
+
+
 # -- which job uses a root ---------------------------------------------------------------------
 def _start_ticks(pid: int) -> Optional[int]:
     try:
@@ -363,25 +378,19 @@ class Checkpoints:
             error = f"cannot serialise its local state: {exc!r}"
         raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
         locals_ = comm.gather(data, dst=0, group=ctl)
-        path, error = None, None
-        if ctl.Get_rank() == 0:
-            try:
-                plan = self._plan(step, _dumps(shared), locals_)
-                if background:
-                    if self._pool is None:
-                        from concurrent.futures import ThreadPoolExecutor
 
-                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-checkpoint")
-                    self._future = self._pool.submit(self._write, *plan)
-                    path = plan[1]
-                else:
-                    path = self._write(*plan)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        path, error = ctl.bcast((path, error), root=0)
-        if error:
-            raise CheckpointError(f"hpcsync.checkpoint: step {step} not saved (rank 0: {error}); "
-                                  "the previous complete checkpoint is untouched")
+        def write() -> str:  # rank 0
+            plan = self._plan(step, _dumps(shared), locals_)
+            if not background:
+                return self._write(*plan)
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-checkpoint")
+            self._future = self._pool.submit(self._write, *plan)
+            return plan[1]
+
+        path = _from_rank0(ctl, write, f"step {step} not saved (rank 0: {{}})")
         if background:
             self._pending = step
             log.info("hpcsync.checkpoint: saving step %d to %s in the background", step, path)
@@ -397,17 +406,8 @@ class Checkpoints:
             return None
         step, self._pending = self._pending, None
         ctl = self._ctl(f"background save of step {step}")
-        path, error = None, None
-        if ctl.Get_rank() == 0:
-            future, self._future = self._future, None
-            try:
-                path = future.result()  # type: ignore[union-attr]
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        path, error = ctl.bcast((path, error), root=0)
-        if error:
-            raise CheckpointError(f"hpcsync.checkpoint: step {step} not saved (rank 0, in the background: {error}); "
-                                  "the previous complete checkpoint is untouched")
+        future, self._future = self._future, None
+        path = _from_rank0(ctl, lambda: future.result(), f"step {step} not saved (rank 0, in the background: {{}})")
         log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
         return path
 

@@ -348,6 +348,17 @@ class Cluster:
         return ClusterLauncher("mpich", argv, {**_MPICH_NETWORK, "UCX_NET_DEVICES": links["ucx"]}, self)
 
 
+def with_slurm(base: Path, nodes: int, network: str = ROUTED) -> Cluster:
+    """Started nodes with Slurm running on them; the test fails (never skips) when Slurm cannot start."""
+    c = Cluster(base, nodes, network).start()
+    try:
+        c.start_slurm()
+    except RuntimeError as exc:
+        c.stop()
+        pytest.fail(f"could not start Slurm on the namespace nodes: {exc}")
+    return c
+
+
 class ClusterLauncher(Launcher):
     """A launcher whose command starts inside node 0 and reaches the other nodes via the agent."""
 

@@ -11,19 +11,14 @@ import pytest
 import slurm_cluster
 from launch import PY, ROOT, clean_env, openmpi, run
 from multinode_checks import check_multinode_job
-from netns_cluster import ROUTED, Cluster
+from netns_cluster import with_slurm
 
 pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("slurm-nodes"), 2, ROUTED).start()
-    try:
-        c.start_slurm()
-    except RuntimeError as exc:
-        c.stop()
-        pytest.fail(f"could not start Slurm on the namespace nodes: {exc}")
+    c = with_slurm(tmp_path_factory.mktemp("slurm-nodes"), 2)
     yield c
     c.stop()
 

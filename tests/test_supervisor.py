@@ -197,6 +197,17 @@ def ranks_on(cluster, node, needle="examples/train.py"):
     return found
 
 
+def break_node(cluster, failure, node=1):
+    """``kill``: SIGKILL the node's training ranks; ``link``: take its links down."""
+    if failure == "link":
+        cluster.link_down(node)
+        return
+    victims = ranks_on(cluster, node)
+    assert victims, f"no training rank on node {node}"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+
+
 def reference(tmp_path):
     """The same training, never interrupted: 2 ranks under mpirun on this machine."""
     ref = tmp_path / "reference"
@@ -261,13 +272,7 @@ def test_mpirun_relaunches_without_the_failed_node(cluster, failure, tmp_path):
                                                "--checkpoint-every", "150"], "--spare-nodes", "1")
     wait_for_checkpoint(proc, log, ckpt)
     t_fail = time.time()
-    if failure == "kill":
-        victims = ranks_on(cluster, 1)
-        assert victims, log.read_text()[-3000:]
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-    else:
-        cluster.link_down(1)
+    break_node(cluster, failure)
     proc.wait(timeout=300)
     ref_proc.wait(timeout=300)
     text = log.read_text()

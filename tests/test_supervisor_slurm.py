@@ -3,28 +3,21 @@ ranks SIGKILLed (or its link taken down) mid-training relaunch the step on nodes
 inside the same allocation; with no spare the job is requeued without node 1. Either way the job
 completes with the weights and metrics of a never-interrupted run, bit for bit."""
 import json
-import os
-import signal
 import subprocess
 
 import pytest
 
 import slurm_cluster
 from launch import PY, ROOT, clean_env
-from netns_cluster import ROUTED, Cluster
-from test_supervisor import TIMEOUT, TRAIN, ranks_on, reference, same_training
+from netns_cluster import with_slurm
+from test_supervisor import TIMEOUT, TRAIN, break_node, reference, same_training
 
 pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("slurm-run-nodes"), 3, ROUTED).start()
-    try:
-        c.start_slurm()
-    except RuntimeError as exc:
-        c.stop()
-        pytest.fail(f"could not start Slurm on the namespace nodes: {exc}")
+    c = with_slurm(tmp_path_factory.mktemp("slurm-run-nodes"), 3)
     yield c
     c.stop()
 
@@ -56,13 +49,7 @@ def test_sbatch_survives_a_failed_node(cluster, tmp_path, failure, nodes, spares
             return any(ckpt.glob("step-*"))
 
         slurm_cluster.wait_for("the first periodic checkpoint", checkpointed, 240)
-        if failure == "kill":
-            victims = ranks_on(cluster, 1)
-            assert victims, log.read_text()[-3000:]
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-        else:
-            cluster.link_down(1)
+        break_node(cluster, failure)
         if spares == 0:  # requeued without node 1: start it at once instead of Slurm's two minutes
             slurm_cluster.start_requeued_now(jid, env, 1, on=on, timeout=180)
         if failure == "link":
