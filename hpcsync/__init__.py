@@ -34,6 +34,7 @@ _EXPORTS = {
     "is_initialized": "bootstrap",
     "master_address": "bootstrap",
     "install_abort_hook": "bootstrap",
+    "setup_logging": "logs",
     "get_world_size": "comm",
     "get_rank": "comm",
     "get_local_rank": "comm",
@@ -64,8 +65,8 @@ _EXPORTS = {
 }
 
 # submodules reachable as attributes (``hpcsync.filesync.part_path``), imported on first use
-_SUBMODULES = ("backend", "bootstrap", "bounded", "checkpoint", "cli", "comm", "doctor", "environments", "errors", "failure", "filesync",
-               "h5", "jobend", "lightning", "network", "nodemap", "staging", "store",
+_SUBMODULES = ("backend", "bootstrap", "bounded", "checkpoint", "cli", "comm", "doctor", "digest", "environments", "errors", "failure", "filesync", "flight",
+               "h5", "jobend", "lightning", "logs", "network", "nodemap", "staging", "store",
                "watchdog")
 
 __all__ = sorted([*_EXPORTS, "preemption", "requeue", "topology"]) + ["__version__"]

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, List, Optional, Union
 
-from . import _mpi, bounded, failure, jobend, settings
+from . import _mpi, bounded, digest, failure, flight, jobend, settings, watchdog
 from .errors import AddressError, HpcsyncError, MissingDependencyError
 from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
@@ -174,6 +174,7 @@ def init(
     set_device: bool = True,
     abort_on_exception: bool = True,
     store: Optional[str] = None,
+    log_dir: Optional[str] = None,
 ) -> Topology:
     """Initialise torch.distributed from MPI (or the launcher) and return the topology.
 
@@ -184,6 +185,8 @@ def init(
     ``"file:///shared/path"`` -- a file on a shared filesystem. ``mpi``/``hpcsync`` need none.
     store: ``"tcp"`` (default; ``HPCSYNC_STORE``) or ``"mpi"`` -- gloo/nccl rendezvous through
     :class:`hpcsync.store.MPIStore` (MPI messages to rank 0, no listening port for the store).
+    log_dir: a file per rank there, rank 0 and every rank's warnings on the console
+    (:func:`hpcsync.setup_logging`; ``HPCSYNC_LOG_DIR`` does the same without code).
     Calling it again returns the same topology; :func:`shutdown` undoes it.
     """
     with _lock:
@@ -206,6 +209,10 @@ def init(
             raise MissingDependencyError(f"hpcsync.init needs torch: pip install torch ({exc})") from exc
         _our_backend_available()  # registers "hpcsync" with torch, so new_group(backend="hpcsync") works
         topo = topology()
+        if log_dir or settings.text("HPCSYNC_LOG_DIR"):
+            from .logs import setup_logging
+
+            setup_logging(log_dir)
         td = _timeout(timeout)
         if dist.is_initialized():
             log.info("torch.distributed was already initialised; checking it against MPI")
@@ -213,6 +220,8 @@ def init(
             _state.update(topology=topo, owner=False)
             return topo
         name = _pick_backend(backend, topo)
+        if name in ("gloo", "nccl"):
+            flight.enable()  # where each rank is in each group, for a report when a collective stalls
         # The MPI-based backends need no address: do not pay for choosing and proving one.
         choice = None if name in ("mpi", "hpcsync") else master_address(topo, timeout=td.total_seconds())
         if choice is not None:
@@ -251,6 +260,8 @@ def init(
             _export_env(topo, choice.address, port)
             dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
+        if topo.uses_mpi and _mpi.MPI().Query_thread() == _mpi.MPI().THREAD_MULTIPLE:
+            watchdog.start()  # answers report questions (a stalled gloo/NCCL collective, a failure)
         _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice)
         if _our_backend_available():  # groups created without timeout= (any backend) follow init's
             from .backend import follow_default_timeout
@@ -384,20 +395,25 @@ def install_abort_hook() -> None:
 
     def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
         rank = os.environ.get("RANK", "?")
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write(f"[hpcsync] uncaught exception on rank {rank}:\n{text}")
-        sys.stderr.flush()
-        if not issubclass(exc_type, KeyboardInterrupt):
+        interrupted = issubclass(exc_type, KeyboardInterrupt)
+        printed = None if interrupted else digest.report(exc_type, exc, tb)  # one report for the job
+        if printed is None:  # no report of the job's: this rank's own traceback
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            sys.stderr.write(f"[hpcsync] uncaught exception on rank {rank}:\n{text}")
+            sys.stderr.flush()
+        if not interrupted:
             failure.note_exception(exc)
-        if _mpi.use_mpi() and not issubclass(exc_type, KeyboardInterrupt):
+        if _mpi.use_mpi() and not interrupted:
             world = _mpi.MPI().COMM_WORLD
             if world.Get_size() > 1:
-                sys.stderr.write(f"[hpcsync] rank {rank}: calling MPI_Abort so the other ranks do not hang "
-                                 f"(HPCSYNC_ABORT_ON_EXCEPTION=0 to disable)\n")
-                sys.stderr.flush()
+                if printed is not False:  # the rank that reported says it, not every rank
+                    sys.stderr.write(f"[hpcsync] rank {rank}: calling MPI_Abort so the other ranks do not hang "
+                                     f"(HPCSYNC_ABORT_ON_EXCEPTION=0 to disable)\n")
+                    sys.stderr.flush()
                 # the launcher forwards a remote rank's stderr asynchronously, and the abort kills
-                # the forwarding: give the traceback a moment to reach the user first
-                time.sleep(0.25)
+                # the forwarding: give the traceback a moment to reach the user first (a rank whose
+                # report another printed waits for that rank's abort, and aborts itself only if none)
+                time.sleep(0.25 if printed is not False else 5.0)
                 jobend.abort(1)
 
     sys.excepthook = _hook = hook

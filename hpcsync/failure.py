@@ -41,7 +41,35 @@ def report_dir() -> str:
     return settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
 
 
-def _job() -> str:
+_step: Optional[int] = None  # the program's step, when it says (StepMonitor.step, note_step)
+
+
+def note_step(step: int) -> None:
+    """The program's current step, for the failure report ("raised first, at step 40")."""
+    global _step
+    _step = step
+
+
+def current_step() -> Optional[int]:
+    return _step
+
+
+_raised: Dict[str, Any] = {}  # this rank's uncaught exception, once it raised
+
+
+def note_raised(error: str, where: str, frames: List[str], text: str) -> None:
+    """This rank raised (the abort hook): its error line, the program's line and innermost frames,
+    and the whole traceback."""
+    _raised.update(time=time.time(), error=error, where=where, frames=frames, traceback=text)
+
+
+def raised() -> Dict[str, Any]:
+    """This rank's uncaught exception as :func:`note_raised` recorded it; empty when none."""
+    return dict(_raised)
+
+
+def job_id() -> str:
+    """The job's id (Slurm's, Open MPI's), or this process's pid: part of every report's name."""
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("OMPI_MCA_orte_ess_jobid") or str(os.getpid())
 
 
@@ -83,7 +111,7 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
               **extra}
     folder = folder or report_dir()
     who = f"r{me['rank']}" if me["rank"] >= 0 else f"{me['node']}-pid{os.getpid()}"  # before MPI is up
-    path = os.path.join(folder, f"{PREFIX}{_job()}-{who}-{cause}.json")
+    path = os.path.join(folder, f"{PREFIX}{job_id()}-{who}-{cause}.json")
     try:
         os.makedirs(folder, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -102,7 +130,7 @@ _PEER_GONE = ("timed out", "timeout", "connection reset", "connection closed", "
               "remote process exited", "network error", "closed by peer", "peer closed")
 
 
-def _not_the_programs(exc: BaseException) -> bool:
+def peer_gone(exc: BaseException) -> bool:
     """Errors that say another rank failed or stayed away (hpcsync's bounded waits, a collective
     whose peer timed out or hung up), not that this rank's program is wrong. A program's own
     ``TimeoutError`` or ``ConnectionError`` (a data fetch) stays the program's."""
@@ -122,7 +150,7 @@ def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
         return None
     me = _me()
     line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-    if _not_the_programs(exc):  # the cause is elsewhere; whoever sees it (the hang report) blames nodes
+    if peer_gone(exc):  # the cause is elsewhere; whoever sees it (the hang report) blames nodes
         return write("timeout", [me["rank"]], [me["node"]], line, blame_nodes=[], reporter=me)
     return write("exception", [me["rank"]], [me["node"]], line, program_error=True, reporter=me, exit_code=exit_code)
 

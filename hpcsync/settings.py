@@ -49,6 +49,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("HPCSYNC_PARTS_DIR", "", "where sync_file's per-rank parts live; default: beside the target"),
     Setting("HPCSYNC_PROGRESS", "1", "0: no progress bars (they show only on a terminal anyway)", "flag"),
     Setting("HPCSYNC_HUGEPAGES", "1", "0: do not ask torch for transparent huge pages", "flag"),
+    Setting("HPCSYNC_LOG_DIR", "", "a folder: hpcsync.init turns on rank-aware logging (a file per rank there, "
+            "rank 0 and every rank's warnings on the console); empty: logging is left to the program"),
+    Setting("HPCSYNC_LOG_PRINT", "0", "1: print output joins each rank's log file (rank 0's still reaches "
+            "stdout, the others' only their files)", "flag"),
 )}
 
 
@@ -109,3 +113,4 @@ def describe() -> str:
 TAG_REPORT_ASK, TAG_REPORT_STATE, TAG_REPORT_DONE = 31001, 31002, 31003  # hang reports (watchdog)
 TAG_STORE_REQUEST, TAG_STORE_REPLY = 31101, 31102  # MPIStore
 TAG_BARRIER_FIRST, TAG_BARRIER_COUNT = 31200, 1000  # monitored_barrier: one tag per call, cycling
+TAG_LOG = 32300  # every rank's warnings to rank 0's console (hpcsync.logs)

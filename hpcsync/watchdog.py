@@ -22,9 +22,9 @@ import time
 import traceback
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from . import _mpi, failure, jobend, nodemap, settings
+from . import _mpi, failure, flight, jobend, nodemap, settings
 
 RING = 64  # operations kept per group
 _TAG_ASK, _TAG_STATE, _TAG_DONE = settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE
@@ -80,6 +80,7 @@ _logs: Dict[int, GroupLog] = {}
 _lock = threading.Lock()
 _responder: Optional["Responder"] = None
 _inflight: List[Any] = []  # sends that may still be in flight when their caller returns: kept alive
+_questions = 0  # this process's questions so far: an answer names the one it answers
 
 
 def group_log(key: int, name: str, ranks: List[int]) -> GroupLog:
@@ -126,19 +127,57 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
         log = next((g for g in _logs.values() if g.name == group), None)
         ops = list(log.ops) if log is not None else []
         timed_out = log is not None and log.timed_out == seq
+    me = {"rank": _mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "timed_out": timed_out,
+          "frames": main_frames()}
+    if log is None:  # a gloo or NCCL group: torch's flight recorder knows where this rank is
+        fr = flight.group_state(group, seq)
+        return {**me, "state": fr["state"], "last": fr["last"], "timed_out": fr["state"] == "inside" and _failed}
     this = next((o for o in ops if o.seq == seq), None)
     # an operation that failed here (not by timing out: that rank is still inside and reports)
     # is over for this rank: counted as inside, a report deferred to it would never be printed
     state = ("never" if this is None else "finished" if this.finished is not None
              else "failed" if this.error is not None and this.error != "timed out" else "inside")
     last = ops[-1] if ops else None
-    now = time.time()
-    main = sys._current_frames().get(threading.main_thread().ident)
-    frames = user_frames([ln.rstrip("\n") for ln in traceback.format_stack(main)]) if main is not None else []
-    return {"rank": _mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "state": state, "timed_out": timed_out,
+    return {**me, "state": state,
             "last": last and {"seq": last.seq, "op": f"{last.op} #{last.seq}", "finished": last.finished is not None,
-                              "age_s": round(now - (last.finished or last.started), 1)},
-            "frames": frames}
+                              "age_s": round(time.time() - (last.finished or last.started), 1)}}
+
+
+_failed = False  # this rank's gloo/NCCL collective failed (its uncaught error is being reported)
+
+
+def mark_failed() -> None:
+    """This rank's own gloo or NCCL collective raised: it counts among the timed-out ranks."""
+    global _failed
+    _failed = True
+
+
+_first_claim: Optional[int] = None  # on rank 0: the rank whose failure report claim came first
+
+
+def claim(asker: int) -> int:
+    """Rank 0 decides which failing rank reports: the first to ask (see :mod:`hpcsync.digest`)."""
+    global _first_claim
+    with _lock:
+        if _first_claim is None:
+            _first_claim = asker
+        return _first_claim
+
+
+def failure_state() -> Dict[str, Any]:
+    """This rank's uncaught exception, or where its main thread is: what a failure report asks."""
+    mine = failure.raised()
+    return {"rank": _mpi.MPI().COMM_WORLD.Get_rank(), "failed": bool(mine), "step": failure.current_step(),
+            "frames": main_frames(keep=1), **mine}
+
+
+# What a responder answers: question kind -> function(asking rank, *arguments) -> plain data.
+ANSWERS: Dict[str, Callable[..., Any]] = {
+    "digest": lambda _asker, group, seq: digest(group, seq),
+    "snapshot": lambda _asker: snapshot(),
+    "claim": claim,
+    "failure": lambda _asker: failure_state(),
+}
 
 
 class Responder:
@@ -160,8 +199,8 @@ class Responder:
                     if msg is None:
                         break
                     status = MPI.Status()
-                    group, seq, full = msg.recv(status=status)  # mprobe-matched: any size
-                    answer = snapshot() if full else digest(group, seq)
+                    qid, kind, args = msg.recv(status=status)  # mprobe-matched: any size
+                    answer = (qid, ANSWERS[kind](status.Get_source(), *args))
                     self._sends.append(self.comm.isend(answer, dest=status.Get_source(), tag=_TAG_STATE))
                 self._sends = [r for r in self._sends if not r.Test()]
             except Exception:  # never let the flight recorder take the job down
@@ -181,13 +220,18 @@ def start() -> Responder:
     return _responder
 
 
-def _ask(ranks: List[int], question: Tuple[str, int, bool], wait_s: float) -> Dict[int, Dict[str, Any]]:
-    """Send ``question`` to ``ranks``' responders; the answers that came within ``wait_s``."""
+def ask(ranks: List[int], question: Tuple[Any, ...], wait_s: float) -> Dict[int, Any]:
+    """Send ``question`` (a kind of :data:`ANSWERS` and its arguments) to ``ranks``' responders;
+    the answers that came within ``wait_s`` (a late answer to an earlier question is dropped)."""
+    global _questions
     MPI = _mpi.MPI()
     assert _responder is not None
     comm = _responder.comm
-    sends = [comm.isend(question, dest=r, tag=_TAG_ASK) for r in ranks]
-    answers: Dict[int, Dict[str, Any]] = {}
+    with _lock:
+        _questions += 1
+        qid = (os.getpid(), _questions)
+    sends = [comm.isend((qid, question[0], question[1:]), dest=r, tag=_TAG_ASK) for r in ranks]
+    answers: Dict[int, Any] = {}
     deadline = time.monotonic() + wait_s
     while len(answers) < len(ranks) and time.monotonic() < deadline:
         msg = comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_STATE)
@@ -195,8 +239,8 @@ def _ask(ranks: List[int], question: Tuple[str, int, bool], wait_s: float) -> Di
             time.sleep(0.01)
             continue
         status = MPI.Status()
-        data = msg.recv(status=status)
-        if status.Get_source() in ranks:
+        got, data = msg.recv(status=status)
+        if got == qid and status.Get_source() in ranks:
             answers[status.Get_source()] = data
     _inflight.extend(s for s in sends if not s.Test())  # their buffers must outlive them
     return answers
@@ -210,7 +254,7 @@ def collect(group: GroupLog, seq: int, wait_s: float = 5.0) -> Tuple[Dict[int, D
     size = MPI.COMM_WORLD.Get_size()
     if _responder is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
         return states, sorted(set(range(size)) - {me})
-    states.update(_ask([r for r in range(size) if r != me], (group.name, seq, False), wait_s))
+    states.update(ask([r for r in range(size) if r != me], ("digest", group.name, seq), wait_s))
     return states, sorted(set(range(size)) - set(states))
 
 
@@ -294,19 +338,34 @@ def format_report(rep: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, f"{os.sep}torch{os.sep}")
+LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, f"{os.sep}torch{os.sep}")
+
+
+AT_EXIT = "(the program has returned: hpcsync's exit waits here for the other ranks)"
+
+
+def main_frames(keep: int = 3) -> List[str]:
+    """Where the main thread is in the program: its innermost frames outside hpcsync and torch;
+    where it raised, while its uncaught exception is being reported; a note once it returned."""
+    raised = failure.raised().get("frames")
+    if raised:
+        return raised[-keep:]
+    main = sys._current_frames().get(threading.main_thread().ident)
+    stack = [ln.rstrip("\n") for ln in traceback.format_stack(main)] if main is not None else []
+    if any(", in _run_exit\n" in ln for ln in stack):
+        return [AT_EXIT]
+    return user_frames(stack, keep)
 
 
 def user_frames(stack: List[str], keep: int = 3) -> List[str]:
     """The innermost frames outside hpcsync and torch: where the program is, not how it waits."""
-    mine = [f for f in stack if not any(d in f.split("\n")[0] for d in _LIBRARY_DIRS)]
+    mine = [f for f in stack if not any(d in f.split("\n")[0] for d in LIBRARY_DIRS)]
     return (mine or stack)[-keep:]
 
 
 def write_report(rep: Dict[str, Any]) -> str:
     folder = settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("OMPI_MCA_orte_ess_jobid") or str(os.getpid())
-    path = os.path.join(folder, f"hpcsync-hang-{job}-{int(time.time())}.json")
+    path = os.path.join(folder, f"hpcsync-hang-{failure.job_id()}-{int(time.time())}.json")
     os.makedirs(folder, exist_ok=True)
     with open(path, "w") as f:
         json.dump(rep, f, indent=1, default=str)
@@ -324,18 +383,18 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     peers = _responder.comm if _responder is not None else None  # None: no responder threads
     printer = _printer_before(group, rec.seq, me) if peers is not None else None
     if printer is not None:  # a lower rank inside the same operation gathers and prints
-        _wait_done(peers, printer, min(timeout_s, 30) + 15)
+        wait_done(printer, min(timeout_s, 30) + 15)
         return None
     states, silent = collect(group, rec.seq)
     rep = build_report(group, rec, timeout_s, states, silent)
     printer = min(rep["timed_out_ranks"] or [me])
     if printer == me and peers is not None:  # full stacks from one rank of each group, for the JSON
         reps = [g["representative"] for g in rep["groups"][:MAX_GROUPS]]
-        full = _ask([r for r in reps if r != me], ("", 0, True), 2.0)
+        full = ask([r for r in reps if r != me], ("snapshot",), 2.0)
         full[me] = snapshot()
         rep = build_report(group, rec, timeout_s, states, silent, full)
     if printer != me and peers is not None:
-        _wait_done(peers, printer, 10)
+        wait_done(printer, 10)
         return None
     text = format_report(rep)
     failure.note_hang(rep)
@@ -347,9 +406,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     if peers is not None:  # every rank that may be waiting for this report (some time out just after)
-        for r in group.ranks:
-            if r != me:
-                _inflight.append(peers.isend(None, dest=r, tag=_TAG_DONE))
+        notify_done(group.ranks)
     if jobend.abort_on_error():
         sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
@@ -364,7 +421,7 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
     its peer is doing (asked through the responders, bounded); printed, and written as JSON."""
     me = _mpi.MPI().COMM_WORLD.Get_rank()
     peer = group.ranks[rec.root] if 0 <= rec.root < len(group.ranks) else None
-    answer = _ask([peer], (group.name, group.seq, False), 2.0).get(peer) if peer is not None and _responder else None
+    answer = ask([peer], ("digest", group.name, group.seq), 2.0).get(peer) if peer is not None and _responder else None
     names = nodemap.describe
     toward = "to" if rec.op.startswith("send") else "from"
     lines = [f"[hpcsync] HANG REPORT: {rec.op} {toward} rank {names([peer]) if peer is not None else 'any'} "
@@ -400,17 +457,27 @@ def _printer_before(group: GroupLog, seq: int, me: int, tries: int = 3) -> Optio
     for r in group.ranks[:tries]:
         if r == me:
             return None
-        answer = _ask([r], (group.name, seq, False), 1.0).get(r)
+        answer = ask([r], ("digest", group.name, seq), 1.0).get(r)
         if answer is not None and answer["state"] == "inside":
             return r
     return None
 
 
-def _wait_done(comm: Any, printer: int, wait_s: float) -> None:
+def wait_done(printer: int, wait_s: float) -> None:
     """Let the printing rank finish before this one raises (an uncaught error here aborts the job)."""
+    if _responder is None:
+        return
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and comm.iprobe(source=printer, tag=_TAG_DONE) is False:
+    while time.monotonic() < deadline and _responder.comm.iprobe(source=printer, tag=_TAG_DONE) is False:
         time.sleep(0.05)
+
+
+def notify_done(ranks: List[int]) -> None:
+    """Tell ``ranks`` (but this one) that the report they wait for is out."""
+    if _responder is None:
+        return
+    me = _responder.comm.Get_rank()
+    _inflight.extend(_responder.comm.isend(None, dest=r, tag=_TAG_DONE) for r in ranks if r != me)
 
 
 def responder() -> Optional[Responder]:

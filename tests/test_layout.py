@@ -80,7 +80,7 @@ def test_every_setting_in_one_table():
             assert not re.search(r"environ(\.get)?\(?\[?[\"']HPCSYNC_", text), path
     assert named - {"HPCSYNC_TEST_OUT", "HPCSYNC_TEST_STAGE_OPTS"} <= set(settings.SETTINGS), named - set(settings.SETTINGS)
     tags = [settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE, settings.TAG_STORE_REQUEST,
-            settings.TAG_STORE_REPLY, *range(settings.TAG_BARRIER_FIRST, settings.TAG_BARRIER_FIRST + settings.TAG_BARRIER_COUNT)]
+            settings.TAG_STORE_REPLY, settings.TAG_LOG, *range(settings.TAG_BARRIER_FIRST, settings.TAG_BARRIER_FIRST + settings.TAG_BARRIER_COUNT)]
     assert len(tags) == len(set(tags)) and max(tags) <= 32767
 
 

@@ -97,9 +97,9 @@ def test_failure_records_say_whose_fault(tmp_path, monkeypatch):
     assert hang["ranks"] == [2, 3] and hang["blame_nodes"] == ["c"] and hang["silent"] == [3], hang
     assert stall["ranks"] == [0] and stall["nodes"] == ["a"] and stall["blame_nodes"] == [], stall
     # a peer gone, as gloo and NCCL say it, is not the program's; the program's own timeout is
-    assert not failure._not_the_programs(TimeoutError("fetching shard 3 timed out"))
-    assert not failure._not_the_programs(RuntimeError("index 3 out of range"))
-    assert failure._not_the_programs(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert not failure.peer_gone(TimeoutError("fetching shard 3 timed out"))
+    assert not failure.peer_gone(RuntimeError("index 3 out of range"))
+    assert failure.peer_gone(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     monkeypatch.delenv("HPCSYNC_REPORT_DIR")
     monkeypatch.chdir(tmp_path / "..")
     assert failure.note_exception(ValueError("x")) is None  # no folder asked for: no litter

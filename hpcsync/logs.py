@@ -1,0 +1,250 @@
+"""Logs of a job of many ranks that read as one: a file per rank, rank 0 on the console.
+
+Asked for with :func:`setup_logging`, ``hpcsync.init(log_dir=...)``, or ``HPCSYNC_LOG_DIR`` in
+the environment (then ``hpcsync.init()`` alone turns it on); never otherwise: the application's
+own handlers stay as they are, and hpcsync adds two handlers to the root logger:
+
+- a file per rank, ``<log_dir>/rank-00007.log``, every record with its rank, world and node,
+  written to the log folder directly (line by line: what a rank logged before it died is there);
+- the console (stderr): rank 0's records at the level asked for, and WARNING and above from every
+  rank, marked with the rank and node. Those go through rank 0 over MPI, which prints a line that
+  many ranks logged alike within a second once, with their ranks (``[ranks 0-63 on n0-n3]``),
+  not once per rank. Without MPI every rank prints its own warnings, marked.
+
+``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``): rank 0's
+still reaches stdout, the other ranks' only their files. A record logged with
+``extra={"console": False}`` goes to the file only (a rank's traceback, when another rank's
+failure report stands for it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, TextIO, Tuple
+
+from . import _mpi, jobend, nodemap, settings
+
+FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(message)s"
+WINDOW_S = 1.0  # alike warnings from several ranks within this are printed once
+POLL_S = 0.1
+
+_state: Dict[str, Any] = {}
+
+
+class _RankFields(logging.Filter):
+    """Adds ``rank``, ``world`` and ``node`` to every record a handler of ours sees."""
+
+    def __init__(self, rank: int, world: int, node: str) -> None:
+        super().__init__()
+        self.rank, self.world, self.node = rank, world, node
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank, record.world, record.node = self.rank, self.world, self.node
+        return True
+
+
+def _on_console(record: logging.LogRecord) -> bool:
+    return getattr(record, "console", True)
+
+
+class _Console(logging.Handler):
+    """Rank 0's records at the level asked for; WARNING and above from every rank, to rank 0's
+    collector (under MPI) or straight to stderr with the rank (without)."""
+
+    def __init__(self, rank: int, level: int, collector: Optional["_Collector"], sender: Optional["_Sender"]) -> None:
+        super().__init__(logging.NOTSET)
+        self.rank, self.floor, self.collector, self.sender = rank, level, collector, sender
+        self.addFilter(_on_console)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info and record.exc_info[0] is not None:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            if record.levelno >= logging.WARNING:
+                item = (record.levelno, record.name, text, self.rank)
+                if self.collector is not None:
+                    self.collector.add(*item)
+                elif self.sender is not None:
+                    self.sender.send(item)
+                else:
+                    _write(_line(record.levelno, record.name, text, [self.rank]))
+            elif self.rank == 0 and record.levelno >= self.floor:
+                _write(f"{record.levelname} {record.name}: {text}")
+        except Exception:
+            self.handleError(record)
+
+
+def _write(line: str) -> None:
+    stream = _state.get("stderr") or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def _line(level: int, name: str, text: str, ranks: List[int]) -> str:
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks {nodemap.ranges(ranks)}"
+    nodes = nodemap.current()
+    where = f" on {', '.join(nodes.nodes(ranks)[:4])}" if nodes is not None else ""
+    return f"[{who}{where}] {logging.getLevelName(level)} {name}: {text}"
+
+
+class _Sender:
+    """A rank other than 0: its warnings to rank 0's collector, without waiting."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.sends, self.lock = comm, [], threading.Lock()
+
+    def send(self, item: Tuple[int, str, str, int]) -> None:
+        with self.lock:
+            self.sends = [r for r in self.sends if not r.Test()]
+            self.sends.append(self.comm.isend(item, dest=0, tag=settings.TAG_LOG))
+
+    def close(self, wait_s: float = 2.0) -> None:
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while self.sends and time.monotonic() < deadline:
+                self.sends = [r for r in self.sends if not r.Test()]
+                time.sleep(0.01)
+
+
+class _Collector:
+    """Rank 0: gathers every rank's warnings and prints alike ones once (see the module text)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.lock = comm, threading.Lock()
+        self.pending: Dict[Tuple[int, str, str], Tuple[float, List[int]]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="hpcsync-logs", daemon=True)
+        self.thread.start()
+
+    def add(self, level: int, name: str, text: str, rank: int) -> None:
+        with self.lock:
+            first, ranks = self.pending.setdefault((level, name, text), (time.monotonic(), []))
+            ranks.append(rank)
+
+    def _drain(self) -> None:
+        MPI = _mpi.MPI()
+        while True:
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=settings.TAG_LOG)
+            if msg is None:
+                return
+            self.add(*msg.recv())
+
+    def flush(self, older_than: float = WINDOW_S) -> None:
+        now = time.monotonic()
+        with self.lock:
+            due = sorted((v[0], k) for k, v in self.pending.items() if now - v[0] >= older_than)
+            lines = [(k, sorted(set(self.pending.pop(k)[1]))) for _, k in due]
+        for (level, name, text), ranks in lines:
+            _write(_line(level, name, text, ranks))
+
+    def _loop(self) -> None:
+        while not self.stop.wait(POLL_S):
+            try:
+                self._drain()
+                self.flush()
+            except Exception:  # never let logging take the job down
+                if _mpi.MPI().Is_finalized():
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2)
+        time.sleep(2 * POLL_S)  # the other ranks' last warnings, sent as they exited
+        try:
+            self._drain()
+        except Exception:
+            pass
+        self.flush(older_than=0)
+
+
+class _PrintToFile:
+    """``sys.stdout`` that also writes each line to this rank's file (rank 0: and to stdout)."""
+
+    def __init__(self, stream: TextIO, logger: logging.Logger, passthrough: bool) -> None:
+        self.stream, self.logger, self.passthrough, self.buf = stream, logger, passthrough, ""
+
+    def write(self, text: str) -> int:
+        if self.passthrough:
+            self.stream.write(text)
+        self.buf += text
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            self.logger.info(line, extra={"console": False})
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _where() -> Tuple[int, int, str, bool]:
+    """(rank, world, node, under MPI) without starting anything the job did not start."""
+    if _mpi.use_mpi():
+        from .topology import topology
+
+        t = topology()
+        return t.rank, t.world_size, t.hostname, t.uses_mpi and t.world_size > 1
+    env = os.environ
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), socket.gethostname(), False
+
+
+def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, console: bool = True,
+                  capture_print: Optional[bool] = None) -> Optional[str]:
+    """Turn on rank-aware logging (see the module text); collective under MPI. Returns this
+    rank's log file, or None without a log folder (``log_dir`` or ``HPCSYNC_LOG_DIR``).
+    A second call changes nothing and returns the same file."""
+    if _state:
+        return _state.get("file")
+    rank, world, node, over_mpi = _where()
+    folder = log_dir or settings.text("HPCSYNC_LOG_DIR")
+    fields = _RankFields(rank, world, node)
+    root = logging.getLogger()
+    root.setLevel(min(level, root.level) if root.level != logging.WARNING else level)
+    path = None
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank-{rank:05d}.log")
+        fh = logging.FileHandler(path, mode="a")
+        fh.setLevel(level)
+        fh.addFilter(fields)
+        fh.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(fh)
+        _state["file_handler"] = fh
+    collector = sender = None
+    if console:
+        if over_mpi:
+            comm = _mpi.MPI().COMM_WORLD.Dup()  # collective: every rank sets logging up
+            _state["comm"] = comm
+            collector, sender = (_Collector(comm), None) if rank == 0 else (None, _Sender(comm))
+        ch = _Console(rank, level, collector, sender)
+        ch.addFilter(fields)
+        root.addHandler(ch)
+        _state.update(console=ch, collector=collector, sender=sender, stderr=sys.stderr)
+    if capture_print if capture_print is not None else settings.flag("HPCSYNC_LOG_PRINT"):
+        sys.stdout = _PrintToFile(sys.stdout, logging.getLogger("print"), passthrough=rank == 0)  # type: ignore
+    _state["file"] = path
+    jobend.at_exit("store", _close)
+    if rank == 0:
+        logging.getLogger(__name__).info("hpcsync logging: %s", f"one file per rank in {folder}" if folder
+                                         else "console only (no log folder)")
+    return path
+
+
+def _close() -> None:
+    """At exit, before MPI_Finalize: the last warnings reach rank 0's console (bounded)."""
+    if _state.get("sender") is not None:
+        _state["sender"].close()
+    if _state.get("collector") is not None:
+        _state["collector"].close()
+    if isinstance(sys.stdout, _PrintToFile):
+        sys.stdout.flush()
+        if sys.stdout.buf:
+            sys.stdout.write("\n")
+        sys.stdout = sys.stdout.stream
