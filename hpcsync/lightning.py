@@ -26,6 +26,7 @@ from .topology import topology
 
 try:
     from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
     from lightning.pytorch.callbacks import Callback
 except ImportError as exc:  # pragma: no cover - optional extra
     raise MissingDependencyError("hpcsync.lightning needs Lightning: pip install lightning") from exc
@@ -40,6 +41,9 @@ class HpcsyncEnvironment(ClusterEnvironment):
         super().__init__()
         self._topo = topology()
         self._main_address = master_address(self._topo).address  # collective: every rank constructs one
+        # rank_zero_only read RANK/SLURM_PROCID when Lightning was imported: under mpirun, none is
+        # set, and every rank would log as rank 0 until the Trainer sets it, if it does
+        rank_zero_only.rank = self._topo.rank
 
     @property
     def creates_processes_externally(self) -> bool:

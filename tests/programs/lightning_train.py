@@ -2,6 +2,7 @@
 import sys
 
 import lightning as L
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +32,7 @@ torch.manual_seed(0)
 x = torch.randn(512, 4)
 y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
 kwargs = hl.trainer_kwargs(backend=sys.argv[1])
+rank_zero_before_fit = rank_zero_only.rank  # Lightning's own, read from no MPI variable
 model = Regressor()
 trainer = L.Trainer(max_epochs=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False, **kwargs)
@@ -39,4 +41,4 @@ weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist
 report(trainer.global_rank, {"rank": trainer.global_rank, "world_size": trainer.world_size,
                              "backend": dist.get_backend(), "first": sum(model.losses[:8]) / 8,
                              "last": sum(model.losses[-8:]) / 8, "weights": weights,
-                             "samples_seen": len(model.losses)})
+                             "samples_seen": len(model.losses), "rank_zero_before_fit": rank_zero_before_fit})
