@@ -221,7 +221,7 @@ def init(
             return topo
         name = _pick_backend(backend, topo)
         if name in ("gloo", "nccl"):
-            flight.enable()  # where each rank is in each group, for a report when a collective stalls
+            flight.enable(name)  # where each rank is in each group, for a report when a collective stalls
         # The MPI-based backends need no address: do not pay for choosing and proving one.
         choice = None if name in ("mpi", "hpcsync") else master_address(topo, timeout=td.total_seconds())
         if choice is not None:

@@ -21,10 +21,17 @@ BUFFER = "2000"  # entries kept per process (torch's ring; a few hundred bytes e
 _VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
-def enable() -> None:
-    """Turn the recorder on for groups made from now on (the user's own setting wins)."""
+def enable(backend: str = "gloo") -> None:
+    """Turn the recorder on for groups made from now on (the user's own settings win). For NCCL,
+    whose own watchdog may end the process on a timeout before Python sees an error, torch is
+    also asked to dump the recorder then, into hpcsync's report folder rather than each node's /tmp."""
     if not any(os.environ.get(v) for v in _VARS):
         os.environ["TORCH_FR_BUFFER_SIZE"] = BUFFER
+    if backend == "nccl":
+        from .failure import report_dir
+
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(report_dir(), "nccl-trace-rank-"))
 
 
 def entries() -> List[Dict[str, Any]]:

@@ -9,7 +9,8 @@ own handlers stay as they are, and hpcsync adds two handlers to the root logger:
 - the console (stderr): rank 0's records at the level asked for, and WARNING and above from every
   rank, marked with the rank and node. Those go through rank 0 over MPI, which prints a line that
   many ranks logged alike within a second once, with their ranks (``[ranks 0-63 on n0-n3]``),
-  not once per rank. Without MPI every rank prints its own warnings, marked.
+  not once per rank. Without MPI, or below ``MPI_THREAD_MULTIPLE``, every rank prints its own
+  warnings, marked.
 
 ``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``): rank 0's
 still reaches stdout, the other ranks' only their files. A record logged with
@@ -190,7 +191,9 @@ def _where() -> Tuple[int, int, str, bool]:
         from .topology import topology
 
         t = topology()
-        return t.rank, t.world_size, t.hostname, t.uses_mpi and t.world_size > 1
+        # warnings travel on a thread of their own: only where MPI allows every thread to call it
+        threads = t.uses_mpi and _mpi.MPI().Query_thread() == _mpi.MPI().THREAD_MULTIPLE
+        return t.rank, t.world_size, t.hostname, threads and t.world_size > 1
     env = os.environ
     return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), socket.gethostname(), False
 
