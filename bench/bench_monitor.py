@@ -1,6 +1,6 @@
 """Benchmark: what ``mon.step()`` (hpcsync.monitor) adds to a training step, side by side in one job.
 
-    python bench/bench_monitor.py [--ranks 2] [--backends hpcsync gloo] [--steps 2000] [--step-us 5000]
+    python bench/bench_monitor.py [--ranks 2] [--backends hpcsync gloo] [--steps 1000] [--step-us 5000]
                                   [--rounds 5] [--jitter 0.1] [--quick]
 
 One mpirun job per rank count and backend; on every rank a loop of ``--steps`` steps, each a busy
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--backend", default="hpcsync", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2])
     ap.add_argument("--backends", nargs="+", default=["hpcsync", "gloo"])
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--step-us", type=float, default=5000.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--jitter", type=float, default=0.1, help="each step up to this fraction longer, per rank")

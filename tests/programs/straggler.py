@@ -1,10 +1,10 @@
 """Training-like steps under hpcsync.monitor, one rank slowed from some step on.
 
-    straggler.py BACKEND MODE SLOW_FROM STEPS [SLOW_RANK] [FACTOR]
+    straggler.py BACKEND MODE SLOW_FROM STEPS [SLOW_RANK] [FACTOR] [SLEEP_MS]
     straggler.py settings        (ranks 1 and 2 ask for other settings: the same ValueError everywhere)
     straggler.py stuck           (rank 2 stops for 30 s: the others' close() ends at its timeout of 2 s)
 
-Each step: a sleep of 2 ms times a random ±10 % (and rank 1 10 % longer throughout: ordinary
+Each step: a sleep of SLEEP_MS (2) times a random ±10 % (and rank 1 10 % longer throughout: ordinary
 differences between ranks), timed as the section ``compute``, then MODE ``allreduce``: a 16-float
 all_reduce, on gloo inside a ``comm`` section (the hpcsync backend counts its waiting itself);
 MODE ``ddp``: the sleep inside the forward pass of a small DDP model, whose gradients DDP
@@ -68,6 +68,7 @@ import torch.distributed as dist  # noqa: E402
 backend, mode, slow_from, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 slow_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 factor = float(sys.argv[6]) if len(sys.argv) > 6 else 1.4
+sleep_base = float(sys.argv[7]) / 1e3 if len(sys.argv) > 7 else 0.002
 topo = hpcsync.init(backend=backend, timeout=60)
 rank = topo.rank
 rng = random.Random(rank)
@@ -96,7 +97,7 @@ if mode == "ddp":
     x = torch.randn(8, 64)
 t0 = time.monotonic()
 for step in range(steps):
-    sleep_s = 0.002 * rng.uniform(0.9, 1.1) * (1.1 if rank == 1 else 1.0)
+    sleep_s = sleep_base * rng.uniform(0.9, 1.1) * (1.1 if rank == 1 else 1.0)
     sleep_s *= factor if rank == slow_rank and step >= slow_from else 1.0
     if mode == "ddp":
         loss = model(x).square().mean()
