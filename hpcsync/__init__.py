@@ -53,6 +53,7 @@ _EXPORTS = {
     "PreemptionGuard": "preemption",
     "Requeue": "requeue",
     "Checkpoints": "checkpoint",
+    "StepMonitor": "monitor",
     "StageResult": "staging",
     "HpcsyncError": "errors",
     "LaunchError": "errors",
@@ -69,7 +70,7 @@ _SUBMODULES = ("backend", "bootstrap", "bounded", "checkpoint", "cli", "comm", "
                "h5", "jobend", "lightning", "logs", "network", "nodemap", "staging", "store",
                "watchdog")
 
-__all__ = sorted([*_EXPORTS, "preemption", "requeue", "topology"]) + ["__version__"]
+__all__ = sorted([*_EXPORTS, "monitor", "preemption", "requeue", "topology"]) + ["__version__"]
 
 
 def _register_backend_if_torch_loaded() -> None:
@@ -83,10 +84,10 @@ def _register_backend_if_torch_loaded() -> None:
 
 _register_backend_if_torch_loaded()
 
-# ``topology``, ``preemption`` and ``requeue`` each name a submodule and its main function: the
-# name is the module, callable as that function (``hpcsync.requeue()`` is
+# ``topology``, ``preemption``, ``requeue`` and ``monitor`` each name a submodule and its main
+# function: the name is the module, callable as that function (``hpcsync.requeue()`` is
 # ``hpcsync.requeue.requeue()``), bound eagerly (the modules are light: no MPI, no torch).
-from . import preemption, requeue, topology  # noqa: E402, F401
+from . import monitor, preemption, requeue, topology  # noqa: E402, F401
 from .preemption import PreemptionGuard  # noqa: E402, F401
 from .topology import Topology, local_comm  # noqa: E402, F401
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,9 @@ class Setting:
     name: str
     default: str  # "" = unset
     doc: str
-    kind: str = "text"  # flag, seconds (a positive number), count (an integer >= 0), text, or "a|b|c" (one of these words)
+    # flag, seconds (a positive number), count (an integer >= 0), factor (a number above 1), m/n (two integers,
+    # 1 <= m <= n), text, or "a|b|c" (one of these words)
+    kind: str = "text"
 
 
 _FLAG_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
@@ -53,6 +55,12 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "rank 0 and every rank's warnings on the console); empty: logging is left to the program"),
     Setting("HPCSYNC_LOG_PRINT", "0", "1: print output joins each rank's log file (rank 0's still reaches "
             "stdout, the others' only their files)", "flag"),
+    Setting("HPCSYNC_MONITOR_STEPS", "50", "hpcsync.monitor: steps per window, the ranks' statistics exchanged "
+            "once per window (0: no exchange); the same on every rank", "count"),
+    Setting("HPCSYNC_STRAGGLER_FACTOR", "1.2", "hpcsync.monitor: a rank whose compute per step is this many "
+            "times the median rank's in a window is slow in it", "factor"),
+    Setting("HPCSYNC_STRAGGLER_WINDOWS", "3/5", "hpcsync.monitor: M/N, a rank slow in M of the last N windows is "
+            "named a straggler", "m/n"),
 )}
 
 
@@ -77,10 +85,30 @@ def validate() -> None:
                 bad.append(f"{s.name}={value!r} (expected a positive number of seconds)")
         elif s.kind == "count" and not v.isdigit():
             bad.append(f"{s.name}={value!r} (expected a whole number, 0 or more)")
+        elif s.kind == "factor" and not 1 < _float(v) < float("inf"):
+            bad.append(f"{s.name}={value!r} (expected a number above 1)")
+        elif s.kind == "m/n" and votes(v) is None:
+            bad.append(f"{s.name}={value!r} (expected M/N, two whole numbers with 1 <= M <= N, such as 3/5)")
         elif "|" in s.kind and v not in s.kind.split("|"):
             bad.append(f"{s.name}={value!r} (expected one of {s.kind.replace('|', ', ')})")
     if bad:
         raise ValueError("hpcsync: malformed settings: " + "; ".join(bad))
+
+
+def _float(v: str) -> float:
+    try:
+        return float(v)
+    except ValueError:
+        return float("nan")
+
+
+def votes(value: str) -> Optional[Tuple[int, int]]:
+    """``"3/5"`` -> ``(3, 5)``; None unless two whole numbers with 1 <= M <= N."""
+    m, _, n = value.strip().partition("/")
+    if not (m.strip().isdigit() and n.strip().isdigit()):
+        return None
+    mi, ni = int(m), int(n)
+    return (mi, ni) if 1 <= mi <= ni else None
 
 
 def text(name: str) -> Optional[str]:

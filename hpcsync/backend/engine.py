@@ -32,7 +32,7 @@ from .deadline import _broken_groups  # noqa: F401  (re-exported)
 from .desync import DTYPE_NAMES, FP_MASK, Agreement, Call, _describe, debug_mode, hot_vector
 from .p2p import PointToPoint
 from .serial import SERIAL, check_thread, nap
-from .work import DoneWork, MPIWork
+from .work import DoneWork, MPIWork, ran
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
             self._wait(fp_req)
             if self._fp_differs:
                 self._agree(rec, vec)
-        rec.finished = time.time()
+        rec.finished = ran(rec, time.time())
 
     def _blocking_op(self, op: str, t: torch.Tensor, root: int, call: str, args: Tuple[Any, ...],
                      kwargs: Any, outputs: List[torch.Tensor], count: int = -1, redop: int = -1) -> MPIWork:
@@ -373,7 +373,7 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
                 if rec.error is None:
                     rec.error = f"{type(exc).__name__}: {exc}"
                 return DoneWork(outputs, exc)
-            rec.finished = _now()
+            rec.finished = ran(rec, _now())
             return DoneWork(outputs)
 
     def _bind(self, name: str) -> Tuple[Callable[..., Any], bool]:

@@ -11,6 +11,24 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+# Seconds during which this process had an hpcsync operation in flight -- a collective from its
+# start to its end, in the caller's thread or on the group's worker (DDP waits for its buckets
+# through torch futures, out of Python's sight), a point-to-point Work.wait -- i.e. waiting for the
+# other ranks and moving data. hpcsync.monitor takes it from a step's time: what is left is the
+# rank's compute. One total for the process.
+WAITED = [0.0]
+
+
+def waited_s() -> float:
+    """Seconds this process has had an hpcsync operation in flight, so far (see ``WAITED``)."""
+    return WAITED[0]
+
+
+def ran(rec: Any, now: float) -> float:
+    """``now`` (``time.time()``), the end of the collective of flight record ``rec``, once its
+    time is added to ``WAITED``."""
+    WAITED[0] += now - rec.started
+    return now
 
 
 class MPIWork(dist.Work):
@@ -50,6 +68,7 @@ class MPIWork(dist.Work):
         """Wait for completion; past the group's timeout (from when the operation started) raise
         torch's ``DistBackendError`` ("timed out"), break the group and report the hang."""
         if not self._done:
+            t0 = time.monotonic()
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
             mine = time.monotonic() + seconds if seconds > 0 else None
             if self._driver is not None:  # nobody else may call MPI: complete it here (bounded)
@@ -73,6 +92,8 @@ class MPIWork(dist.Work):
                 if pg is not None and rec is not None and (mine is None or mine >= self._started[1]):
                     pg._timed_out(rec)  # raises
                 raise dist.DistBackendError(f"hpcsync backend: wait() timed out after {seconds}s")
+            if self._group is None:  # point-to-point: a collective is counted where it runs
+                WAITED[0] += time.monotonic() - t0
         if self._exc is not None:
             raise self._exc
         return True
