@@ -396,7 +396,11 @@ def install_abort_hook() -> None:
     def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
         rank = os.environ.get("RANK", "?")
         interrupted = issubclass(exc_type, KeyboardInterrupt)
-        printed = None if interrupted else digest.report(exc_type, exc, tb)  # one report for the job
+        try:
+            printed = None if interrupted else digest.report(exc_type, exc, tb)  # one report for the job
+        except Exception as err:  # the report failing must not keep the job from ending
+            sys.stderr.write(f"[hpcsync] rank {rank}: the failure report failed ({err!r})\n")
+            printed = None
         if printed is None:  # no report of the job's: this rank's own traceback
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             sys.stderr.write(f"[hpcsync] uncaught exception on rank {rank}:\n{text}")
@@ -413,6 +417,8 @@ def install_abort_hook() -> None:
                 # the launcher forwards a remote rank's stderr asynchronously, and the abort kills
                 # the forwarding: give the traceback a moment to reach the user first (a rank whose
                 # report another printed waits for that rank's abort, and aborts itself only if none)
+                if printed is not False:
+                    watchdog.flush_before_abort()
                 time.sleep(0.25 if printed is not False else 5.0)
                 jobend.abort(1)
 

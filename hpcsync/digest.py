@@ -26,7 +26,7 @@ import sys
 import traceback
 from typing import Any, Dict, List, Optional
 
-from . import _mpi, failure, flight, nodemap, watchdog
+from . import _mpi, failure, flight, logs, nodemap, watchdog
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +56,17 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     line = f"{exc_type.__name__}: {exc}".splitlines()[0] if str(exc) else exc_type.__name__
     failure.note_raised(line, _where(tb), _frames(tb), text)
-    log.error("uncaught exception on this rank:\n%s", text, extra={"console": False})
-    if failure.peer_gone(exc):
+    logs.to_file(logging.ERROR, f"uncaught exception on this rank:\n{text}")
+    if watchdog.hang_reported():  # a hang report of this job's stands for this error
+        return False
+    if failure.peer_gone(exc) and _in_torch_distributed(tb):
         printed = _collective_report()
         if printed is not None:
             return printed
     me = _mpi.MPI().COMM_WORLD.Get_rank()
     winner = watchdog.claim(me) if me == 0 else watchdog.ask([0], ("claim",), CLAIM_WAIT_S).get(0, me)
-    if winner != me:
-        watchdog.wait_done(winner, DONE_WAIT_S)
-        return False
+    if winner != me:  # its report stands for this error; without it, this rank's own traceback
+        return False if watchdog.wait_done(winner, DONE_WAIT_S) else None
     size = _mpi.MPI().COMM_WORLD.Get_size()
     states = watchdog.ask([r for r in range(size) if r != me], ("failure",), GATHER_WAIT_S)
     states[me] = watchdog.failure_state()
@@ -150,6 +151,13 @@ def _write(rep: Dict[str, Any]) -> Optional[str]:
     except OSError as exc:
         log.warning("hpcsync: could not write the failure report %s: %s", path, exc)
         return None
+
+
+def _in_torch_distributed(tb: Any) -> bool:
+    """The error came out of torch.distributed (a collective, DDP's reducer), not the program's
+    own code that happens to say "timed out" (a data loader)."""
+    marks = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
+    return any(any(m in f.filename for m in marks) for f in traceback.extract_tb(tb))
 
 
 def _collective_report() -> Optional[bool]:

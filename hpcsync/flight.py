@@ -24,14 +24,23 @@ _VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 def enable(backend: str = "gloo") -> None:
     """Turn the recorder on for groups made from now on (the user's own settings win). For NCCL,
     whose own watchdog may end the process on a timeout before Python sees an error, torch is
-    also asked to dump the recorder then, into hpcsync's report folder rather than each node's /tmp."""
-    if not any(os.environ.get(v) for v in _VARS):
-        os.environ["TORCH_FR_BUFFER_SIZE"] = BUFFER
-    if backend == "nccl":
-        from .failure import report_dir
+    also asked to dump the recorder then, into ``HPCSYNC_REPORT_DIR`` when it is set (rather than
+    each node's /tmp). What it sets is logged at DEBUG."""
+    import logging
 
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(report_dir(), "nccl-trace-rank-"))
+    from . import settings
+
+    changed = []
+    if not any(os.environ.get(v) for v in _VARS):  # TORCH_FR_BUFFER_SIZE=0 turns it off
+        os.environ["TORCH_FR_BUFFER_SIZE"] = BUFFER
+        changed.append(f"TORCH_FR_BUFFER_SIZE={BUFFER}")
+    folder = settings.text("HPCSYNC_REPORT_DIR")
+    if backend == "nccl" and folder and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ:
+        os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, "nccl-trace-rank-"))
+        changed.append(f"TORCH_NCCL_DUMP_ON_TIMEOUT=1 into {folder}")
+    if changed:
+        logging.getLogger(__name__).debug("hpcsync: torch's flight recorder: %s", ", ".join(changed))
 
 
 def entries() -> List[Dict[str, Any]]:
@@ -83,7 +92,9 @@ def collectives(group: str) -> List[Dict[str, Any]]:
 
 
 def latest() -> Optional[Dict[str, Any]]:
-    """This rank's newest recorded collective, in any group (the one a timeout came from)."""
+    """This rank's newest recorded collective, in any group: the one a timeout came from, when the
+    error came out of torch.distributed (torch retires a gloo collective that failed, as one that
+    finished: the flag cannot tell them apart)."""
     own = [e for e in entries() if not e.get("is_p2p")]
     return max(own, key=lambda e: e.get("time_created_ns", 0)) if own else None
 

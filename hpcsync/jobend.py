@@ -29,6 +29,21 @@ LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiex
 
 
 _abort_on_error = True  # init(abort_on_exception=...) sets it for the job
+_before_abort: List[Callable[[], None]] = []  # what must reach the user before MPI_Abort (held-back logs)
+
+
+def before_abort(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (quick) just before this process calls ``MPI_Abort``, or when another rank is
+    about to (it asks this one through :func:`hpcsync.watchdog.flush_before_abort`)."""
+    _before_abort.append(fn)
+
+
+def run_before_abort() -> None:
+    for fn in _before_abort:
+        try:
+            fn()
+        except Exception:  # the abort matters more
+            pass
 
 # The one ordered exit, before MPI_Finalize (mpi4py finalizes after every Python atexit handler):
 # torch's process group first (gloo threads must be joined while the interpreter is whole), then
@@ -126,6 +141,7 @@ def watch_launcher(pid: int, comm: str, grace: float) -> None:
 
 def abort(code: int = 1) -> NoReturn:
     """``MPI_Abort(COMM_WORLD)``, bounded as the module docstring says. Never returns."""
+    run_before_abort()
     grace = grace_s()
     rank = _mpi.MPI().COMM_WORLD.Get_rank()
     launcher = launcher_pid()

@@ -12,10 +12,10 @@ own handlers stay as they are, and hpcsync adds two handlers to the root logger:
   not once per rank. Without MPI, or below ``MPI_THREAD_MULTIPLE``, every rank prints its own
   warnings, marked.
 
-``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``): rank 0's
-still reaches stdout, the other ranks' only their files. A record logged with
-``extra={"console": False}`` goes to the file only (a rank's traceback, when another rank's
-failure report stands for it).
+``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``; it needs a
+log folder): rank 0's still reaches stdout, the other ranks' only their files. A record logged
+with ``extra={"console": False}`` skips hpcsync's console. The root logger's level is set (to
+``level``) only when the program configured no handler of its own.
 """
 from __future__ import annotations
 
@@ -205,11 +205,17 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
     A second call changes nothing and returns the same file."""
     if _state:
         return _state.get("file")
-    rank, world, node, over_mpi = _where()
     folder = log_dir or settings.text("HPCSYNC_LOG_DIR")
+    capture = capture_print if capture_print is not None else settings.flag("HPCSYNC_LOG_PRINT")
+    if capture and not folder:  # the same on every rank: before anything collective
+        raise ValueError("hpcsync.setup_logging: capture_print (HPCSYNC_LOG_PRINT) needs a log folder "
+                         "(log_dir= or HPCSYNC_LOG_DIR): the other ranks' prints would go nowhere")
+    rank, world, node, over_mpi = _where()
     fields = _RankFields(rank, world, node)
     root = logging.getLogger()
-    root.setLevel(min(level, root.level) if root.level != logging.WARNING else level)
+    theirs = [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
+    if not root.handlers:  # the program configured nothing: INFO by default
+        root.setLevel(level)
     path = None
     if folder:
         os.makedirs(folder, exist_ok=True)
@@ -223,29 +229,76 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
     collector = sender = None
     if console:
         if over_mpi:
-            comm = _mpi.MPI().COMM_WORLD.Dup()  # collective: every rank sets logging up
+            comm = _dup()
             _state["comm"] = comm
             collector, sender = (_Collector(comm), None) if rank == 0 else (None, _Sender(comm))
         ch = _Console(rank, level, collector, sender)
         ch.addFilter(fields)
         root.addHandler(ch)
         _state.update(console=ch, collector=collector, sender=sender, stderr=sys.stderr)
-    if capture_print if capture_print is not None else settings.flag("HPCSYNC_LOG_PRINT"):
-        sys.stdout = _PrintToFile(sys.stdout, logging.getLogger("print"), passthrough=rank == 0)  # type: ignore
+    if capture:  # into this rank's file only: not through the program's handlers, not to the console
+        printed = logging.getLogger("hpcsync.print")
+        printed.propagate = False
+        printed.setLevel(logging.INFO)
+        printed.addHandler(_state["file_handler"])
+        sys.stdout = _PrintToFile(sys.stdout, printed, passthrough=rank == 0)  # type: ignore
     _state["file"] = path
     jobend.at_exit("store", _close)
+    jobend.before_abort(flush_console)
     if rank == 0:
-        logging.getLogger(__name__).info("hpcsync logging: %s", f"one file per rank in {folder}" if folder
-                                         else "console only (no log folder)")
+        log = logging.getLogger(__name__)
+        log.info("hpcsync logging: %s", f"one file per rank in {folder}" if folder else "console only (no log folder)")
+        if theirs and console:
+            log.warning("hpcsync logging: the root logger already has the program's own console handler(s), "
+                        "which print every rank's records; pass console=False to keep only those")
     return path
 
 
+def _dup() -> Any:
+    """A private duplicate of the world for the warnings, bounded (collective: a rank that never
+    sets logging up is a clear error on the others, not a hang)."""
+    from . import bounded
+
+    comm, req = _mpi.MPI().COMM_WORLD.Idup()
+    timeout = bounded.default_timeout()
+    try:
+        bounded.wait(req, timeout)
+    except Exception:
+        bounded.abandon("hpcsync.setup_logging: duplicating the communicator timed out", req, (comm,))
+        raise
+    return comm
+
+
+def to_file(level: int, text: str) -> None:
+    """A record for this rank's file only (not the console, not the program's handlers)."""
+    handler = _state.get("file_handler")
+    if handler is not None:
+        record = logging.LogRecord("hpcsync", level, __file__, 0, text, None, None)
+        handler.handle(record)
+
+
+def flush_console() -> None:
+    """Print what rank 0 holds back now (before the job ends: an abort would lose it)."""
+    collector = _state.get("collector")
+    if collector is not None:
+        try:
+            collector._drain()
+        except Exception:
+            pass
+        collector.flush(older_than=0)
+
+
 def _close() -> None:
-    """At exit, before MPI_Finalize: the last warnings reach rank 0's console (bounded)."""
-    if _state.get("sender") is not None:
-        _state["sender"].close()
-    if _state.get("collector") is not None:
-        _state["collector"].close()
+    """At exit, before MPI_Finalize: the last warnings reach rank 0's console (bounded); later
+    warnings go straight to each rank's stderr, marked."""
+    console = _state.get("console")
+    if console is not None:
+        sender, collector = console.sender, console.collector
+        console.sender = console.collector = _state["sender"] = _state["collector"] = None
+        if sender is not None:
+            sender.close()
+        if collector is not None:
+            collector.close()
     if isinstance(sys.stdout, _PrintToFile):
         sys.stdout.flush()
         if sys.stdout.buf:

@@ -254,11 +254,11 @@ class Judge:
 
 
 def write(record: Dict[str, Any], folder: Optional[str] = None) -> Optional[str]:
-    """Write a verdict's record as ``hpcsync-straggler-<job>-r<rank>-s<step>.json`` in ``folder``
+    """Write a verdict's record as ``hpcsync-straggler-<job>-r<rank>-s<step>-t<time>.json`` in ``folder``
     (default ``HPCSYNC_REPORT_DIR``, else the working directory); its path, or None when it could
     not be written (never raises: a report must not end training)."""
     folder = folder or failure.report_dir()
-    path = os.path.join(folder, f"{PREFIX}{record['job']}-r{record['rank']}-s{record['step']}.json")
+    path = os.path.join(folder, f"{PREFIX}{record['job']}-r{record['rank']}-s{record['step']}-t{int(record['time'])}.json")
     try:
         os.makedirs(folder, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"

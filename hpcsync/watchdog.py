@@ -117,7 +117,7 @@ def snapshot() -> Dict[str, Any]:
         groups = {log.name: {"ranks": log.ranks, "timed_out": log.timed_out, "ops": [asdict(r) for r in log.ops],
                              "p2p": [asdict(r) for r in log.p2p]} for log in _logs.values()}
     return {"rank": world.Get_rank(), "host": os.uname().nodename, "pid": os.getpid(), "time": time.time(),
-            "groups": groups, "stacks": _stacks()}
+            "groups": groups, "stacks": _stacks(), "flight_recorder": [flight.describe(e) for e in flight.entries()[-32:]]}
 
 
 def digest(group: str, seq: int) -> Dict[str, Any]:
@@ -143,6 +143,7 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
                               "age_s": round(time.time() - (last.finished or last.started), 1)}}
 
 
+_hang_reported = False  # report_timeout ran in this process
 _failed = False  # this rank's gloo/NCCL collective failed (its uncaught error is being reported)
 
 
@@ -177,7 +178,16 @@ ANSWERS: Dict[str, Callable[..., Any]] = {
     "snapshot": lambda _asker: snapshot(),
     "claim": claim,
     "failure": lambda _asker: failure_state(),
+    "flush": lambda _asker: jobend.run_before_abort() or True,
 }
+
+
+def flush_before_abort(wait_s: float = 1.0) -> None:
+    """Before this rank aborts the job: rank 0 prints what it holds back (the warnings of
+    :mod:`hpcsync.logs`), answering within ``wait_s``."""
+    if _responder is not None and _responder.comm.Get_rank() != 0:
+        ask([0], ("flush",), wait_s)
+    jobend.run_before_abort()
 
 
 class Responder:
@@ -378,7 +388,9 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     Returns the report text when this rank printed it. Aborts the job unless the abort hook is
     off (``HPCSYNC_ABORT_ON_EXCEPTION=0`` / ``init(abort_on_exception=False)``).
     """
+    global _hang_reported
     group.timed_out = rec.seq
+    _hang_reported = True
     me = _mpi.MPI().COMM_WORLD.Get_rank()
     peers = _responder.comm if _responder is not None else None  # None: no responder threads
     printer = _printer_before(group, rec.seq, me) if peers is not None else None
@@ -411,6 +423,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
         sys.stderr.flush()
+        flush_before_abort()
         time.sleep(1.0)  # let the launcher forward the report before the abort tears its pipes down
         jobend.abort(1)
     return text
@@ -463,13 +476,22 @@ def _printer_before(group: GroupLog, seq: int, me: int, tries: int = 3) -> Optio
     return None
 
 
-def wait_done(printer: int, wait_s: float) -> None:
-    """Let the printing rank finish before this one raises (an uncaught error here aborts the job)."""
+def wait_done(printer: int, wait_s: float) -> bool:
+    """Let the printing rank finish before this one raises (an uncaught error here aborts the job).
+    False when it did not say it was done within ``wait_s``."""
     if _responder is None:
-        return
+        return False
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and _responder.comm.iprobe(source=printer, tag=_TAG_DONE) is False:
+    while time.monotonic() < deadline:
+        if _responder.comm.iprobe(source=printer, tag=_TAG_DONE):
+            return True
         time.sleep(0.05)
+    return False
+
+
+def hang_reported() -> bool:
+    """A hang report of this process's ran (printed here or by the rank this one waited for)."""
+    return _hang_reported
 
 
 def notify_done(ranks: List[int]) -> None:

@@ -65,7 +65,7 @@ def test_logs_under_srun_from_the_environment_with_prints(slurm, tmp_path):
     texts = check_files(logs, 4)
     check_console(proc.stderr, 4)
     assert re.findall(r"a print from rank (\d+)", proc.stdout) == ["0"], proc.stdout
-    assert all(f"INFO print: a print from rank {r}" in t for r, t in enumerate(texts)), texts
+    assert all(f"INFO hpcsync.print: a print from rank {r}" in t for r, t in enumerate(texts)), texts
 
 
 def test_logging_is_left_alone_when_not_asked(tmp_path):
@@ -91,6 +91,36 @@ def test_the_first_failure_is_one_block_naming_its_rank(tmp_path):
                              r"\(.*many_ranks.py:\d+\)", err)
     assert len(consequence) == 1 and err.count("a consequence elsewhere") == 1, err[-4000:]
     assert err.count("calling MPI_Abort") == 1, err[-4000:]
+
+
+def test_the_programs_own_timed_out_error_is_its_own_report_after_the_warnings(tmp_path):
+    """gloo, 3 ranks, HPCSYNC_LOG_DIR: every rank warns, then rank 1's own code raises a RuntimeError
+    that says "timed out" (a data loader's): the failure report with its traceback, not a hang
+    report of a collective that had finished; the warnings held back on rank 0 reach the console
+    before the job is aborted, and rank 1's file holds its traceback."""
+    logs = tmp_path / "logs"
+    res = run(openmpi(), 3, "many_ranks.py", "raise", "gloo", "1", "timeout", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_LOG_DIR": str(logs)}, timeout=180)
+    err = res.stderr
+    assert "HANG REPORT" not in err, err[-4000:]
+    assert f"uncaught exception on rank 1 ({HOST}), the first to fail, at step 40" in err, err[-4000:]
+    assert err.count("RuntimeError: DataLoader worker timed out after 60 seconds") == 1, err[-4000:]
+    assert f"[3 ranks 0-2 on {HOST}] WARNING app: loss is NaN at step 40" in err, err[-4000:]
+    assert "Traceback" in (logs / "rank-00001.log").read_text()
+
+
+def test_print_capture_needs_a_log_folder_and_the_programs_handlers_keep_their_level(tmp_path):
+    """One process: capture_print without a folder is a clear error; with the program's own root
+    handler, setup_logging keeps the root level and warns that it prints every rank's records."""
+    code = ("import logging, hpcsync\n"
+            "try:\n    hpcsync.setup_logging(capture_print=True)\nexcept ValueError as e:\n    print('refused:', e)\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            f"hpcsync.setup_logging({str(tmp_path / 'logs')!r})\n"
+            "print('level', logging.getLogger().level)\n")
+    p = subprocess.run([PY, "-c", code], env=clean_env({"HPCSYNC_MPI": "0"}), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "refused: hpcsync.setup_logging: capture_print (HPCSYNC_LOG_PRINT) needs a log folder" in p.stdout, p.stdout
+    assert f"level {30}" in p.stdout and "pass console=False" in p.stderr, (p.stdout, p.stderr)
 
 
 LINES = {"sleep": "time.sleep(120)", "loop": "while True:"}

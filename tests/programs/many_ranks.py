@@ -4,8 +4,9 @@
   WARNING lines, its own INFO line, rank 2 a warning of its own, every rank prints; the
   application's own handler on logger ``app`` must still be there and see the records.
 - ``plain``: init() without a log folder: the root logger's handlers and level stay as they were.
-- ``raise RANK [others]``: training steps with an all_reduce each; RANK raises at step 40 (with
-  ``others``, every other rank raises too, 0.2 s later).
+- ``raise RANK [others|timeout]``: training steps with an all_reduce each; RANK raises at step 40
+  (with ``others``, every other rank raises too, 0.2 s later; with ``timeout``, every rank warns
+  first and RANK's error is the program's own RuntimeError that says "timed out").
 - ``hang KIND``: rank 2 (of 3+) sleeps, loops or skips a collective at step 5; the others go on.
 """
 import logging
@@ -50,15 +51,20 @@ elif mode == "plain":
     root = logging.getLogger()
     report(topo.rank, {"world_size": topo.world_size, "root_kept": (list(root.handlers), root.level) == root_before,
                        "handlers": [type(h).__name__ for h in root.handlers]})
-elif mode == "raise":  # raise VICTIM [others]: with "others", every other rank raises 0.2 s later
-    victim, others = int(sys.argv[3]), sys.argv[4:] == ["others"]
+elif mode == "raise":  # raise VICTIM [others|timeout]
+    victim, how = int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else ""
     topo = hpcsync.init(backend=backend, timeout=120)
     t = torch.ones(16)
     for step in range(1, 1000):
         hpcsync.failure.note_step(step)  # the step the report names
+        if step == 40 and how == "timeout":  # the program's own error that says "timed out"
+            app.warning("loss is NaN at step %d", step)
+            if topo.rank == victim:
+                time.sleep(0.3)
+                raise RuntimeError("DataLoader worker timed out after 60 seconds")
         if step == 40 and topo.rank == victim:
             raise ValueError(f"bad batch on rank {victim}")
-        if step == 40 and others:
+        if step == 40 and how == "others":
             time.sleep(0.2)
             raise RuntimeError("a consequence elsewhere")
         dist.all_reduce(t)
