@@ -44,11 +44,14 @@ def enable(backend: str = "gloo") -> None:
 
 
 def entries() -> List[Dict[str, Any]]:
-    """This process's recorded collectives, oldest first; empty when the recorder is off."""
+    """This process's recorded collectives, oldest first; empty when the recorder is off. Without
+    the Python frames of each call: torch symbolizes those slowly (seconds, measured, for a few
+    entries; more on a rank whose main thread spins in Python), and the report has the frames of
+    each rank's main thread anyway."""
     try:
         import torch._C._distributed_c10d as c10d
 
-        return list(pickle.loads(c10d._dump_fr_trace()).get("entries", []))
+        return list(pickle.loads(c10d._dump_fr_trace(True, False, False)).get("entries", []))
     except Exception:  # no recorder in this torch, or it is off: the report says less, nothing fails
         return []
 
@@ -64,12 +67,13 @@ def _call_site(entry: Dict[str, Any]) -> str:
 
 
 def describe(entry: Dict[str, Any]) -> str:
-    """``all_reduce #12 (Float[[4, 8]]) at train.py:88``."""
+    """``all_reduce #12 (Float[4, 8]) at train.py:88`` (the call site when the entry has frames)."""
     name = str(entry.get("profiling_name", "?")).split(":")[-1]
     dtypes = entry.get("input_dtypes") or []
     sizes = entry.get("input_sizes") or []
     what = f"{dtypes[0] if dtypes else ''}{sizes[0]}" if sizes else ""
-    return f"{name} #{entry['collective_seq_id']}" + (f" ({what})" if what else "") + f" at {_call_site(entry)}"
+    at = f" at {_call_site(entry)}" if entry.get("frames") else ""
+    return f"{name} #{entry['collective_seq_id']}" + (f" ({what})" if what else "") + at
 
 
 def group_ranks(group: str) -> List[int]:
