@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fuzz.json"))
     a = ap.parse_args()
     if a.quick:
-        a.seeds, a.per_job, a.ending = 12, 12, 1
+        a.seeds, a.per_job, a.ending = 6, 6, 1
     rows, problems = [], []
     for mpi in a.mpi.split(","):
         if a.quick:  # one job per cell: both faults kinds, every thread level, two ending faults in all

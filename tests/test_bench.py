@@ -106,8 +106,8 @@ def test_stage_benchmark_quick(tmp_path):
 
 
 def test_generated_programs_never_hang_and_never_return_wrong_data(tmp_path):
-    """bench_fuzz --quick: 12 generated programs per MPI library on 3 ranks equal numpy's results;
-    12 with a mismatch fault (op, dtype, count, reduce op, root) end with the same error on every
+    """bench_fuzz --quick: 6 generated programs per MPI library on 3 ranks equal numpy's results;
+    6 with a mismatch fault (op, dtype, count, reduce op, root) end with the same error on every
     rank and the job goes on; a raise (Open MPI) and a skipped collective (MPICH) end the same way
     or with a report (the full run: all four job-ending faults on both). The script exits non-zero
     with a replay command for any bad seed."""
@@ -117,8 +117,8 @@ def test_generated_programs_never_hang_and_never_return_wrong_data(tmp_path):
     assert set(rows) == {(m, f) for m in ending for f in ("none", "mix", *ending[m])}
     assert data["problems"] == [] and all(r["bad"] == 0 for r in rows.values()), printed
     for mpi in ending:
-        assert rows[(mpi, "none")]["seeds"] == 12 and rows[(mpi, "mix")]["seeds"] == 12
-        assert rows[(mpi, "mix")]["same_error"] == 12  # every mismatch seen, the same error on every rank
+        assert rows[(mpi, "none")]["seeds"] == 6 and rows[(mpi, "mix")]["seeds"] == 6
+        assert rows[(mpi, "mix")]["same_error"] == 6  # every mismatch seen, the same error on every rank
         for fault in ending[mpi]:
             r = rows[(mpi, fault)]
             assert r["same_error"] + r["ended_by_report"] == 1 and r["max_job_s"] < 60, r
