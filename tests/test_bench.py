@@ -135,3 +135,12 @@ def test_recovery_benchmark_quick(tmp_path):
         assert stall[mode]["stall_s"] > 0 and stall[mode]["complete_s"] > 0, stall
     assert stall["background"]["complete_s"] >= stall["background"]["stall_s"], stall
     assert "background stall / synchronous stall" in stdout
+
+
+def test_logs_benchmark_quick(tmp_path):
+    """bench_logs --quick: a record's cost in the three places, each measured and above the floor."""
+    _, data, stdout = run_quick(tmp_path, "bench_logs.py", "--shared", str(tmp_path / "logs"), timeout=120)
+    rows = {r["target"]: r for r in data["rows"]}
+    assert len(rows) == 3 and all(r["us_per_record"] > 0 for r in rows.values()), data
+    assert rows["file in the log folder"]["vs_no_handler"] > 1, data
+    assert (tmp_path / "logs" / "rank-00000.log").stat().st_size > 0
