@@ -18,7 +18,6 @@ entered it, where each one is, with nodes.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -142,15 +141,8 @@ def _write(rep: Dict[str, Any]) -> Optional[str]:
     folder = settings.text("HPCSYNC_REPORT_DIR")
     if not folder:
         return None
-    path = os.path.join(folder, f"hpcsync-first-failure-{failure.job_id()}-r{rep['rank']}.json")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(rep, f, indent=1, default=str)
-        return path
-    except OSError as exc:
-        log.warning("hpcsync: could not write the failure report %s: %s", path, exc)
-        return None
+    return failure.write_json(os.path.join(folder, f"hpcsync-first-failure-{failure.job_id()}-r{rep['rank']}.json"),
+                              rep, "failure report")
 
 
 def _in_torch_distributed(tb: Any) -> bool:

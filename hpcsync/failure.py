@@ -111,16 +111,21 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
               **extra}
     folder = folder or report_dir()
     who = f"r{me['rank']}" if me["rank"] >= 0 else f"{me['node']}-pid{os.getpid()}"  # before MPI is up
-    path = os.path.join(folder, f"{PREFIX}{job_id()}-{who}-{cause}.json")
+    return write_json(os.path.join(folder, f"{PREFIX}{job_id()}-{who}-{cause}.json"), record, "failure record")
+
+
+def write_json(path: str, record: Dict[str, Any], what: str) -> Optional[str]:
+    """Write ``record`` to ``path`` whole or not at all (a temporary file, renamed); its path, or
+    None with a warning when it could not be written: a report never raises."""
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(record, f, indent=1, default=str)
         os.replace(tmp, path)
         return path
     except OSError as exc:
-        log.warning("hpcsync: could not write the failure record %s: %s", path, exc)
+        log.warning("hpcsync: could not write the %s %s: %s", what, path, exc)
         return None
 
 

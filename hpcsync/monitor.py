@@ -258,17 +258,8 @@ def write(record: Dict[str, Any], folder: Optional[str] = None) -> Optional[str]
     (default ``HPCSYNC_REPORT_DIR``, else the working directory); its path, or None when it could
     not be written (never raises: a report must not end training)."""
     folder = folder or failure.report_dir()
-    path = os.path.join(folder, f"{PREFIX}{record['job']}-r{record['rank']}-s{record['step']}-t{int(record['time'])}.json")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1, default=str)
-        os.replace(tmp, path)
-        return path
-    except OSError as exc:
-        log.warning("hpcsync: could not write the straggler record %s: %s", path, exc)
-        return None
+    name = f"{PREFIX}{record['job']}-r{record['rank']}-s{record['step']}-t{int(record['time'])}.json"
+    return failure.write_json(os.path.join(folder, name), record, "straggler record")
 
 
 def read(folder: str) -> List[Dict[str, Any]]:
