@@ -195,16 +195,22 @@ def note_resume(step: int, path: str, saved_at: Optional[float]) -> None:
         log.warning("hpcsync: could not note the resumed checkpoint: %s", exc)
 
 
-def read(folder: str) -> List[Dict[str, Any]]:
-    """Every failure record in ``folder``, the earliest first."""
+def read_json(folder: str, prefix: str, kind: str) -> List[Dict[str, Any]]:
+    """Every readable ``<prefix>*.json`` record of ``kind`` in ``folder``, each with its ``path``
+    (a torn or foreign file is skipped)."""
     out = []
-    for path in glob.glob(os.path.join(folder, f"{PREFIX}*.json")):
+    for path in glob.glob(os.path.join(folder, f"{prefix}*.json")):
         try:
             with open(path) as f:
                 rec = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(rec, dict) and rec.get("kind") == "hpcsync failure record":
+        if isinstance(rec, dict) and rec.get("kind") == kind:
             rec["path"] = path
             out.append(rec)
-    return sorted(out, key=lambda r: r.get("time", 0))
+    return out
+
+
+def read(folder: str) -> List[Dict[str, Any]]:
+    """Every failure record in ``folder``, the earliest first."""
+    return sorted(read_json(folder, PREFIX, "hpcsync failure record"), key=lambda r: r.get("time", 0))

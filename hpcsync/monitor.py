@@ -31,8 +31,6 @@ whole step, the same on every rank, and nobody is named. ::
 """
 from __future__ import annotations
 
-import glob
-import json
 import logging
 import os
 import statistics
@@ -264,17 +262,7 @@ def write(record: Dict[str, Any], folder: Optional[str] = None) -> Optional[str]
 
 def read(folder: str) -> List[Dict[str, Any]]:
     """Every straggler record in ``folder``, the earliest first."""
-    out = []
-    for path in glob.glob(os.path.join(folder, f"{PREFIX}*.json")):
-        try:
-            with open(path) as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and rec.get("kind") == KIND:
-            rec["path"] = path
-            out.append(rec)
-    return sorted(out, key=lambda r: (r.get("time", 0), r.get("step", 0)))
+    return sorted(failure.read_json(folder, PREFIX, KIND), key=lambda r: (r.get("time", 0), r.get("step", 0)))
 
 
 def slow_nodes(records: Iterable[Dict[str, Any]]) -> List[str]:
