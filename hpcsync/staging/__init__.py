@@ -51,8 +51,10 @@ from .. import _bigmpi, _mpi
 from ..errors import StageError, raise_if_any, raise_if_settings_differ
 from ..progress import Progress
 from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
-from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, chunks, scan, source_path, split_work
-from .transfer import SPLIT_BYTES, Reader, broadcast, copy_local, copy_shared, help_on_one_node
+from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, chunks, scan, source_path,
+                      split_work, stat_names, walk_names)
+from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_local, copy_shared, help_on_one_node, identity,
+                       idle_until_all_arrive)
 
 __all__ = ["stage", "StageResult", "Entry", "chunks", "split_work", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
            "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
@@ -119,16 +121,16 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
     what = f"stage of {src} to {dst} failed: "
     node, leaders = _split(comm, root)
     try:
-        entries, ignored, err = scan(src) if me == root else ([], [], None)
+        one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
+        entries, ignored, err = _list_source(node, me == root, src, one_node)
         raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
         result = None
-        one_node = size > 1 and node.Get_size() == size  # its ranks share the copying
         if leaders is not None:
             result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
                                            node if one_node else None)
         elif one_node:
-            help_on_one_node(node, src, dst, durable)
-        _idle_until_all_arrive(comm)
+            help_on_one_node(node, src, dst, durable, entries)
+        idle_until_all_arrive(comm)
         raise_if_any(comm, err, StageError, what)
         result = comm.bcast(result, root=root)
     finally:
@@ -161,16 +163,38 @@ def _split(comm: Any, root: int) -> Tuple[Any, Any]:
     return node, (None if leaders == MPI.COMM_NULL else leaders)
 
 
-def _idle_until_all_arrive(comm: Any) -> None:
-    """Ranks with nothing to do wait here without spinning a core that the copying ranks need
-    (a blocking MPI collective busy-polls)."""
-    if comm.Get_size() == 1:
-        return
-    req = comm.Ibarrier()
-    pause = 0.0002
-    while not req.Test():
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+def _list_source(node: Any, is_root: bool, src: str, one_node: bool
+                 ) -> Tuple[List[Entry], List[str], Optional[str]]:
+    """The source's listing, made on the root's node: the root walks the names, every rank there
+    that sees the same source takes a share of the ``stat`` calls (a tree of small files costs
+    system calls). Returns ``(entries, ignored, error)`` on the root, and on every rank of a
+    one-node job (which all copy); the error is the root's alone."""
+    if node.Get_size() == 1 or node.bcast(is_root, root=0) is not True:  # not the root's node
+        return scan(src) if is_root else ([], [], None)
+    names, dirs, err = walk_names(src) if is_root else ([], bytearray(), None)
+    idle_until_all_arrive(node)  # the others wait for the walk without spinning a core
+    plan = node.bcast((names, dirs, identity(src)) if is_root and err is None else None, root=0)
+    if plan is None:  # the walk failed
+        return [], [], err
+    names, dirs, ident = plan
+    able = [r for r, ok in enumerate(node.allgather(is_root or identity(src) == ident)) if ok]
+    me = node.Get_rank()
+    part: Any = None
+    if me in able:
+        k = able.index(me)
+        part = stat_names(src, names, dirs, len(names) * k // len(able), len(names) * (k + 1) // len(able))
+    idle_until_all_arrive(node)
+    parts = node.allgather(part) if one_node else node.gather(part, root=0)
+    if parts is None:
+        return [], [], None
+    stats: List[Any] = []
+    for p in parts:
+        if p is not None:
+            if p[1] is not None:
+                return [], [], p[1] if is_root else None
+            stats += p[0]
+    entries, ignored = assemble(names, stats)
+    return entries, ignored, None
 
 
 def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
@@ -195,11 +219,12 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     finally:
         node.close_probe()
     if err is None and node.writes:
-        err = node.prepare()
+        err = node.prepare(whole_folders=not many)
     if many and any(leaders.allgather(err)):
         return None, err  # no node moves anything when one cannot take it; every rank raises
     if err is not None:
         if helpers is not None:
+            idle_until_all_arrive(helpers)
             helpers.bcast(None, root=0)  # nothing for them to do
         return None, err
     union = node.need.copy()
