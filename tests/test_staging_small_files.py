@@ -12,9 +12,9 @@ import pytest
 
 import hpcsync
 from hpcsync import staging
-from hpcsync.staging import fileops, listing
+from hpcsync.staging import fileops, listing, transfer
 from launch import PY, Launcher, clean_env, openmpi, run
-from test_staging import (_kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
+from test_staging import (OLD, _kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
                           journaled, make_tree, no_temporaries, snapshot)
 
 MODES = [0o600, 0o640, 0o644, 0o664, 0o666, 0o700, 0o755, 0o777, 0o444, 0o400, 0o000, 0o4755, 0o2750, 0o1644]
@@ -136,19 +136,22 @@ def test_unreadable_file_in_a_helpers_share_fails_on_every_rank(tmp_path):
 
 
 def _small_and_big(src: Path) -> None:
-    """Four folders of 300 small files, each ending with a 17 MiB file (journaled before it)."""
-    for k in range(4):
-        folder = src / f"p{k}"
+    """Eight folders: four of 200 small files (each copied whole), four of one 17 MiB file (a
+    rank journals what it finished before such a file)."""
+    for k in range(8):
+        folder = src / f"a{k}"
         folder.mkdir(parents=True)
-        for i in range(300):
-            (folder / f"a{i:04d}").write_bytes(os.urandom(1024 + i))
-        with open(folder / "z.big", "wb") as f:
-            f.write(os.urandom(17 * 2**20))
+        if k % 2:
+            (folder / "z.big").write_bytes(os.urandom(17 * 2**20))
+            continue
+        for i in range(200):
+            (folder / f"s{i:04d}").write_bytes(os.urandom(1024 + i))
 
 
 def test_killed_amid_small_files_then_restaged(tmp_path):
-    """SIGKILL after each rank journaled its first folder, while it copies the next: only complete
-    files at final names, and the next call copies exactly what the journals lack."""
+    """SIGKILL once a folder of small files is journaled, while the ranks copy the others: only
+    complete files at final names (a folder being filled is hidden), and the next call copies
+    exactly what the journals lack."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     _small_and_big(src)
     lau = openmpi()
@@ -158,14 +161,14 @@ def test_killed_amid_small_files_then_restaged(tmp_path):
     proc = subprocess.Popen([*lau.command(2), PY, str(Path(__file__).parent / "programs" / "stage.py"), str(src),
                              str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _kill_when(lambda: journaled(dst) >= 600, proc)
+    _kill_when(lambda: journaled(dst) >= 200, proc)
     done = set()
     for j in dst.glob(staging.JOURNAL + "*"):
         lines = j.read_text().splitlines()
         done |= {json.loads(line)[0] for line in lines[1:] if line.endswith("]")}
-    assert len(done) >= 600
-    for p in dst.rglob("*"):  # what a reader sees: complete files only
-        if p.is_file() and not p.name.startswith("."):
+    assert len(done) >= 200
+    for p in dst.rglob("*"):  # what a reader sees: complete files only (hidden names are not data)
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(dst).parts):
             assert p.read_bytes() == (src / p.relative_to(dst)).read_bytes(), p
     before = inodes(dst)
     r = _ranks_ok(run(lau, 2, "stage.py", str(src), str(dst), tmp_path=tmp_path), 2)
@@ -173,6 +176,29 @@ def test_killed_amid_small_files_then_restaged(tmp_path):
     assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
     after = inodes(dst)
     assert all(after[p] == before[p] for p in before if os.path.relpath(p, dst) in done)
+
+
+def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
+    """A folder of small files is filled under a hidden name and renamed into place: the same
+    tree (contents, modes, mtimes), a folder with links or subfolders copied file by file."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src)
+    for i, m in enumerate(MODES):
+        p = src / "many" / f"m{i:02d}"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(os.urandom(i * 100))
+        os.chmod(p, m)
+        os.utime(p, ns=(OLD, OLD + i))
+    filled = []
+    real = transfer.fill_folder
+    monkeypatch.setattr(transfer, "fill_folder", lambda *a: filled.append(a[4]) or real(*a))
+    r = hpcsync.stage(src, dst)
+    assert snapshot(dst) == expected(src) and no_temporaries(dst) and len(r.copied) == r.files
+    assert sorted(os.path.relpath(f, src) for f in filled) == ["many"]  # the other folders hold 2 or 3 files
+    doc = json.loads((dst / staging.MANIFEST).read_text())
+    assert all(doc["files"][f"many/m{i:02d}"][4] == os.lstat(dst / "many" / f"m{i:02d}").st_ino for i in range(len(MODES)))
+    r = hpcsync.stage(src, dst)
+    assert r.copied == () and len(filled) == 1
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -189,3 +215,27 @@ def test_same_tree_from_one_or_more_ranks(ranks, tmp_path):
         s = os.lstat(dst / rel)
         assert (s.st_size, s.st_mtime_ns, stat.S_IMODE(s.st_mode), s.st_ino, s.st_ctime_ns) == (size, mtime, mode,
                                                                                               ino, ctime), rel
+
+
+def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
+    """Rank 1 runs in a mount namespace where the source path holds something else: it neither
+    stats nor copies anything (its share of both goes to the root), and the copy is exact."""
+    src, dst, decoy = tmp_path / "src", tmp_path / "dst", tmp_path / "decoy"
+    make_tree(src)
+    for i in range(40):
+        (src / "many" / f"m{i:03d}").parent.mkdir(exist_ok=True)
+        (src / "many" / f"m{i:03d}").write_bytes(os.urandom(3000 + i))
+    make_tree(decoy, files=5, seed=1)
+    lau = openmpi()
+    out = tmp_path / "out"
+    out.mkdir()
+    prog = str(Path(__file__).parent / "programs" / "stage.py")
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    cmd = [*lau.argv, "-n", "1", PY, prog, str(src), str(dst), ":", "-n", "1", "unshare", "--mount", "sh", "-c",
+           f"mount --bind {decoy} {src} && exec {PY} {prog} {src} {dst}"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["ok"] for d in ranks) and ranks[0]["result"]["copied"] == ranks[1]["result"]["copied"]
+    assert snapshot(dst) == expected(src) and no_temporaries(dst)
+    assert not list(dst.glob(staging.JOURNAL + "*"))

@@ -51,12 +51,12 @@ from .. import _bigmpi, _mpi
 from ..errors import StageError, raise_if_any, raise_if_settings_differ
 from ..progress import Progress
 from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
-from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, chunks, scan, source_path,
-                      split_work, stat_names, walk_names)
+from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
+                      source_path, stat_names, walk_names)
 from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_local, copy_shared, help_on_one_node, identity,
                        idle_until_all_arrive)
 
-__all__ = ["stage", "StageResult", "Entry", "chunks", "split_work", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
+__all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
            "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -123,7 +123,11 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
     try:
         one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
         entries, ignored, err = _list_source(node, me == root, src, one_node)
-        raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
+        if one_node:  # every rank has the listing's error already
+            if err:
+                raise StageError(f"{what}rank {root}: node {socket.gethostname()}: {err}")
+        else:
+            raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
         result = None
         if leaders is not None:
             result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
@@ -131,11 +135,16 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
         elif one_node:
             help_on_one_node(node, src, dst, durable, entries)
         idle_until_all_arrive(comm)
-        raise_if_any(comm, err, StageError, what)
-        result = comm.bcast(result, root=root)
+        if one_node:  # the root has every rank's error (the others send theirs to it)
+            result, err = comm.bcast((result, err), root=root)
+            if err:
+                raise StageError(f"{what}rank {root}: {err}")
+        else:
+            raise_if_any(comm, err, StageError, what)
+            result = comm.bcast(result, root=root)
     finally:
         for c in (leaders, node):
-            if c is not None and c is not comm:
+            if c is not None and c is not comm and c != _mpi.MPI().COMM_SELF:
                 c.Free()
     return StageResult(**{**result, "seconds": time.perf_counter() - t0})
 
@@ -159,6 +168,8 @@ def _split(comm: Any, root: int) -> Tuple[Any, Any]:
     me = comm.Get_rank()
     key = 0 if me == root else me + 1
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    if node.Get_size() == comm.Get_size():  # one node: the root leads alone
+        return node, (MPI.COMM_SELF if me == root else None)
     leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, key=key)
     return node, (None if leaders == MPI.COMM_NULL else leaders)
 
@@ -166,33 +177,37 @@ def _split(comm: Any, root: int) -> Tuple[Any, Any]:
 def _list_source(node: Any, is_root: bool, src: str, one_node: bool
                  ) -> Tuple[List[Entry], List[str], Optional[str]]:
     """The source's listing, made on the root's node: the root walks the names, every rank there
-    that sees the same source takes a share of the ``stat`` calls (a tree of small files costs
-    system calls). Returns ``(entries, ignored, error)`` on the root, and on every rank of a
-    one-node job (which all copy); the error is the root's alone."""
-    if node.Get_size() == 1 or node.bcast(is_root, root=0) is not True:  # not the root's node
+    takes a share of the ``stat`` calls (a tree of small files costs system calls; a rank that
+    does not see the very source leaves its share to the root). Returns ``(entries, ignored,
+    error)`` on the root, and on every rank of a one-node job (which all copy), where the error
+    too is every rank's."""
+    if node.Get_size() == 1 or (not one_node and node.bcast(is_root, root=0) is not True):  # not the root's node
         return scan(src) if is_root else ([], [], None)
     names, dirs, err = walk_names(src) if is_root else ([], bytearray(), None)
     idle_until_all_arrive(node)  # the others wait for the walk without spinning a core
-    plan = node.bcast((names, dirs, identity(src)) if is_root and err is None else None, root=0)
-    if plan is None:  # the walk failed
-        return [], [], err
+    plan = node.bcast((names, dirs, identity(src)) if is_root and err is None else err, root=0)
+    if not isinstance(plan, tuple):  # the walk failed
+        return [], [], plan if one_node or is_root else None
     names, dirs, ident = plan
-    able = [r for r, ok in enumerate(node.allgather(is_root or identity(src) == ident)) if ok]
+    n = node.Get_size()
+
+    def share(r: int) -> Any:
+        return stat_names(src, names, dirs, len(names) * r // n, len(names) * (r + 1) // n)
+
     me = node.Get_rank()
-    part: Any = None
-    if me in able:
-        k = able.index(me)
-        part = stat_names(src, names, dirs, len(names) * k // len(able), len(names) * (k + 1) // len(able))
+    part = share(me) if is_root or identity(src) == ident else None
     idle_until_all_arrive(node)
     parts = node.allgather(part) if one_node else node.gather(part, root=0)
     if parts is None:
         return [], [], None
+    if None in parts:  # the root stats the shares of ranks that do not see this source
+        done = [share(r) if p is None else p for r, p in enumerate(parts)] if is_root else None
+        parts = node.bcast(done, root=0) if one_node else done
     stats: List[Any] = []
     for p in parts:
-        if p is not None:
-            if p[1] is not None:
-                return [], [], p[1] if is_root else None
-            stats += p[0]
+        if p[1] is not None:
+            return [], [], p[1]
+        stats += p[0]
     entries, ignored = assemble(names, stats)
     return entries, ignored, None
 
@@ -225,7 +240,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     if err is not None:
         if helpers is not None:
             idle_until_all_arrive(helpers)
-            helpers.bcast(None, root=0)  # nothing for them to do
+            helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
     union = node.need.copy()
     if many:

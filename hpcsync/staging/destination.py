@@ -51,6 +51,8 @@ class Destination:
         self.copier = Copier()
         self.chmod: Dict[int, bool] = {}  # open temporary files still to be given their mode
         self.units: Dict[int, List[int]] = {}  # folders copied whole: folder index -> its file indexes
+        self.more: List[str] = []  # other ranks' records, as JSON objects (see add_records)
+        self.more_files = 0
 
     def path(self, idx: int) -> str:
         rel = self.entries[idx].rel
@@ -61,6 +63,10 @@ class Destination:
         if len(name) > 200:  # keep the temporary name within NAME_MAX
             name = hashlib.sha1(name.encode()).hexdigest()
         return f"{folder}/.{name}.{self.tag}{TMP_SUFFIX}"
+
+    def claims_path(self) -> str:
+        """The folder where a one-node copy's ranks claim blocks of work (removed at the end)."""
+        return os.path.join(self.dst, f".hpcsync-claims.{self.tag}{TMP_SUFFIX}")
 
     def _where(self, msg: str) -> str:
         return f"node {self.host}: {msg}"
@@ -112,6 +118,7 @@ class Destination:
         self.records, self.interrupted = self._load_manifest()
         if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
+        shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
         need_bytes = replaced = largest = 0
         made = set()
         try:
@@ -244,6 +251,13 @@ class Destination:
         self.files_written += 1
         self.bytes_written += e.size
 
+    def add_records(self, records: str, files: int) -> None:
+        """Records of ``files`` files another rank of the node copied, as the JSON object it made
+        (so the manifest is encoded in parallel); they go into the manifest as they are."""
+        self.more.append(records)
+        self.more_files += files
+        self.files_written += files
+
     def fail(self, idx: int, why: Optional[str]) -> None:
         """Drop entry ``idx``'s temporary file; ``why`` (None: the root's error says it) fails the stage."""
         fd = self.fds.pop(idx, None)
@@ -286,6 +300,8 @@ class Destination:
             self.fail(idx, f"{self.path(idx)}: incomplete")
         try:
             if self.failed:
+                for more in self.more:
+                    self.unjournaled.extend(json.loads(more).items())
                 self.checkpoint()  # what did finish is kept for the next call
                 return self._where(next(iter(self.failed.values())))
             if self.files_written or self.journal is not None or self.interrupted or self._stale_records():
@@ -299,17 +315,17 @@ class Destination:
         return None
 
     def _stale_records(self) -> bool:
-        return len(self.records) != sum(e.kind == FILE for e in self.entries)
+        return len(self.records) + self.more_files != sum(e.kind == FILE for e in self.entries)
 
     def _write_manifest(self) -> None:
         current = {e.rel for e in self.entries if e.kind == FILE}
-        doc = {"version": 1, "source": self.src,
-               "files": {rel: rec for rel, rec in self.records.items() if rel in current}}
+        mine = json.dumps({rel: rec for rel, rec in self.records.items() if rel in current}, separators=(",", ":"))
+        files = ",".join(part[1:-1] for part in (mine, *self.more) if part != "{}")  # objects joined
         if self.durable:
             _syncfs(self.dst)
         tmp = self.tmp_path(os.path.join(self.dst, MANIFEST))
-        with open(tmp, "w") as f:
-            f.write(json.dumps(doc, separators=(",", ":")))  # the C encoder; json.dump is pure Python
+        with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
+            f.write(f'{{"version":1,"source":{json.dumps(self.src)},"files":{{{files}}}}}')
             if self.durable:
                 f.flush()
                 os.fsync(f.fileno())

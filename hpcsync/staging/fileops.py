@@ -12,12 +12,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .listing import Entry
 
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_CLOEXEC
 _SETID_STICKY = 0o7000
 # what copy_file_range / sendfile answer when the pair of files cannot use them
 _UNSUPPORTED = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
@@ -127,35 +128,50 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
     done: List[Tuple[int, os.stat_result]] = []
     failed: List[Failure] = []
     read = 0
-    sdir = os.open(source, _FOLDER)
+    modes: Dict[int, Tuple[int, bool]] = {}
+    cfr, fstat, opn = os.copy_file_range, os.fstat, os.open  # the loop below is the cost of a small file
+    sdir = opn(source, _FOLDER)
     try:
-        hdir = os.open(hidden, _FOLDER)
+        hdir = opn(hidden, _FOLDER)
         try:
             for i in files:
                 e = entries[i]
                 name = e.rel.rpartition("/")[2]
+                size = e.size
                 try:
-                    sfd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=sdir)
+                    sfd = opn(name, _READ, dir_fd=sdir)
                 except OSError as exc:
                     failed.append((i, f"reading {source}/{name}: {exc.strerror}", True))
                     continue
                 fd = -1
                 try:
-                    mode, chmod = creation_mode(e.mode, umask)
-                    fd = os.open(name, _NEW, mode, dir_fd=hdir)
-                    copied = copier.copy(sfd, fd, e.size)
+                    mode, chmod = modes.get(e.mode) or modes.setdefault(e.mode, creation_mode(e.mode, umask))
+                    fd = opn(name, _NEW, mode, dir_fd=hdir)
+                    copied = -1
+                    if copier.range_copy:
+                        try:
+                            copied = cfr(sfd, fd, size, 0, 0)
+                        except OSError:
+                            pass  # Copier.copy decides: an error, or another way to copy
+                    if copied != size:
+                        copied = max(copied, 0)
+                        copied += copier.copy(sfd, fd, size - copied, copied)
                     read += copied
-                    why = source_changed(sfd, e) if copied == e.size else \
-                        f"source file {source}/{name} shrank while being staged"
+                    if copied == size:
+                        s = fstat(sfd)
+                        why = None if s.st_size == size and s.st_mtime_ns == e.mtime_ns else \
+                            f"source file {source}/{name} changed while being staged"
+                    else:
+                        why = f"source file {source}/{name} shrank while being staged"
                     if why is None:
                         if chmod:
                             os.fchmod(fd, e.mode)
                         os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
-                        s = os.fstat(fd)
-                        if s.st_size == e.size:  # a safety net: the copy counts every byte
+                        s = fstat(fd)
+                        if s.st_size == size:  # a safety net: the copy counts every byte
                             done.append((i, s))
                             continue
-                        why = f"{hidden}/{name}: wrote {s.st_size} bytes, the source has {e.size}"
+                        why = f"{hidden}/{name}: wrote {s.st_size} bytes, the source has {size}"
                     failed.append((i, why, True))
                 except OSError as exc:
                     failed.append((i, f"writing {hidden}/{name}: {exc.strerror}", False))

@@ -203,16 +203,31 @@ def whole(entries: Sequence[Entry], need: Sequence[int], empty: Callable[[int], 
             and sum(entries[i].size for i in f) <= WHOLE_MAX_BYTES and empty(p)}
 
 
-def split_work(sizes: Sequence[int], parts: int, per_file: int = 64 * 1024) -> List[Tuple[int, int]]:
-    """Cut files (in order) into ``parts`` contiguous ranges ``[lo, hi)`` of about equal cost, a
-    file costing its bytes plus ``per_file`` (what opening, creating and renaming one costs)."""
-    cost = [s + per_file for s in sizes]
-    total, bounds, acc, lo = sum(cost), [], 0, 0
-    for k in range(parts):
-        hi = lo
-        while hi < len(cost) and (k == parts - 1 or acc + cost[hi] / 2 <= total * (k + 1) / parts):
-            acc += cost[hi]
-            hi += 1
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+def blocks(entries: Sequence[Entry], files: Sequence[int], units: Dict[int, List[int]], most_files: int = 64,
+           most_bytes: int = 64 * 2**20) -> List[Tuple[int, List[int]]]:
+    """Cut ``files`` (entry indexes, in listing order) into the blocks a one-node copy's ranks
+    claim one at a time, so a rank that runs faster (or is not slowed by other jobs) does more:
+    ``(folder index, its files)`` for a folder of ``units`` (copied whole), ``(-1, files)`` for up
+    to ``most_files`` other files or ``most_bytes``."""
+    first = {f[0]: (p, f) for p, f in units.items()}
+    out: List[Tuple[int, List[int]]] = []
+    cur: List[int] = []
+    used = k = 0
+    while k < len(files):
+        unit = first.get(files[k])
+        if unit is not None and list(files[k: k + len(unit[1])]) == unit[1]:
+            if cur:
+                out.append((-1, cur))
+                cur, used = [], 0
+            out.append(unit)
+            k += len(unit[1])
+            continue
+        cur.append(files[k])
+        used += entries[files[k]].size
+        k += 1
+        if len(cur) >= most_files or used >= most_bytes:
+            out.append((-1, cur))
+            cur, used = [], 0
+    if cur:
+        out.append((-1, cur))
+    return out

@@ -1,6 +1,7 @@
 """Moving the bytes: broadcast rounds among node leaders, and the kernel copies of a one-node job."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -15,7 +16,7 @@ from .. import _mpi
 from ..progress import Progress
 from .destination import _JOURNAL_SECONDS, JOURNAL, Destination
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
-from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, chunks, source_path, split_work, trailer_at
+from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, blocks, chunks, source_path, trailer_at
 
 SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
 
@@ -152,7 +153,7 @@ def idle_until_all_arrive(comm: Any) -> None:
     pause = 0.0002
     while not req.Test():
         time.sleep(pause)
-        pause = min(pause * 2, 0.002)  # a wake-up every 2 ms costs no core, and oversleeps by 2 ms at most
+        pause = min(pause * 2, 0.0005)  # a wake-up every 0.5 ms costs little, and oversleeps by 0.5 ms at most
 
 
 def identity(path: str) -> Optional[Tuple[int, int]]:
@@ -169,41 +170,43 @@ Range = Tuple[int, str, int, int]  # (entry index, temporary file, offset, bytes
 
 def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "Destination",
                  reader: "Reader", bar: Optional[Progress]) -> None:
-    """One node, several ranks (each holding the listing): the node copies with every rank that
-    sees the very source and destination. Small files are split among the ranks (a tree of them
-    costs system calls, not bandwidth); a file over :data:`SPLIT_BYTES` is cut into one byte range
-    per rank, copied into a temporary file the root created, and sealed by the root once every
-    range is in. Each rank journals the whole files it finished; the root gathers the records
-    and writes the manifest."""
+    """One node, several ranks (each holding the listing): the node's ranks share the copying.
+    Small files go in :func:`~hpcsync.staging.listing.blocks` that the ranks claim one at a time
+    (a tree of them costs system calls, not bandwidth, and a rank slowed by other jobs takes
+    fewer); a file over :data:`SPLIT_BYTES` is cut into one byte range per rank, copied into a
+    temporary file the root created, and sealed by the root once every range is in. Each rank
+    journals the whole files it finished; the root gathers the records and writes the manifest.
+    A rank that does not see the very source and destination claims nothing and leaves its
+    ranges to the root."""
     idle_until_all_arrive(ranks)  # the others waited for the root's look at the destination
     if not todo:
-        ranks.bcast(None, root=0)
+        ranks.scatter([None] * ranks.Get_size(), root=0)
         return
-    ranks.bcast((identity(src), identity(node.dst)), root=0)
-    able = [r for r, ok in enumerate(ranks.gather(True, root=0)) if ok]
-    whole = [(i, n) for i, n in todo if n <= SPLIT_BYTES or len(able) == 1]
-    split = [(i, n) for i, n in todo if n > SPLIT_BYTES and len(able) > 1]
-    jobs: List[List[int]] = [[] for _ in range(ranks.Get_size())]
-    for r, (lo, hi) in zip(able, _at_folders(whole, split_work([n for _, n in whole], len(able)), node.units)):
-        jobs[r] = [i for i, _ in whole[lo:hi]]
-    owner = {i: r for r, job in enumerate(jobs) for i in job}
-    units: List[Dict[int, List[int]]] = [{} for _ in jobs]
-    for p, f in node.units.items():
-        units[owner[f[0]]][p] = f
-    ranges: List[List[Range]] = [[] for _ in range(ranks.Get_size())]
+    size = ranks.Get_size()
+    plan = blocks(entries, [i for i, n in todo if n <= SPLIT_BYTES], node.units)
+    ranges: List[List[Range]] = [[] for _ in range(size)]
     sealing = []
-    for i, n in split:
+    for i, n in todo:
+        if n <= SPLIT_BYTES:
+            continue
         final = node.path(i)
         fd = node.open(i, shared=True)  # created by the root, written by every rank, sealed by the root
         if fd is None:
             continue
         os.ftruncate(fd, n)
         sealing.append(i)
-        cuts = [n * k // len(able) for k in range(len(able) + 1)]
-        for k, r in enumerate(able):
-            ranges[r].append((i, node.tmp_path(final), cuts[k], cuts[k + 1] - cuts[k]))
-    ranks.scatter(list(zip(jobs, ranges, units)), root=0)
-    copy_local([(i, entries[i].size, source_path(src, entries, entries[i])) for i in jobs[0]], node, reader, bar)
+        cuts = [n * k // size for k in range(size + 1)]
+        for r in range(size):
+            ranges[r].append((i, node.tmp_path(final), cuts[r], cuts[r + 1] - cuts[r]))
+    claims = node.claims_path()
+    try:
+        new_folder(claims)
+    except OSError as exc:
+        node.fail(todo[0][0], f"cannot create {claims}: {exc.strerror}")
+        plan = []
+    ids = (identity(src), identity(node.dst))
+    ranks.scatter([(ids, plan, claims, r) for r in ranges], root=0)
+    _claim_and_copy(plan, claims, src, entries, node, reader, bar)
     if sealing:
         node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
     range_errors = _copy_ranges(src, entries, ranges[0])
@@ -211,20 +214,23 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
     for r, done in enumerate(ranks.gather(None, root=0)):
         if done is None:
             continue
-        records, failed, unreadable, read_bytes, written, bad_ranges = done
-        for i, rec in records:
-            node.records[entries[i].rel] = rec
-            node.unjournaled.append((entries[i].rel, rec))  # journaled by the root if the stage fails
+        if done[0] == "unable":  # it does not see this source or destination: the root does its ranges
+            range_errors.update(_copy_ranges(src, entries, ranges[r]))
+            continue
+        copied, records, failed, unreadable, read_bytes, written, bad_ranges = done
+        for i in copied:  # the helper's record replaces what an earlier stage recorded
+            node.records.pop(entries[i].rel, None)
+        node.add_records(records, len(copied))
         for k, why in enumerate(failed):
             node.failed.setdefault((r, k), why)
         for k, why in enumerate(unreadable):
             reader.fail((r, k), why)
         reader.read_bytes += read_bytes
-        node.files_written += len(records)
         node.bytes_written += written
         range_errors.update(bad_ranges)
         if bar is not None:
             bar.update(written)
+    shutil.rmtree(claims, ignore_errors=True)
     for i in sealing:  # every range is in (or one failed): seal, or drop
         e = entries[i]
         if e.rel in range_errors:
@@ -241,18 +247,25 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
             bar.update(e.size)
 
 
-def _at_folders(files: List[Tuple[int, int]], bounds: List[Tuple[int, int]], units: Dict[int, List[int]]
-                ) -> List[Tuple[int, int]]:
-    """``bounds`` (ranges of ``files``) moved so that no folder copied whole is cut between ranks."""
-    folder = {i: p for p, f in units.items() for i in f}
-    cuts = [lo for lo, _ in bounds[1:]]
-    for k, c in enumerate(cuts):
-        c = max(c, cuts[k - 1] if k else 0)
-        while 0 < c < len(files) and folder.get(files[c][0], -1) == folder.get(files[c - 1][0], -2):
-            c += 1
-        cuts[k] = c
-    edges = [bounds[0][0], *cuts, bounds[-1][1]]
-    return list(zip(edges, edges[1:]))
+def _claim_and_copy(plan: List[Tuple[int, List[int]]], claims: str, src: str, entries: List[Entry],
+                    node: "Destination", reader: "Reader", bar: Optional[Progress]) -> List[int]:
+    """Claim blocks of ``plan`` (a folder made in ``claims`` per block: the first rank to make it
+    owns it) and copy them, until none is left; returns the blocks this rank copied."""
+    node.units.update((p, f) for p, f in plan if p >= 0)
+    mine = []
+    for k, (_, files) in enumerate(plan):
+        if node.broken is not None:
+            break
+        try:
+            os.mkdir(f"{claims}/{k}")
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            node.fail(files[0], f"claiming work in {claims}: {exc.strerror}")
+            break
+        mine.append(k)
+        copy_local([(i, entries[i].size, source_path(src, entries, entries[i])) for i in files], node, reader, bar)
+    return mine
 
 
 def _copy_ranges(src: str, entries: List[Entry], ranges: Sequence[Range]) -> Dict[str, str]:
@@ -292,25 +305,28 @@ def _source_unchanged(source: str, e: Entry) -> Optional[str]:
 def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry]) -> None:
     """A non-root rank's part of :func:`copy_shared` (its errors travel to the root)."""
     idle_until_all_arrive(ranks)
-    ids = ranks.bcast(None, root=0)
-    if ids is None:
+    share = ranks.scatter(None, root=0)
+    if share is None:
         return
-    ranks.gather(ids == (identity(src), identity(dst)), root=0)
-    job, ranges, units = ranks.scatter(None, root=0)
+    ids, plan, claims, ranges = share
+    if ids != (identity(src), identity(dst)):
+        idle_until_all_arrive(ranks)
+        ranks.gather(("unable",), root=0)
+        return
     node = Destination(dst, src, entries, durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
-    node.units = units
     reader = Reader(src, entries)
     try:
-        copy_local([(i, entries[i].size, source_path(src, entries, entries[i])) for i in job], node, reader, None)
+        mine = _claim_and_copy(plan, claims, src, entries, node, reader, None)
         if ranges:
             node.checkpoint()  # the whole files are recorded before the long ranges
     finally:
         if node.journal is not None:
             node.journal.close()
     bad_ranges = _copy_ranges(src, entries, ranges)
-    records = [(i, node.records[entries[i].rel]) for i in job if entries[i].rel in node.records]
+    copied = [i for k in mine for i in plan[k][1] if entries[i].rel in node.records]
+    records = json.dumps(node.records, separators=(",", ":"))  # JSON for the manifest, made here in parallel
     idle_until_all_arrive(ranks)
-    ranks.gather((records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
+    ranks.gather((copied, records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
                   node.bytes_written, bad_ranges), root=0)
 
 
