@@ -210,6 +210,52 @@ def targets(rows: list) -> list:
     return out
 
 
+# The model of stage vs cp across N nodes (docs/filesync.md, "Across nodes: a model"): assumed
+# figures of a typical cluster, ImageNet-1k's training set; --model prints the table.
+MODEL = {"S": 140e9, "F": 1.28e6, "B_client": 3e9, "B_fs": 50e9, "R_md": 50e3, "c_open": 0.2e-3, "c_stat": 0.1e-3,
+         "B_net": 12.5e9, "alpha": 10e-6, "beta": 2.0, "c_file": 35e-6, "B_disk": 2e9, "C": 16 * 2**20,
+         "p": 4}
+
+
+def model(n: int, m: dict = MODEL) -> dict:
+    """Seconds for stage and for ``cp`` from the shared filesystem on every node, ``n`` nodes."""
+    levels = (n - 1).bit_length()  # ceil(log2 n)
+    rounds = max(m["S"] / m["C"], m["F"] / 4096)
+    t_list = m["F"] * m["c_stat"] / m["p"]
+    t_read = m["S"] / m["B_client"] + m["F"] * m["c_open"]  # the root alone, one file at a time
+    t_bcast = rounds * levels * m["alpha"] + (m["beta"] * m["S"] / m["B_net"] if n > 1 else 0.0)
+    t_write = m["S"] / m["B_disk"] + m["F"] * m["c_file"]  # every node at once
+    stage = t_list + max(t_read, t_bcast, t_write)
+    per_node = m["F"] * (m["c_open"] + m["c_file"]) + m["S"] / min(m["B_client"], m["B_fs"] / n)
+    cp = max(per_node, n * m["F"] / m["R_md"])
+    return {"nodes": n, "stage_s": stage, "cp_s": cp, "read_s": t_read, "bcast_s": t_bcast, "write_s": t_write,
+            "list_s": t_list, "cp_metadata_s": n * m["F"] / m["R_md"], "cp_per_node_s": per_node}
+
+
+def print_model() -> None:
+    print("| nodes | stage (list + max(read, broadcast, write)) | cp -a from the shared filesystem | stage speed-up |")
+    print("|---|---|---|---|")
+    rows = [model(n) for n in (1, 2, 8, 16, 64, 256)]
+    for r in rows:
+        print(f"| {r['nodes']} | {r['stage_s']:.0f} s ({r['list_s']:.0f} + max({r['read_s']:.0f}, {r['bcast_s']:.0f}, "
+              f"{r['write_s']:.0f})) | {r['cp_s']:.0f} s | {r['cp_s'] / r['stage_s']:.2f} |")
+    save_json(str(ROOT / "bench" / "results" / "stage-model.json"), "rows", rows, assumed=MODEL)
+
+
+def slopes(rows: list) -> list:
+    """Seconds each added namespace node costs (least squares over the node counts measured)."""
+    out = []
+    for name in dict.fromkeys(r["dataset"] for r in rows):
+        for m in METHODS:
+            pts = [(r["nodes"], r["seconds"]) for r in rows if r["dataset"] == name and r["method"] == m]
+            if len(pts) > 1:
+                xm, ym = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+                slope = sum((x - xm) * (y - ym) for x, y in pts) / sum((x - xm) ** 2 for x, _ in pts)
+                out.append({"dataset": name, "method": m, "seconds_per_added_node": slope,
+                            "one_node_seconds": min(pts)[1]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -223,9 +269,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 64 MiB, 500 + 2000 files, 1 and 2 nodes, once")
     ap.add_argument("--where", help="folder for sources and copies (default: the system temp folder)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "stage.json"))
+    ap.add_argument("--model", action="store_true", help="print the model across nodes (assumed cluster figures), "
+                    "write bench/results/stage-model.json, measure nothing")
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker)
+        return
+    if args.model:
+        print_model()
         return
     if args.quick:
         args.nodes, args.big_mib, args.small, args.tiny, args.repeat = [1, 2], 64, 500, 2000, 1
@@ -259,7 +310,11 @@ def main() -> None:
     goals = targets(rows)
     for g in goals:
         print(f"target: {g['target']}: {g['ratio']:.2f}x, {'met' if g['met'] else 'NOT met'}")
-    save_json(args.out, "rows", rows, targets=goals, anchor=ANCHOR, where=args.where or tempfile.gettempdir(),
+    added = slopes(rows)
+    for a in added:
+        print(f"{a['dataset']}: {a['method']}: {a['one_node_seconds']:.3f} s on one node, "
+              f"{a['seconds_per_added_node']:+.3f} s per added namespace node")
+    save_json(args.out, "rows", rows, targets=goals, per_added_node=added, anchor=ANCHOR, where=args.where or tempfile.gettempdir(),
               command=" ".join(["python", "bench/bench_stage.py", *sys.argv[1:]]))
 
 

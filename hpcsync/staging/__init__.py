@@ -8,21 +8,25 @@ in a broadcast among them -- cost grows with log(nodes), not nodes -- and each l
 once for its node. Small files are batched into one broadcast (up to ``chunk_bytes`` of data and
 :data:`MAX_PIECES` files per broadcast), big files are cut into chunks and pipelined: the root
 reads chunk k+1 while chunk k travels, a leader writes chunk k while k+1 arrives, three buffers of
-``chunk_bytes`` each at most. On one node nothing needs to travel: the root copies in the kernel
-(``copy_file_range``), like ``cp``.
+``chunk_bytes`` each at most. The ranks on the root's node share the listing (the root walks the
+names, each rank stats a share). On one node nothing needs to travel: the node's ranks claim
+blocks of files one at a time and copy them in the kernel (``copy_file_range``), like ``cp``; a
+file over :data:`SPLIT_BYTES` is cut in one byte range per rank.
 
 Nothing half-done passes as done:
 
 - every file is written to a hidden temporary name beside its final one (``.NAME.hpcsync-tmp``),
   checked -- its size, and for bytes that crossed MPI a CRC-32 against the root's, piece by piece --
-  given its mode and mtime, then renamed into place;
+  given its mode and mtime, then renamed into place; on one node a new folder of small files is
+  filled under a hidden name instead and renamed into place whole (one rename, not one per file:
+  readers see all of its files or none);
 - a manifest in ``dst`` (:data:`MANIFEST`, with a journal while a stage runs) records what was
   staged, with the source's size, mtime and mode and the copy's inode, size, mtime and ctime. A
   later call skips a file only when all of them still match, so a file changed at the source, or
   truncated, rewritten or deleted at a destination, is staged again, and a second call rewrites
   nothing;
-- a stage killed half way leaves only temporary names (removed by the next call) and files that
-  are complete; the journal, appended at least once a second and before each large file, lets the
+- a stage killed half way leaves only temporary names and folders (removed by the next call) and
+  files that are complete; the journal, appended at least once a second and before each large file, lets the
   next call skip what was finished;
 - any error -- a missing or unreadable source, a destination that is not writable or too small on
   one node, a file changing while it is read -- raises the same :class:`~hpcsync.errors.StageError`
@@ -52,8 +56,8 @@ from ..errors import StageError, raise_if_any, raise_if_settings_differ
 from ..progress import Progress
 from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
-                      source_path, stat_names, walk_names)
-from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_local, copy_shared, help_on_one_node, identity,
+                      stat_names, walk_names)
+from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_blocks, copy_shared, help_on_one_node, identity,
                        idle_until_all_arrive)
 
 __all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
@@ -256,7 +260,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
         elif helpers is not None:
             copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
         elif todo:
-            copy_local([(i, n, source_path(src, entries, entries[i])) for i, n in todo], node, reader,  # type: ignore[arg-type]
+            copy_blocks(blocks(entries, [i for i, _ in todo], node.units), src, entries, node, reader,  # type: ignore[arg-type]
                         bar)
     finally:
         if bar is not None:

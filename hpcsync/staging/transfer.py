@@ -69,25 +69,41 @@ def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reade
     return len(plan)
 
 
-def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "Reader", bar: Optional[Progress]) -> None:
-    """Copy ``(index, size, source path)`` in the kernel (``copy_file_range``), as ``cp`` does: the
-    folders of ``node.units`` whole, every other file under a temporary name renamed into place;
-    what is done is journaled at least once a second and before each large file."""
-    entries, copier, umask = node.entries, node.copier, node.umask
-    starts = {files[0]: p for p, files in node.units.items()}
-    k = 0
-    while k < len(todo):
+def copy_blocks(plan: List[Tuple[int, List[int]]], src: str, entries: List[Entry], node: "Destination",
+                reader: "Reader", bar: Optional[Progress], claims: Optional[str] = None) -> List[int]:
+    """Copy the :func:`~hpcsync.staging.listing.blocks` of ``plan`` in the kernel, as ``cp`` does:
+    a folder whole, other files each under a temporary name renamed into place. With ``claims``
+    (ranks sharing the plan), a block is copied by the rank that first makes its folder there.
+    Returns the blocks this rank copied."""
+    mine = []
+    for k, (p, files) in enumerate(plan):
         if node.broken is not None:
             break
-        idx, size, source = todo[k]
-        p = starts.get(idx)
-        if p is not None and [t[0] for t in todo[k: k + len(node.units[p])]] == node.units[p]:
-            if time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
-                node.checkpoint()
-            k += len(node.units[p])
-            _copy_folder(node, p, node.units[p], os.path.dirname(source), reader, bar)
+        if claims is not None:
+            try:
+                os.mkdir(f"{claims}/{k}")
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                node.fail(files[0], f"claiming work in {claims}: {exc.strerror}")
+                break
+        mine.append(k)
+        if p < 0:
+            copy_local([(i, entries[i].size, source_path(src, entries, entries[i])) for i in files], node, reader, bar)
             continue
-        k += 1
+        if time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
+            node.checkpoint()
+        _copy_folder(node, p, files, os.path.dirname(source_path(src, entries, entries[files[0]])), reader, bar)
+    return mine
+
+
+def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "Reader", bar: Optional[Progress]) -> None:
+    """Copy ``(index, size, source path)`` in the kernel, each file under a temporary name renamed
+    into place; what is done is journaled at least once a second and before each large file."""
+    entries, copier, umask = node.entries, node.copier, node.umask
+    for idx, size, source in todo:
+        if node.broken is not None:
+            break
         if size > DEFAULT_CHUNK_BYTES or time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
             node.checkpoint()
         final = node.path(idx)
@@ -206,7 +222,7 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
         plan = []
     ids = (identity(src), identity(node.dst))
     ranks.scatter([(ids, plan, claims, r) for r in ranges], root=0)
-    _claim_and_copy(plan, claims, src, entries, node, reader, bar)
+    copy_blocks(plan, src, entries, node, reader, bar, claims)
     if sealing:
         node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
     range_errors = _copy_ranges(src, entries, ranges[0])
@@ -245,27 +261,6 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
         node.complete(i, None)
         if bar is not None:
             bar.update(e.size)
-
-
-def _claim_and_copy(plan: List[Tuple[int, List[int]]], claims: str, src: str, entries: List[Entry],
-                    node: "Destination", reader: "Reader", bar: Optional[Progress]) -> List[int]:
-    """Claim blocks of ``plan`` (a folder made in ``claims`` per block: the first rank to make it
-    owns it) and copy them, until none is left; returns the blocks this rank copied."""
-    node.units.update((p, f) for p, f in plan if p >= 0)
-    mine = []
-    for k, (_, files) in enumerate(plan):
-        if node.broken is not None:
-            break
-        try:
-            os.mkdir(f"{claims}/{k}")
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            node.fail(files[0], f"claiming work in {claims}: {exc.strerror}")
-            break
-        mine.append(k)
-        copy_local([(i, entries[i].size, source_path(src, entries, entries[i])) for i in files], node, reader, bar)
-    return mine
 
 
 def _copy_ranges(src: str, entries: List[Entry], ranges: Sequence[Range]) -> Dict[str, str]:
@@ -316,7 +311,7 @@ def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: Lis
     node = Destination(dst, src, entries, durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
     reader = Reader(src, entries)
     try:
-        mine = _claim_and_copy(plan, claims, src, entries, node, reader, None)
+        mine = copy_blocks(plan, src, entries, node, reader, None, claims)
         if ranges:
             node.checkpoint()  # the whole files are recorded before the long ranges
     finally:
