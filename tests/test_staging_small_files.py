@@ -71,6 +71,9 @@ def test_source_on_another_filesystem(tmp_path):
     goes on with sendfile, exact."""
     src = tmp_path / "src"
     make_tree(src, files=20)
+    (src / "many").mkdir()
+    for i in range(20):  # a folder copied whole
+        (src / "many" / f"m{i:02d}").write_bytes(os.urandom(5000 + i))
     dst = Path("/dev/shm") / f"hpcsync-test-{os.getpid()}-{tmp_path.name}"
     try:
         r = hpcsync.stage(src, dst)
