@@ -282,13 +282,21 @@ def test_killed_mid_stage_then_restaged(tmp_path):
 
 def journaled(dst: Path) -> int:
     """Files recorded in the journals of a running stage (one per rank that copies)."""
-    lines = 0
+    return len(journal_records(dst))
+
+
+def journal_records(dst: Path) -> set:
+    """The files recorded in the journals of a running stage: a line per checkpoint, complete
+    lines only."""
+    done = set()
     for j in dst.glob(staging.JOURNAL + "*"):
         try:
-            lines += sum(1 for line in j.read_text().splitlines()[1:] if line.endswith("]"))
+            lines = j.read_text().split("\n")[1:-1]  # the last piece: a torn line, or empty
         except OSError:
-            pass
-    return lines
+            continue
+        for line in lines:
+            done |= {rel for rel, _ in json.loads(line)}
+    return done
 
 
 def _kill_dataset(src: Path) -> None:

@@ -15,7 +15,7 @@ from hpcsync import staging
 from hpcsync.staging import fileops, listing, transfer
 from launch import PY, Launcher, clean_env, openmpi, run
 from test_staging import (OLD, _kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
-                          journaled, make_tree, no_temporaries, snapshot)
+                          journal_records, journaled, make_tree, no_temporaries, snapshot)
 
 MODES = [0o600, 0o640, 0o644, 0o664, 0o666, 0o700, 0o755, 0o777, 0o444, 0o400, 0o000, 0o4755, 0o2750, 0o1644]
 
@@ -165,10 +165,7 @@ def test_killed_amid_small_files_then_restaged(tmp_path):
                              str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     _kill_when(lambda: journaled(dst) >= 200, proc)
-    done = set()
-    for j in dst.glob(staging.JOURNAL + "*"):
-        lines = j.read_text().splitlines()
-        done |= {json.loads(line)[0] for line in lines[1:] if line.endswith("]")}
+    done = journal_records(dst)
     assert len(done) >= 200
     for p in dst.rglob("*"):  # what a reader sees: complete files only (hidden names are not data)
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(dst).parts):
@@ -242,3 +239,23 @@ def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
     assert all(d["ok"] for d in ranks) and ranks[0]["result"]["copied"] == ranks[1]["result"]["copied"]
     assert snapshot(dst) == expected(src) and no_temporaries(dst)
     assert not list(dst.glob(staging.JOURNAL + "*"))
+
+
+def test_journal_lines_old_and_new_are_both_read(tmp_path):
+    """A killed stage's journal: a line per checkpoint ([[rel, record], ...]), or, from an older
+    version, a line per file ([rel, record]); either way the next call skips what they record,
+    and a torn last line is ignored."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=6)
+    hpcsync.stage(src, dst)
+    records = json.loads((dst / staging.MANIFEST).read_text())["files"]
+    os.unlink(dst / staging.MANIFEST)
+    rels = sorted(records)
+    old, batch, torn = rels[:2], rels[2:5], rels[5]
+    head = json.dumps({"source": str(src)}) + "\n"
+    (dst / staging.JOURNAL).write_text(head + "".join(json.dumps([r, records[r]]) + "\n" for r in old)
+                                       + json.dumps([[r, records[r]] for r in batch]) + "\n"
+                                       + json.dumps([[torn, records[torn]]]))
+    r = hpcsync.stage(src, dst)
+    assert sorted(r.copied) == sorted(set(rels) - set(old) - set(batch))
+    assert snapshot(dst) == expected(src) and not (dst / staging.JOURNAL).exists()

@@ -10,7 +10,6 @@ import shutil
 import stat as st
 import time
 import zlib
-from json.encoder import encode_basestring_ascii as _quote  # type: ignore[attr-defined]
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -177,8 +176,9 @@ class Destination:
                     for line in f:
                         if not line.endswith("\n"):
                             break  # torn last line of a killed stage
-                        rel, rec = json.loads(line)
-                        records[rel] = rec
+                        batch = json.loads(line)  # one line per checkpoint: [[rel, record], ...]
+                        for rel, rec in [batch] if batch and isinstance(batch[0], str) else batch:
+                            records[rel] = rec  # (a line of one [rel, record]: an older journal)
             except (OSError, ValueError) as exc:
                 log.warning("%s: ignoring the rest of stage journal %s in %s: %s", self.host, name, self.dst, exc)
         interrupted = bool(journals)
@@ -283,7 +283,7 @@ class Destination:
         if self.journal is None:
             self.journal = open(os.path.join(self.dst, self.journal_name), "w")
             self.journal.write(json.dumps({"source": self.src}) + "\n")
-        self.journal.write("".join(_journal_line(rel, rec) for rel, rec in self.unjournaled))
+        self.journal.write(json.dumps(self.unjournaled, separators=(",", ":")) + "\n")  # one line, the C encoder
         self.journal.flush()
         if self.durable:
             os.fsync(self.journal.fileno())
@@ -343,12 +343,6 @@ class Destination:
                 path = self.path(i)
                 os.chmod(path, e.mode)
                 os.utime(path, ns=(e.atime_ns, e.mtime_ns))
-
-
-def _journal_line(rel: str, rec: list) -> str:
-    """``[rel, record]`` as one JSON line (what ``json.dumps`` writes, made without its per-call cost)."""
-    size, mtime, mode, crc, ino, ctime = rec
-    return f"[{_quote(rel)},[{size},{mtime},{mode},{'null' if crc is None else crc},{ino},{ctime}]]\n"
 
 
 def _journals(dst: str) -> List[str]:
