@@ -244,12 +244,18 @@ class Destination:
 
     def record(self, idx: int, done: os.stat_result, crc: Optional[int]) -> None:
         """Entry ``idx`` is in place as ``done``: remember it for the journal and the manifest."""
-        e, s = self.entries[idx], done
-        rec = [e.size, e.mtime_ns, e.mode, crc, s.st_ino, s.st_ctime_ns]
-        self.records[e.rel] = rec
-        self.unjournaled.append((e.rel, rec))
-        self.files_written += 1
-        self.bytes_written += e.size
+        self.record_all([(idx, done)], crc)
+
+    def record_all(self, done: Sequence[Tuple[int, os.stat_result]], crc: Optional[int] = None) -> None:
+        """:meth:`record` for each ``(entry index, its copy's stat)``."""
+        entries, records, unjournaled = self.entries, self.records, self.unjournaled
+        for idx, s in done:
+            e = entries[idx]
+            rec = [e.size, e.mtime_ns, e.mode, crc, s.st_ino, s.st_ctime_ns]
+            records[e.rel] = rec
+            unjournaled.append((e.rel, rec))
+            self.bytes_written += e.size
+        self.files_written += len(done)
 
     def add_records(self, records: str, files: int) -> None:
         """Records of ``files`` files another rank of the node copied, as the JSON object it made

@@ -149,8 +149,7 @@ def _copy_folder(node: "Destination", p: int, files: List[int], source: str, rea
         node.fail(files[0], f"moving {hidden} into place: {exc.strerror}")
         shutil.rmtree(hidden, ignore_errors=True)
         return
-    for i, stat in done:
-        node.record(i, stat, None)
+    node.record_all(done)
     if bar is not None:
         bar.update(sum(node.entries[i].size for i in files))
 
