@@ -2,7 +2,8 @@
 
     python bench/bench_stage.py [--nodes 1 2 3] [--ranks-per-node 2] [--datasets big small tiny]
                                 [--big-mib 1024] [--small 10000] [--tiny 100000] [--repeat 3]
-                                [--where DIR] [--quick]
+                                [--where DIR] [--baseline DIR] [--quick]
+    python bench/bench_stage.py --model
 
 Three datasets: one big file (``--big-mib``), ``--small`` files of 10 KiB and ``--tiny`` files of
 1 KiB, the files spread over nested folders. Three ways, side by side in one run, each round
@@ -24,8 +25,11 @@ Each measurement starts from an empty destination after ``sync``; after the last
 node's staged copy is checked against the source (content, modes, mtimes). ``--where`` puts
 source and copies on another filesystem: ``/dev/shm`` (RAM) makes the comparison repeatable,
 since it removes the disk's writeback, which on this VM swings one ``cp`` of the same files
-between 0.4 and 2.5 s. Prints a table and the targets, writes JSON (default
-``bench/results/stage.json``).
+between 0.4 and 2.5 s. ``--baseline DIR`` stages with another version of hpcsync too, in the same
+rounds (before/after side by side). Prints a table and the targets (one node: 10 KiB files at
+0.9x ``cp -a`` or better; with a baseline, the big file no slower than it), the seconds each
+added namespace node costs, writes JSON (default ``bench/results/stage.json``). ``--model``
+prints the model of stage vs ``cp`` across N nodes of a cluster (docs/filesync.md).
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from common import mpirun_env, save_json
 ROOT = Path(__file__).resolve().parents[1]
 ANCHOR = "cp -a per node"
 METHODS = ["hpcsync.stage", ANCHOR, "cp -a per rank"]
+BASELINE = "hpcsync.stage (baseline)"
 SMALL_BYTES, TINY_BYTES = 10240, 1024
 
 
@@ -135,9 +140,12 @@ class Place:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
         subprocess.run(["sync"])
 
-    def stage(self, src: Path, per_node: int) -> dict:
+    def stage(self, src: Path, per_node: int, package: str = "") -> dict:
+        """One stage job; ``package``: a folder holding another version of ``hpcsync`` to run."""
         n = per_node * self.nodes
         env = mpirun_env(OMP_NUM_THREADS="1")
+        if package:
+            env["PYTHONPATH"] = package
         if self.cluster is None:
             cmd = ["mpirun.openmpi", "--oversubscribe", "--bind-to", "none", "-n", str(n)]
         else:
@@ -171,28 +179,29 @@ class Place:
             self.cluster.stop()
 
 
-def measure(place: Place, name: str, src: Path, per_node: int, repeat: int) -> list:
+def measure(place: Place, name: str, src: Path, per_node: int, repeat: int, baseline: str = "") -> list:
     size = dataset_bytes(src)
     best: dict = {}
+    methods = [METHODS[0], *([BASELINE] if baseline else []), *METHODS[1:]]
     for k in range(repeat):  # methods interleaved within each round
-        for method in METHODS:
+        for method in methods:
             place.clean()
-            if method == "hpcsync.stage":
-                r = place.stage(src, per_node)
+            if method.startswith("hpcsync.stage"):
+                r = place.stage(src, per_node, baseline if method == BASELINE else "")
                 row = {"seconds": r["seconds"], "source_reads": r["source_reads"] / size, "broadcasts": r["broadcasts"],
                        "import_seconds": r["import_seconds"]}
-                if k == repeat - 1:
+                if k == repeat - 1 and method == METHODS[0]:
                     place.check(src)
             else:
                 copies = 1 if method == ANCHOR else per_node
                 row = {"seconds": place.copies(src, copies), "source_reads": float(copies * place.nodes)}
             best.setdefault(method, []).append(row)
     rows = []
-    for m in METHODS:
+    for m in methods:
         top = min(best[m], key=lambda r: r["seconds"])
         rows.append({"dataset": name, "nodes": place.nodes, "ranks": per_node * place.nodes, "method": m,
                      "bytes": size, **top, "all_seconds": [r["seconds"] for r in best[m]]})
-    anchor = rows[METHODS.index(ANCHOR)]["seconds"]
+    anchor = rows[methods.index(ANCHOR)]["seconds"]
     for r in rows:
         r.update(mb_per_s=size / r["seconds"] / 1e6, speed_vs_anchor=anchor / r["seconds"])
     return rows
@@ -207,6 +216,10 @@ def targets(rows: list) -> list:
         if r["dataset"].startswith("small"):
             out.append({"target": f"{r['dataset']}, 1 node: stage >= 0.9x cp -a", "ratio": r["speed_vs_anchor"],
                         "met": r["speed_vs_anchor"] >= 0.9})
+        base = [b for b in rows if b["method"] == BASELINE and b["dataset"] == r["dataset"] and b["nodes"] == 1]
+        if r["dataset"].startswith("big") and base:
+            out.append({"target": f"{r['dataset']}, 1 node: stage no slower than the baseline",
+                        "ratio": base[0]["seconds"] / r["seconds"], "met": r["seconds"] <= base[0]["seconds"] * 1.05})
     return out
 
 
@@ -246,9 +259,9 @@ def slopes(rows: list) -> list:
     """Seconds each added namespace node costs (least squares over the node counts measured)."""
     out = []
     for name in dict.fromkeys(r["dataset"] for r in rows):
-        for m in METHODS:
+        for m in [*METHODS, BASELINE]:
             pts = [(r["nodes"], r["seconds"]) for r in rows if r["dataset"] == name and r["method"] == m]
-            if len(pts) > 1:
+            if len(pts) > 1 and len({x for x, _ in pts}) > 1:
                 xm, ym = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
                 slope = sum((x - xm) * (y - ym) for x, y in pts) / sum((x - xm) ** 2 for x, _ in pts)
                 out.append({"dataset": name, "method": m, "seconds_per_added_node": slope,
@@ -269,6 +282,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 64 MiB, 500 + 2000 files, 1 and 2 nodes, once")
     ap.add_argument("--where", help="folder for sources and copies (default: the system temp folder)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "stage.json"))
+    ap.add_argument("--baseline", default="", help="a folder holding another hpcsync package (e.g. `git archive "
+                    "COMMIT hpcsync | tar -x -C DIR`): staged too, as 'hpcsync.stage (baseline)', in the same rounds")
     ap.add_argument("--model", action="store_true", help="print the model across nodes (assumed cluster figures), "
                     "write bench/results/stage-model.json, measure nothing")
     args = ap.parse_args()
@@ -297,7 +312,8 @@ def main() -> None:
                 for name, src in data.items():
                     files = sum(1 for p in src.rglob("*") if p.is_file())
                     rows += measure(place, f"{name} ({dataset_bytes(src) / 2**20:.0f} MiB, {files} files)",
-                                    src, args.ranks_per_node, args.repeat)
+                                    src, args.ranks_per_node, args.repeat, os.path.abspath(args.baseline) if args.baseline
+                                    else "")
             finally:
                 place.close()
     finally:
