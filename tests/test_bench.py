@@ -93,16 +93,18 @@ def test_preemption_benchmark_quick(tmp_path):
 
 
 def test_stage_benchmark_quick(tmp_path):
-    """bench_stage.py: stage vs cp -r on one node and across two namespace nodes, both datasets."""
+    """bench_stage.py: stage vs cp -a on one node and across two namespace nodes, three datasets, each
+    staged copy checked against its source, the targets judged."""
     _, data, stdout = run_quick(tmp_path, "bench_stage.py", timeout=600)
     rows = data["rows"]
     assert {(r["nodes"], r["method"]) for r in rows} == {(n, m) for n in (1, 2) for m in
-                                                        ("hpcsync.stage", "cp -r per node", "cp -r per rank")}
+                                                        ("hpcsync.stage", "cp -a per node", "cp -a per rank")}
     assert all(r["seconds"] > 0 and r["bytes"] > 0 for r in rows)
     stage = [r for r in rows if r["method"] == "hpcsync.stage"]
-    assert len(stage) == 4 and all(r["source_reads"] == 1 for r in stage)  # read once, whatever the nodes
-    assert {r["source_reads"] for r in rows if r["method"] == "cp -r per node"} == {1, 2}
-    assert "| hpcsync.stage |" in stdout
+    assert len(stage) == 6 and all(r["source_reads"] == 1 for r in stage)  # read once, whatever the nodes
+    assert {r["source_reads"] for r in rows if r["method"] == "cp -a per node"} == {1, 2}
+    assert [t["target"].split(" (")[0] for t in data["targets"]] == ["small"] and data["anchor"] == "cp -a per node"
+    assert "| hpcsync.stage |" in stdout and "target: small" in stdout
 
 
 def test_generated_programs_never_hang_and_never_return_wrong_data(tmp_path):

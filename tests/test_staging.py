@@ -282,13 +282,21 @@ def test_killed_mid_stage_then_restaged(tmp_path):
 
 def journaled(dst: Path) -> int:
     """Files recorded in the journals of a running stage (one per rank that copies)."""
-    lines = 0
+    return len(journal_records(dst))
+
+
+def journal_records(dst: Path) -> set:
+    """The files recorded in the journals of a running stage: a line per checkpoint, complete
+    lines only."""
+    done = set()
     for j in dst.glob(staging.JOURNAL + "*"):
         try:
-            lines += sum(1 for line in j.read_text().splitlines()[1:] if line.endswith("]"))
+            lines = j.read_text().split("\n")[1:-1]  # the last piece: a torn line, or empty
         except OSError:
-            pass
-    return lines
+            continue
+        for line in lines:
+            done |= {rel for rel, _ in json.loads(line)}
+    return done
 
 
 def _kill_dataset(src: Path) -> None:
@@ -513,11 +521,10 @@ def test_writer_choice_for_shared_destinations():
     assert staging._writers([(False, False), (False, False), (False, True), (False, False)]) == [0, 1, 1, 3]
 
 
-def test_split_work_balances_files_and_bytes():
-    assert staging.split_work([10] * 8, 2, per_file=0) == [(0, 4), (4, 8)]
-    assert staging.split_work([10] * 7, 3, per_file=0) == [(0, 2), (2, 5), (5, 7)]
-    # one huge file: a range of its own; the small ones share the rest
-    assert staging.split_work([1, 1, 1000, 1], 2, per_file=0) == [(0, 2), (2, 4)]
-    assert staging.split_work([], 3) == [(0, 0)] * 3
-    parts = staging.split_work(list(range(100)), 4)
-    assert parts[0][0] == 0 and parts[-1][1] == 100 and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+def test_blocks_keep_folders_whole_and_bound_the_rest():
+    e = [staging.Entry(f"f{i}", "f", 0o644, 0, 0, 1000 * (i == 5) + 1) for i in range(12)]
+    units = {100: [2, 3, 4]}  # a folder copied whole: one block, never cut
+    assert staging.blocks(e, list(range(12)), units, most_files=2, most_bytes=500) == [
+        (-1, [0, 1]), (100, [2, 3, 4]), (-1, [5]), (-1, [6, 7]), (-1, [8, 9]), (-1, [10, 11])]
+    assert staging.blocks(e, [0, 2, 3, 7], units, most_files=2) == [(-1, [0, 2]), (-1, [3, 7])]  # folder incomplete
+    assert staging.blocks(e, [], units) == []

@@ -8,21 +8,25 @@ in a broadcast among them -- cost grows with log(nodes), not nodes -- and each l
 once for its node. Small files are batched into one broadcast (up to ``chunk_bytes`` of data and
 :data:`MAX_PIECES` files per broadcast), big files are cut into chunks and pipelined: the root
 reads chunk k+1 while chunk k travels, a leader writes chunk k while k+1 arrives, three buffers of
-``chunk_bytes`` each at most. On one node nothing needs to travel: the root copies in the kernel
-(``copy_file_range``), like ``cp``.
+``chunk_bytes`` each at most. The ranks on the root's node share the listing (the root walks the
+names, each rank stats a share). On one node nothing needs to travel: the node's ranks claim
+blocks of files one at a time and copy them in the kernel (``copy_file_range``), like ``cp``; a
+file over :data:`SPLIT_BYTES` is cut in one byte range per rank.
 
 Nothing half-done passes as done:
 
 - every file is written to a hidden temporary name beside its final one (``.NAME.hpcsync-tmp``),
   checked -- its size, and for bytes that crossed MPI a CRC-32 against the root's, piece by piece --
-  given its mode and mtime, then renamed into place;
+  given its mode and mtime, then renamed into place; on one node a new folder of small files is
+  filled under a hidden name instead and renamed into place whole (one rename, not one per file:
+  readers see all of its files or none);
 - a manifest in ``dst`` (:data:`MANIFEST`, with a journal while a stage runs) records what was
   staged, with the source's size, mtime and mode and the copy's inode, size, mtime and ctime. A
   later call skips a file only when all of them still match, so a file changed at the source, or
   truncated, rewritten or deleted at a destination, is staged again, and a second call rewrites
   nothing;
-- a stage killed half way leaves only temporary names (removed by the next call) and files that
-  are complete; the journal, appended at least once a second and before each large file, lets the
+- a stage killed half way leaves only temporary names and folders (removed by the next call) and
+  files that are complete; the journal, appended at least once a second and before each large file, lets the
   next call skip what was finished;
 - any error -- a missing or unreadable source, a destination that is not writable or too small on
   one node, a file changing while it is read -- raises the same :class:`~hpcsync.errors.StageError`
@@ -51,10 +55,12 @@ from .. import _bigmpi, _mpi
 from ..errors import StageError, raise_if_any, raise_if_settings_differ
 from ..progress import Progress
 from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
-from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, chunks, scan, source_path, split_work
-from .transfer import SPLIT_BYTES, Reader, broadcast, copy_local, copy_shared, help_on_one_node
+from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
+                      stat_names, walk_names)
+from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_blocks, copy_shared, help_on_one_node, identity,
+                       idle_until_all_arrive)
 
-__all__ = ["stage", "StageResult", "Entry", "chunks", "split_work", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
+__all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
            "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -119,21 +125,30 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
     what = f"stage of {src} to {dst} failed: "
     node, leaders = _split(comm, root)
     try:
-        entries, ignored, err = scan(src) if me == root else ([], [], None)
-        raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
+        one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
+        entries, ignored, err = _list_source(node, me == root, src, one_node)
+        if one_node:  # every rank has the listing's error already
+            if err:
+                raise StageError(f"{what}rank {root}: node {socket.gethostname()}: {err}")
+        else:
+            raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
         result = None
-        one_node = size > 1 and node.Get_size() == size  # its ranks share the copying
         if leaders is not None:
             result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
                                            node if one_node else None)
         elif one_node:
-            help_on_one_node(node, src, dst, durable)
-        _idle_until_all_arrive(comm)
-        raise_if_any(comm, err, StageError, what)
-        result = comm.bcast(result, root=root)
+            help_on_one_node(node, src, dst, durable, entries)
+        idle_until_all_arrive(comm)
+        if one_node:  # the root has every rank's error (the others send theirs to it)
+            result, err = comm.bcast((result, err), root=root)
+            if err:
+                raise StageError(f"{what}rank {root}: {err}")
+        else:
+            raise_if_any(comm, err, StageError, what)
+            result = comm.bcast(result, root=root)
     finally:
         for c in (leaders, node):
-            if c is not None and c is not comm:
+            if c is not None and c is not comm and c != _mpi.MPI().COMM_SELF:
                 c.Free()
     return StageResult(**{**result, "seconds": time.perf_counter() - t0})
 
@@ -157,20 +172,48 @@ def _split(comm: Any, root: int) -> Tuple[Any, Any]:
     me = comm.Get_rank()
     key = 0 if me == root else me + 1
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    if node.Get_size() == comm.Get_size():  # one node: the root leads alone
+        return node, (MPI.COMM_SELF if me == root else None)
     leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, key=key)
     return node, (None if leaders == MPI.COMM_NULL else leaders)
 
 
-def _idle_until_all_arrive(comm: Any) -> None:
-    """Ranks with nothing to do wait here without spinning a core that the copying ranks need
-    (a blocking MPI collective busy-polls)."""
-    if comm.Get_size() == 1:
-        return
-    req = comm.Ibarrier()
-    pause = 0.0002
-    while not req.Test():
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+def _list_source(node: Any, is_root: bool, src: str, one_node: bool
+                 ) -> Tuple[List[Entry], List[str], Optional[str]]:
+    """The source's listing, made on the root's node: the root walks the names, every rank there
+    takes a share of the ``stat`` calls (a tree of small files costs system calls; a rank that
+    does not see the very source leaves its share to the root). Returns ``(entries, ignored,
+    error)`` on the root, and on every rank of a one-node job (which all copy), where the error
+    too is every rank's."""
+    if node.Get_size() == 1 or (not one_node and node.bcast(is_root, root=0) is not True):  # not the root's node
+        return scan(src) if is_root else ([], [], None)
+    names, dirs, err = walk_names(src) if is_root else ([], bytearray(), None)
+    idle_until_all_arrive(node)  # the others wait for the walk without spinning a core
+    plan = node.bcast((names, dirs, identity(src)) if is_root and err is None else err, root=0)
+    if not isinstance(plan, tuple):  # the walk failed
+        return [], [], plan if one_node or is_root else None
+    names, dirs, ident = plan
+    n = node.Get_size()
+
+    def share(r: int) -> Any:
+        return stat_names(src, names, dirs, len(names) * r // n, len(names) * (r + 1) // n)
+
+    me = node.Get_rank()
+    part = share(me) if is_root or identity(src) == ident else None
+    idle_until_all_arrive(node)
+    parts = node.allgather(part) if one_node else node.gather(part, root=0)
+    if parts is None:
+        return [], [], None
+    if None in parts:  # the root stats the shares of ranks that do not see this source
+        done = [share(r) if p is None else p for r, p in enumerate(parts)] if is_root else None
+        parts = node.bcast(done, root=0) if one_node else done
+    stats: List[Any] = []
+    for p in parts:
+        if p[1] is not None:
+            return [], [], p[1]
+        stats += p[0]
+    entries, ignored = assemble(names, stats)
+    return entries, ignored, None
 
 
 def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
@@ -195,12 +238,13 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     finally:
         node.close_probe()
     if err is None and node.writes:
-        err = node.prepare()
+        err = node.prepare(whole_folders=not many)
     if many and any(leaders.allgather(err)):
         return None, err  # no node moves anything when one cannot take it; every rank raises
     if err is not None:
         if helpers is not None:
-            helpers.bcast(None, root=0)  # nothing for them to do
+            idle_until_all_arrive(helpers)
+            helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
     union = node.need.copy()
     if many:
@@ -216,7 +260,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
         elif helpers is not None:
             copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
         elif todo:
-            copy_local([(i, n, source_path(src, entries, entries[i])) for i, n in todo], node, reader,  # type: ignore[arg-type]
+            copy_blocks(blocks(entries, [i for i, _ in todo], node.units), src, entries, node, reader,  # type: ignore[arg-type]
                         bar)
     finally:
         if bar is not None:

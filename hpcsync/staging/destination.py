@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import stat as st
 import time
 import zlib
@@ -13,7 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, Entry, Piece, trailer_at
+from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal
+from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, Entry, Piece, trailer_at, whole
 
 log = logging.getLogger("hpcsync.staging")
 
@@ -44,6 +46,12 @@ class Destination:
         self.writes = True  # False: another node's leader writes this very directory (shared dst)
         self.probe: Optional[str] = None
         self.interrupted = False  # journals of a killed stage were found
+        self.umask = process_umask()
+        self.copier = Copier()
+        self.chmod: Dict[int, bool] = {}  # open temporary files still to be given their mode
+        self.units: Dict[int, List[int]] = {}  # folders copied whole: folder index -> its file indexes
+        self.more: List[str] = []  # other ranks' records, as JSON objects (see add_records)
+        self.more_files = 0
 
     def path(self, idx: int) -> str:
         rel = self.entries[idx].rel
@@ -54,6 +62,10 @@ class Destination:
         if len(name) > 200:  # keep the temporary name within NAME_MAX
             name = hashlib.sha1(name.encode()).hexdigest()
         return f"{folder}/.{name}.{self.tag}{TMP_SUFFIX}"
+
+    def claims_path(self) -> str:
+        """The folder where a one-node copy's ranks claim blocks of work (removed at the end)."""
+        return os.path.join(self.dst, f".hpcsync-claims.{self.tag}{TMP_SUFFIX}")
 
     def _where(self, msg: str) -> str:
         return f"node {self.host}: {msg}"
@@ -97,19 +109,23 @@ class Destination:
                 pass
             self.probe = None
 
-    def prepare(self) -> Optional[str]:
+    def prepare(self, whole_folders: bool = False) -> Optional[str]:
         """Create the directories and links, check there is room, and mark the files this node
-        lacks. Returns an error naming node and path, or None."""
+        lacks; with ``whole_folders``, also pick the folders to copy whole (:attr:`units`).
+        Returns an error naming node and path, or None."""
         dst = self.dst
         self.records, self.interrupted = self._load_manifest()
         if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
+        shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
         need_bytes = replaced = largest = 0
+        made = set()
         try:
             for i, e in enumerate(self.entries):
                 path = self.path(i)
                 if e.kind == DIR:
-                    _ensure_dir(path)
+                    if _ensure_dir(path):
+                        made.add(i)
                 elif e.kind == LINK:
                     _ensure_link(path, e, self.tmp_path(path))
                 elif e.rel not in self.records:  # never staged here: needed, whatever lies there now
@@ -129,6 +145,8 @@ class Destination:
                             replaced += have.st_size
                             largest = max(largest, have.st_size)
             vfs = os.statvfs(dst)
+            if whole_folders:
+                self.units = whole(self.entries, self.need, lambda i: i in made or not os.listdir(self.path(i)))
         except OSError as exc:
             return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
         free = vfs.f_bavail * vfs.f_frsize
@@ -158,8 +176,9 @@ class Destination:
                     for line in f:
                         if not line.endswith("\n"):
                             break  # torn last line of a killed stage
-                        rel, rec = json.loads(line)
-                        records[rel] = rec
+                        batch = json.loads(line)  # one line per checkpoint: [[rel, record], ...]
+                        for rel, rec in [batch] if batch and isinstance(batch[0], str) else batch:
+                            records[rel] = rec  # (a line of one [rel, record]: an older journal)
             except (OSError, ValueError) as exc:
                 log.warning("%s: ignoring the rest of stage journal %s in %s: %s", self.host, name, self.dst, exc)
         interrupted = bool(journals)
@@ -167,20 +186,22 @@ class Destination:
 
     # - the transfer
 
-    def open(self, idx: int) -> Optional[int]:
-        """A fresh temporary file for entry ``idx`` (None when this node skips it)."""
+    def open(self, idx: int, shared: bool = False) -> Optional[int]:
+        """A fresh temporary file for entry ``idx`` (None when this node skips it); ``shared``: other
+        ranks open it by name too, so it stays writable by its owner until sealed."""
         if self.broken is not None or idx in self.failed:
             return None
         e = self.entries[idx]
         if e.size > DEFAULT_CHUNK_BYTES or time.monotonic() - self.last_journal > _JOURNAL_SECONDS:
             self.checkpoint()  # record what is done before a long file, so a kill loses little
         tmp = self.tmp_path(self.path(idx))
+        mode, chmod = (0o600, True) if shared else creation_mode(e.mode, self.umask)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = create(tmp, mode)
         except OSError as exc:
             self.fail(idx, f"cannot create {tmp}: {exc.strerror}")
             return None
-        self.fds[idx], self.crcs[idx] = fd, 0
+        self.fds[idx], self.crcs[idx], self.chmod[idx] = fd, 0, chmod
         return fd
 
     def write_round(self, pieces: Sequence[Piece], buf: Any, verify: bool) -> None:
@@ -214,57 +235,39 @@ class Destination:
         """Check size, set mode and times, rename into place, record."""
         final = self.path(idx)
         try:
-            done = _seal(self.fds.pop(idx), self.entries[idx], self.tmp_path(final), final)
+            done = seal(self.fds.pop(idx), self.entries[idx], self.tmp_path(final), final, self.chmod.pop(idx, True))
         except OSError as exc:
             self.fds[idx] = -1  # closed; fail() removes the temporary file
             self.fail(idx, exc.strerror if exc.errno == 0 else f"finishing {final}: {exc.strerror}")
             return
         self.record(idx, done, crc)
 
-    def copy_in(self, idx: int, source: str) -> Tuple[int, Optional[os.stat_result], Optional[str], bool]:
-        """Copy one file from ``source`` in the kernel, check and seal it. Returns (bytes read, the
-        copy's stat, error, whether the source is to blame)."""
-        e = self.entries[idx]
-        final = self.path(idx)
-        tmp = self.tmp_path(final)
-        try:
-            sfd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            return 0, None, f"reading {source}: {exc.strerror}", True
-        fd, copied = -1, 0
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            copied = kernel_copy(sfd, fd, e.size)
-            why = source_changed(sfd, e) if copied == e.size else f"source file {source} shrank while being staged"
-            if why:
-                os.close(fd)
-                os.unlink(tmp)
-                return copied, None, why, True
-            fd, sealed = -1, fd
-            return copied, _seal(sealed, e, tmp, final), None, False
-        except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return copied, None, exc.strerror if exc.errno == 0 else f"writing {final}: {exc.strerror}", False
-        finally:
-            os.close(sfd)
-
     def record(self, idx: int, done: os.stat_result, crc: Optional[int]) -> None:
         """Entry ``idx`` is in place as ``done``: remember it for the journal and the manifest."""
-        e, s = self.entries[idx], done
-        rec = [e.size, e.mtime_ns, e.mode, crc, s.st_ino, s.st_ctime_ns]
-        self.records[e.rel] = rec
-        self.unjournaled.append((e.rel, rec))
-        self.files_written += 1
-        self.bytes_written += e.size
+        self.record_all([(idx, done)], crc)
+
+    def record_all(self, done: Sequence[Tuple[int, os.stat_result]], crc: Optional[int] = None) -> None:
+        """:meth:`record` for each ``(entry index, its copy's stat)``."""
+        entries, records, unjournaled = self.entries, self.records, self.unjournaled
+        for idx, s in done:
+            e = entries[idx]
+            rec = [e.size, e.mtime_ns, e.mode, crc, s.st_ino, s.st_ctime_ns]
+            records[e.rel] = rec
+            unjournaled.append((e.rel, rec))
+            self.bytes_written += e.size
+        self.files_written += len(done)
+
+    def add_records(self, records: str, files: int) -> None:
+        """Records of ``files`` files another rank of the node copied, as the JSON object it made
+        (so the manifest is encoded in parallel); they go into the manifest as they are."""
+        self.more.append(records)
+        self.more_files += files
+        self.files_written += files
 
     def fail(self, idx: int, why: Optional[str]) -> None:
         """Drop entry ``idx``'s temporary file; ``why`` (None: the root's error says it) fails the stage."""
         fd = self.fds.pop(idx, None)
+        self.chmod.pop(idx, None)
         if fd is not None:
             if fd >= 0:
                 os.close(fd)
@@ -286,7 +289,7 @@ class Destination:
         if self.journal is None:
             self.journal = open(os.path.join(self.dst, self.journal_name), "w")
             self.journal.write(json.dumps({"source": self.src}) + "\n")
-        self.journal.write("".join(json.dumps(item) + "\n" for item in self.unjournaled))
+        self.journal.write(json.dumps(self.unjournaled, separators=(",", ":")) + "\n")  # one line, the C encoder
         self.journal.flush()
         if self.durable:
             os.fsync(self.journal.fileno())
@@ -303,6 +306,8 @@ class Destination:
             self.fail(idx, f"{self.path(idx)}: incomplete")
         try:
             if self.failed:
+                for more in self.more:
+                    self.unjournaled.extend(json.loads(more).items())
                 self.checkpoint()  # what did finish is kept for the next call
                 return self._where(next(iter(self.failed.values())))
             if self.files_written or self.journal is not None or self.interrupted or self._stale_records():
@@ -316,17 +321,17 @@ class Destination:
         return None
 
     def _stale_records(self) -> bool:
-        return len(self.records) != sum(e.kind == FILE for e in self.entries)
+        return len(self.records) + self.more_files != sum(e.kind == FILE for e in self.entries)
 
     def _write_manifest(self) -> None:
         current = {e.rel for e in self.entries if e.kind == FILE}
-        doc = {"version": 1, "source": self.src,
-               "files": {rel: rec for rel, rec in self.records.items() if rel in current}}
+        mine = json.dumps({rel: rec for rel, rec in self.records.items() if rel in current}, separators=(",", ":"))
+        files = ",".join(part[1:-1] for part in (mine, *self.more) if part != "{}")  # objects joined
         if self.durable:
             _syncfs(self.dst)
         tmp = self.tmp_path(os.path.join(self.dst, MANIFEST))
-        with open(tmp, "w") as f:
-            f.write(json.dumps(doc, separators=(",", ":")))  # the C encoder; json.dump is pure Python
+        with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
+            f.write(f'{{"version":1,"source":{json.dumps(self.src)},"files":{{{files}}}}}')
             if self.durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -354,21 +359,6 @@ def _journals(dst: str) -> List[str]:
         return []
 
 
-def _seal(fd: int, e: Entry, tmp: str, final: str) -> os.stat_result:
-    """Check the size of the written temporary file, give it the source's mode and times, close
-    it and rename it into place; returns the copy's stat. ``fd`` is closed whatever happens."""
-    try:
-        size = os.fstat(fd).st_size
-        if size != e.size:
-            raise OSError(0, f"{final}: wrote {size} bytes, the source has {e.size}")
-        os.fchmod(fd, e.mode)
-        os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    return os.stat(final)
-
-
 def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
     """The copy is the one this stage recorded and the source is unchanged since."""
     if rec is None or have is None or not st.S_ISREG(have.st_mode):
@@ -384,17 +374,19 @@ def _make_writable(path: str) -> None:
         os.chmod(path, mode | 0o700)
 
 
-def _ensure_dir(path: str) -> None:
+def _ensure_dir(path: str) -> bool:
+    """Make ``path`` a writable directory; True when it is new (so empty)."""
     try:
         s = os.lstat(path)
     except FileNotFoundError:
         os.mkdir(path, 0o700)
-        return
+        return True
     if not st.S_ISDIR(s.st_mode):  # the source has a directory where the copy has something else
         os.unlink(path)
         os.mkdir(path, 0o700)
-        return
+        return True
     _make_writable(path)
+    return False
 
 
 def _ensure_link(path: str, e: Entry, tmp: str) -> None:
@@ -416,8 +408,12 @@ def _ensure_link(path: str, e: Entry, tmp: str) -> None:
 
 
 def _remove_temporaries(dst: str, suffix: str) -> None:
-    """A stage was killed here: this node's temporary files (``suffix``) are not data, remove them."""
-    for folder, _dirs, files in os.walk(dst):
+    """A stage was killed here: this node's temporary files and folders (``suffix``) are not data,
+    remove them."""
+    for folder, dirs, files in os.walk(dst):
+        for name in [d for d in dirs if d.endswith(suffix)]:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            dirs.remove(name)
         for name in files:
             if name.endswith(suffix):
                 try:
@@ -433,42 +429,3 @@ def _syncfs(path: str) -> None:
             os.sync()
     finally:
         os.close(fd)
-
-
-def kernel_copy(sfd: int, dfd: int, size: int, offset: int = 0) -> int:
-    """Copy ``size`` bytes at ``offset`` from ``sfd`` to the same offset of ``dfd`` in the kernel
-    (``copy_file_range``; read/write where the filesystem lacks it). Returns the bytes copied:
-    fewer than ``size`` when the source ended first."""
-    done = 0
-    try:
-        while done < size:
-            k = os.copy_file_range(sfd, dfd, size - done, offset + done, offset + done)
-            if k == 0:
-                return done
-            done += k
-    except OSError as exc:  # a filesystem without copy_file_range (or across devices on old kernels)
-        if exc.errno not in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP
-            raise
-        buf = bytearray(min(max(size - done, 1), 8 * 2**20))
-        while done < size:
-            view = memoryview(buf)[: min(len(buf), size - done)]
-            got = os.preadv(sfd, [view], offset + done)
-            if got == 0:
-                return done
-            pwrite_all(dfd, view[:got], offset + done)
-            done += got
-    return done
-
-
-def source_changed(fd: int, e: Entry) -> Optional[str]:
-    """Why a source file read to its end no longer matches the listing (torn copy), or None."""
-    s = os.fstat(fd)
-    if s.st_size != e.size or s.st_mtime_ns != e.mtime_ns:
-        return f"source file {e.rel or '.'} changed while being staged"
-    return None
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n

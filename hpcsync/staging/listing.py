@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import os
 import stat as st
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 MAX_PIECES = 4096  # files (or file pieces) per broadcast: bounds the trailer and the latency of one round
 FILE, DIR, LINK = "f", "d", "l"
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# a folder is copied whole (filled under a hidden name, then renamed into place: no rename per
+# file) when it holds only files, at least WHOLE_MIN_FILES, each at most DEFAULT_CHUNK_BYTES and at
+# most WHOLE_MAX_BYTES in all (what a kill can cost: its files are recorded once it is in place)
+WHOLE_MIN_FILES, WHOLE_MAX_BYTES = 4, 64 * 2**20
 
 
 class Entry(NamedTuple):
@@ -23,55 +28,124 @@ class Entry(NamedTuple):
 
 
 def scan(src: str) -> Tuple[List[Entry], List[str], Optional[str]]:
-    """The root's listing of ``src``: directories before what they hold, names sorted."""
-    try:
-        top = os.stat(src)  # a link given as src is followed
-    except FileNotFoundError:
-        return [], [], f"source {src} does not exist"
-    except OSError as exc:
-        return [], [], f"cannot stat source {src}: {exc.strerror}"
-    if st.S_ISREG(top.st_mode):
-        if not os.access(src, os.R_OK):
-            return [], [], f"source {src} is not readable"
-        return [_entry(os.path.basename(src), top)], [], None
-    if not st.S_ISDIR(top.st_mode):
-        return [], [], f"source {src} is neither a file nor a directory"
-    entries, ignored = [_entry("", top)], []
-    todo = [""]
-    while todo:
-        rel = todo.pop()
-        here = os.path.join(src, rel)
-        try:
-            with os.scandir(here) as it:
-                items = sorted(it, key=lambda e: e.name)
-        except OSError as exc:
-            return [], [], f"cannot read source directory {here}: {exc.strerror}"
-        subdirs = []
-        for item in items:
-            r = os.path.join(rel, item.name)
-            try:
-                s = item.stat(follow_symlinks=False)
-            except OSError as exc:
-                return [], [], f"cannot stat {item.path}: {exc.strerror}"
-            if st.S_ISDIR(s.st_mode):
-                entries.append(_entry(r, s))
-                subdirs.append(r)
-            elif st.S_ISREG(s.st_mode):
-                if not os.access(item.path, os.R_OK):
-                    return [], [], f"source file {item.path} is not readable"
-                entries.append(_entry(r, s))
-            elif st.S_ISLNK(s.st_mode):
-                entries.append(_entry(r, s, os.readlink(item.path)))
-            else:
-                ignored.append(r)
-        todo.extend(reversed(subdirs))  # depth first, in name order
+    """The root's listing of ``src``: directories before what they hold, names sorted (one rank:
+    :func:`walk_names`, then :func:`stat_names` of every name)."""
+    names, dirs, err = walk_names(src)
+    if err is not None:
+        return [], [], err
+    part, err = stat_names(src, names, dirs, 0, len(names))
+    if err is not None:
+        return [], [], err
+    entries, ignored = assemble(names, part)
     return entries, ignored, None
 
 
-def _entry(rel: str, s: os.stat_result, target: str = "") -> Entry:
-    kind = DIR if st.S_ISDIR(s.st_mode) else LINK if st.S_ISLNK(s.st_mode) else FILE
-    return Entry(rel, kind, st.S_IMODE(s.st_mode), s.st_atime_ns, s.st_mtime_ns,
-                 s.st_size if kind == FILE else 0, target)
+Names = List[str]  # every path of the listing, in its order ("" is src itself, or a file's name when src is a file)
+
+
+def walk_names(src: str) -> Tuple[Names, bytearray, Optional[str]]:
+    """The names of the listing, in its order, and which are directories (from the directory
+    entries' types: no ``stat`` per name, which :func:`stat_names` does, on as many ranks as see
+    the source). Depth first, names sorted; a file given as ``src`` is one name."""
+    try:
+        top = os.stat(src)  # a link given as src is followed
+    except FileNotFoundError:
+        return [], bytearray(), f"source {src} does not exist"
+    except OSError as exc:
+        return [], bytearray(), f"cannot stat source {src}: {exc.strerror}"
+    if st.S_ISREG(top.st_mode):
+        return [os.path.basename(src)], bytearray(1), None
+    if not st.S_ISDIR(top.st_mode):
+        return [], bytearray(), f"source {src} is neither a file nor a directory"
+    names, dirs = [""], bytearray(b"\1")
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        here = f"{src}/{rel}" if rel else src
+        try:
+            with os.scandir(here) as it:
+                items = sorted(it, key=lambda e: e.name)
+            subdirs = []
+            for item in items:
+                r = f"{rel}/{item.name}" if rel else item.name
+                names.append(r)
+                if item.is_dir(follow_symlinks=False):
+                    dirs.append(1)
+                    subdirs.append(r)
+                else:
+                    dirs.append(0)
+        except OSError as exc:
+            return [], bytearray(), f"cannot read source directory {here}: {exc.strerror}"
+        todo.extend(reversed(subdirs))  # depth first, in name order
+    return names, dirs, None
+
+
+Stat = Optional[Tuple[str, int, int, int, int, str]]  # (kind, mode, atime, mtime, size, link target); None: ignored
+
+
+def stat_names(src: str, names: Names, dirs: bytearray, lo: int, hi: int) -> Tuple[List[Stat], Optional[str]]:
+    """``stat`` of names ``[lo, hi)`` from :func:`walk_names`: what :func:`assemble` makes entries
+    of, or the first error (a name that cannot be read, or that changed kind since it was listed).
+    A folder's names are stat'ed in the open folder (one path component each)."""
+    out: List[Stat] = []
+    single = len(names) == 1 and not dirs[0]
+    euid = os.geteuid()
+    folder, fd = None, -1
+    try:
+        for i in range(lo, hi):
+            rel = names[i]
+            path = src if single or not rel else f"{src}/{rel}"
+            try:
+                if single or not rel:
+                    s, name, at = os.stat(src), src, None
+                else:
+                    parent, _, name = rel.rpartition("/")
+                    if parent != folder:
+                        if fd >= 0:
+                            os.close(fd)
+                            fd = -1
+                        fd = os.open(f"{src}/{parent}" if parent else src, _FOLDER)
+                        folder = parent
+                    at = fd
+                    s = os.stat(name, dir_fd=at, follow_symlinks=False)
+            except OSError as exc:
+                return [], f"cannot stat {path}: {exc.strerror}"
+            mode = s.st_mode
+            kind = mode & 0o170000
+            if (kind == st.S_IFDIR) != bool(dirs[i]):
+                return [], f"{path} changed while the source was listed"
+            if kind == st.S_IFREG:
+                # the owner's read bit decides for the owner (ACLs included); anyone else asks the kernel
+                if not (s.st_uid == euid and mode & 0o400) and not os.access(name, os.R_OK, dir_fd=at):
+                    return [], f"source file {path} is not readable"
+                out.append((FILE, mode & 0o7777, s.st_atime_ns, s.st_mtime_ns, s.st_size, ""))
+            elif kind == st.S_IFDIR:
+                out.append((DIR, mode & 0o7777, s.st_atime_ns, s.st_mtime_ns, 0, ""))
+            elif kind == st.S_IFLNK:
+                try:
+                    target = os.readlink(name, dir_fd=at)
+                except OSError as exc:
+                    return [], f"cannot read link {path}: {exc.strerror}"
+                out.append((LINK, mode & 0o7777, s.st_atime_ns, s.st_mtime_ns, 0, target))
+            else:
+                out.append(None)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return out, None
+
+
+def assemble(names: Names, stats: Sequence[Stat]) -> Tuple[List[Entry], List[str]]:
+    """The listing (entries) and the special files left out (``ignored``), from every name's stat."""
+    entries: List[Entry] = []
+    ignored: List[str] = []
+    make = tuple.__new__  # Entry(rel, *s) without the Python-level __new__ of a named tuple
+    for rel, s in zip(names, stats):
+        if s is None:
+            ignored.append(rel)
+        else:
+            entries.append(make(Entry, (rel, *s)))
+    return entries, ignored
 
 
 def source_path(src: str, entries: Sequence[Entry], e: Entry) -> str:
@@ -110,16 +184,50 @@ def trailer_at(pieces: Sequence[Piece]) -> int:
     return (n + 7) & ~7
 
 
-def split_work(sizes: Sequence[int], parts: int, per_file: int = 64 * 1024) -> List[Tuple[int, int]]:
-    """Cut files (in order) into ``parts`` contiguous ranges ``[lo, hi)`` of about equal cost, a
-    file costing its bytes plus ``per_file`` (what opening, creating and renaming one costs)."""
-    cost = [s + per_file for s in sizes]
-    total, bounds, acc, lo = sum(cost), [], 0, 0
-    for k in range(parts):
-        hi = lo
-        while hi < len(cost) and (k == parts - 1 or acc + cost[hi] / 2 <= total * (k + 1) / parts):
-            acc += cost[hi]
-            hi += 1
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+def whole(entries: Sequence[Entry], need: Sequence[int], empty: Callable[[int], bool]) -> Dict[int, List[int]]:
+    """The folders to copy whole, ``{folder index: its file indexes}``: below ``src``, holding only
+    files (see :data:`WHOLE_MIN_FILES`), every one of them needed, and ``empty(folder index)`` at
+    the destination (what a hidden copy may replace with one rename)."""
+    folder = {e.rel: i for i, e in enumerate(entries) if e.kind == DIR}
+    files: Dict[int, List[int]] = {}
+    bad = set()
+    for i, e in enumerate(entries):
+        p = folder.get(e.rel.rpartition("/")[0]) if e.rel else None
+        if not p:  # src itself is never replaced (it holds the manifest)
+            continue
+        if e.kind == FILE and need[i] and e.size <= DEFAULT_CHUNK_BYTES:
+            files.setdefault(p, []).append(i)
+        else:
+            bad.add(p)
+    return {p: f for p, f in files.items() if p not in bad and len(f) >= WHOLE_MIN_FILES
+            and sum(entries[i].size for i in f) <= WHOLE_MAX_BYTES and empty(p)}
+
+
+def blocks(entries: Sequence[Entry], files: Sequence[int], units: Dict[int, List[int]], most_files: int = 64,
+           most_bytes: int = 64 * 2**20) -> List[Tuple[int, List[int]]]:
+    """Cut ``files`` (entry indexes, in listing order) into the blocks a one-node copy's ranks
+    claim one at a time, so a rank that runs faster (or is not slowed by other jobs) does more:
+    ``(folder index, its files)`` for a folder of ``units`` (copied whole), ``(-1, files)`` for up
+    to ``most_files`` other files or ``most_bytes``."""
+    first = {f[0]: (p, f) for p, f in units.items()}
+    out: List[Tuple[int, List[int]]] = []
+    cur: List[int] = []
+    used = k = 0
+    while k < len(files):
+        unit = first.get(files[k])
+        if unit is not None and list(files[k: k + len(unit[1])]) == unit[1]:
+            if cur:
+                out.append((-1, cur))
+                cur, used = [], 0
+            out.append(unit)
+            k += len(unit[1])
+            continue
+        cur.append(files[k])
+        used += entries[files[k]].size
+        k += 1
+        if len(cur) >= most_files or used >= most_bytes:
+            out.append((-1, cur))
+            cur, used = [], 0
+    if cur:
+        out.append((-1, cur))
+    return out

@@ -1,7 +1,9 @@
 """Moving the bytes: broadcast rounds among node leaders, and the kernel copies of a one-node job."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import time
 import zlib
@@ -12,8 +14,9 @@ import numpy as np
 
 from .. import _mpi
 from ..progress import Progress
-from .destination import _JOURNAL_SECONDS, JOURNAL, Destination, kernel_copy, source_changed
-from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, chunks, source_path, split_work, trailer_at
+from .destination import _JOURNAL_SECONDS, JOURNAL, Destination
+from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
+from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, blocks, chunks, source_path, trailer_at
 
 SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
 
@@ -66,15 +69,45 @@ def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reade
     return len(plan)
 
 
+def copy_blocks(plan: List[Tuple[int, List[int]]], src: str, entries: List[Entry], node: "Destination",
+                reader: "Reader", bar: Optional[Progress], claims: Optional[str] = None) -> List[int]:
+    """Copy the :func:`~hpcsync.staging.listing.blocks` of ``plan`` in the kernel, as ``cp`` does:
+    a folder whole, other files each under a temporary name renamed into place. With ``claims``
+    (ranks sharing the plan), a block is copied by the rank that first makes its folder there.
+    Returns the blocks this rank copied."""
+    mine = []
+    for k, (p, files) in enumerate(plan):
+        if node.broken is not None:
+            break
+        if claims is not None:
+            try:
+                os.mkdir(f"{claims}/{k}")
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                node.fail(files[0], f"claiming work in {claims}: {exc.strerror}")
+                break
+        mine.append(k)
+        if p < 0:
+            copy_local([(i, entries[i].size, source_path(src, entries, entries[i])) for i in files], node, reader, bar)
+            continue
+        if time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
+            node.checkpoint()
+        _copy_folder(node, p, files, os.path.dirname(source_path(src, entries, entries[files[0]])), reader, bar)
+    return mine
+
+
 def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "Reader", bar: Optional[Progress]) -> None:
-    """Copy ``(index, size, source path)`` in the kernel (``copy_file_range``), as ``cp`` does;
-    what is done is journaled at least once a second and before each large file."""
+    """Copy ``(index, size, source path)`` in the kernel, each file under a temporary name renamed
+    into place; what is done is journaled at least once a second and before each large file."""
+    entries, copier, umask = node.entries, node.copier, node.umask
     for idx, size, source in todo:
         if node.broken is not None:
             break
         if size > DEFAULT_CHUNK_BYTES or time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
             node.checkpoint()
-        copied, done, error, source_side = node.copy_in(idx, source)
+        final = node.path(idx)
+        copied, done, error, source_side = copy_file(copier, umask, entries[idx], source, node.tmp_path(final), final)
         reader.read_bytes += copied
         if error is None:
             node.record(idx, done, None)  # type: ignore[arg-type]
@@ -86,7 +119,60 @@ def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "R
             bar.update(size)
 
 
-def _identity(path: str) -> Optional[Tuple[int, int]]:
+def _copy_folder(node: "Destination", p: int, files: List[int], source: str, reader: "Reader",
+                 bar: Optional[Progress]) -> None:
+    """Copy a folder's files into a hidden folder beside it, then rename that over the empty folder
+    :meth:`Destination.prepare` made: readers see all of the folder's files or none. Its files
+    are recorded once it is in place."""
+    final = node.path(p)
+    hidden = node.tmp_path(final)
+    try:
+        new_folder(hidden)
+        done, read, failed = fill_folder(node.copier, node.umask, node.entries, files, source, hidden)
+    except OSError as exc:
+        node.fail(files[0], f"copying into {exc.filename or hidden}: {exc.strerror}")
+        shutil.rmtree(hidden, ignore_errors=True)
+        return
+    reader.read_bytes += read
+    for i, why, source_side in failed:
+        if source_side:
+            reader.fail(i, why)
+        else:
+            node.fail(i, why)
+    try:
+        try:
+            os.rename(hidden, final)
+        except OSError:  # the folder is no longer empty (written meanwhile): one file at a time
+            done = [(i, _move(f"{hidden}/{os.path.basename(node.path(i))}", node.path(i))) for i, _ in done]
+            os.rmdir(hidden)
+    except OSError as exc:
+        node.fail(files[0], f"moving {hidden} into place: {exc.strerror}")
+        shutil.rmtree(hidden, ignore_errors=True)
+        return
+    node.record_all(done)
+    if bar is not None:
+        bar.update(sum(node.entries[i].size for i in files))
+
+
+def _move(tmp: str, final: str) -> os.stat_result:
+    os.replace(tmp, final)
+    return os.stat(final)
+
+
+def idle_until_all_arrive(comm: Any) -> None:
+    """Ranks with nothing to do wait here without spinning a core that the working ranks need (a
+    blocking MPI collective busy-polls): called before a collective that follows uneven work."""
+    if comm.Get_size() == 1:
+        return
+    req = comm.Ibarrier()
+    pause = 0.0002
+    while not req.Test():
+        time.sleep(pause)
+        pause = min(pause * 2, 0.0005)  # a wake-up every 0.5 ms costs little, and oversleeps by 0.5 ms at most
+
+
+def identity(path: str) -> Optional[Tuple[int, int]]:
+    """``(device, inode)`` of ``path``: whether two ranks see the very same file or directory."""
     try:
         s = os.stat(path)
     except OSError:
@@ -94,57 +180,72 @@ def _identity(path: str) -> Optional[Tuple[int, int]]:
     return s.st_dev, s.st_ino
 
 
+Range = Tuple[int, str, int, int]  # (entry index, temporary file, offset, bytes)
+
+
 def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "Destination",
                  reader: "Reader", bar: Optional[Progress]) -> None:
-    """One node, several ranks: the node copies with every rank that sees the very source and
-    destination. Small files are split among the ranks (a tree of them costs system calls, not
-    bandwidth); a file over :data:`SPLIT_BYTES` is cut into one byte range per rank, copied into
-    a temporary file the root created, and sealed by the root once every range is in. Each rank
-    journals the whole files it finished; the root gathers the records and writes the manifest."""
+    """One node, several ranks (each holding the listing): the node's ranks share the copying.
+    Small files go in :func:`~hpcsync.staging.listing.blocks` that the ranks claim one at a time
+    (a tree of them costs system calls, not bandwidth, and a rank slowed by other jobs takes
+    fewer); a file over :data:`SPLIT_BYTES` is cut into one byte range per rank, copied into a
+    temporary file the root created, and sealed by the root once every range is in. Each rank
+    journals the whole files it finished; the root gathers the records and writes the manifest.
+    A rank that does not see the very source and destination claims nothing and leaves its
+    ranges to the root."""
+    idle_until_all_arrive(ranks)  # the others waited for the root's look at the destination
     if not todo:
-        ranks.bcast(None, root=0)
+        ranks.scatter([None] * ranks.Get_size(), root=0)
         return
-    ranks.bcast((_identity(src), _identity(node.dst)), root=0)
-    able = [r for r, ok in enumerate(ranks.gather(True, root=0)) if ok]
-    whole = [(i, n) for i, n in todo if n <= SPLIT_BYTES or len(able) == 1]
-    split = [(i, n) for i, n in todo if n > SPLIT_BYTES and len(able) > 1]
-    jobs: List[List[Tuple[int, int]]] = [[] for _ in range(ranks.Get_size())]
-    for r, (lo, hi) in zip(able, split_work([n for _, n in whole], len(able))):
-        jobs[r] = whole[lo:hi]
-    ranges: List[List[Tuple[Entry, str, str, int, int]]] = [[] for _ in range(ranks.Get_size())]
+    size = ranks.Get_size()
+    plan = blocks(entries, [i for i, n in todo if n <= SPLIT_BYTES], node.units)
+    ranges: List[List[Range]] = [[] for _ in range(size)]
     sealing = []
-    for i, n in split:
+    for i, n in todo:
+        if n <= SPLIT_BYTES:
+            continue
         final = node.path(i)
-        fd = node.open(i)  # created by the root, written by every rank, sealed by the root
+        fd = node.open(i, shared=True)  # created by the root, written by every rank, sealed by the root
         if fd is None:
             continue
         os.ftruncate(fd, n)
         sealing.append(i)
-        cuts = [n * k // len(able) for k in range(len(able) + 1)]
-        for k, r in enumerate(able):
-            ranges[r].append((entries[i], source_path(src, entries, entries[i]), node.tmp_path(final), cuts[k],
-                              cuts[k + 1] - cuts[k]))
-    ranks.scatter([([(entries[i], source_path(src, entries, entries[i])) for i, _ in job], ranges[r])
-                   for r, job in enumerate(jobs)], root=0)
-    copy_local([(i, n, source_path(src, entries, entries[i])) for i, n in jobs[0]], node, reader, bar)
-    node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
-    range_errors = _copy_ranges(ranges[0])
+        cuts = [n * k // size for k in range(size + 1)]
+        for r in range(size):
+            ranges[r].append((i, node.tmp_path(final), cuts[r], cuts[r + 1] - cuts[r]))
+    claims = node.claims_path()
+    try:
+        new_folder(claims)
+    except OSError as exc:
+        node.fail(todo[0][0], f"cannot create {claims}: {exc.strerror}")
+        plan = []
+    ids = (identity(src), identity(node.dst))
+    ranks.scatter([(ids, plan, claims, r) for r in ranges], root=0)
+    copy_blocks(plan, src, entries, node, reader, bar, claims)
+    if sealing:
+        node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
+    range_errors = _copy_ranges(src, entries, ranges[0])
+    idle_until_all_arrive(ranks)
     for r, done in enumerate(ranks.gather(None, root=0)):
         if done is None:
             continue
-        records, failed, unreadable, read_bytes, written, bad_ranges = done
-        for rel, rec in records:
-            node.records[rel] = rec
+        if done[0] == "unable":  # it does not see this source or destination: the root does its ranges
+            range_errors.update(_copy_ranges(src, entries, ranges[r]))
+            continue
+        copied, records, failed, unreadable, read_bytes, written, bad_ranges = done
+        for i in copied:  # the helper's record replaces what an earlier stage recorded
+            node.records.pop(entries[i].rel, None)
+        node.add_records(records, len(copied))
         for k, why in enumerate(failed):
             node.failed.setdefault((r, k), why)
         for k, why in enumerate(unreadable):
             reader.fail((r, k), why)
         reader.read_bytes += read_bytes
-        node.files_written += len(records)
         node.bytes_written += written
         range_errors.update(bad_ranges)
         if bar is not None:
             bar.update(written)
+    shutil.rmtree(claims, ignore_errors=True)
     for i in sealing:  # every range is in (or one failed): seal, or drop
         e = entries[i]
         if e.rel in range_errors:
@@ -161,24 +262,26 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
             bar.update(e.size)
 
 
-def _copy_ranges(ranges: Sequence[Tuple[Entry, str, str, int, int]]) -> Dict[str, str]:
-    """Copy byte ranges ``(entry, source, temporary file, offset, bytes)`` in the kernel; returns
-    ``{rel: error}`` for the ranges that failed (the root then drops those files)."""
+def _copy_ranges(src: str, entries: List[Entry], ranges: Sequence[Range]) -> Dict[str, str]:
+    """Copy byte ranges of split files in the kernel; returns ``{rel: error}`` for the ranges that
+    failed (the root then drops those files)."""
     errors: Dict[str, str] = {}
-    for e, source, tmp, off, n in ranges:
+    copier = Copier()
+    for i, tmp, off, n in ranges:
+        source = source_path(src, entries, entries[i])
         try:
             sfd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
                 try:
-                    if kernel_copy(sfd, fd, n, off) < n:
+                    if copier.copy(sfd, fd, n, off) < n:
                         raise OSError(0, f"source file {source} shrank while being staged")
                 finally:
                     os.close(fd)
             finally:
                 os.close(sfd)
         except OSError as exc:
-            errors[e.rel] = exc.strerror if exc.errno == 0 else f"copying {source} to {tmp}: {exc.strerror}"
+            errors[entries[i].rel] = exc.strerror if exc.errno == 0 else f"copying {source} to {tmp}: {exc.strerror}"
     return errors
 
 
@@ -193,24 +296,31 @@ def _source_unchanged(source: str, e: Entry) -> Optional[str]:
         os.close(fd)
 
 
-def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool) -> None:
+def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry]) -> None:
     """A non-root rank's part of :func:`copy_shared` (its errors travel to the root)."""
-    ids = ranks.bcast(None, root=0)
-    if ids is None:
+    idle_until_all_arrive(ranks)
+    share = ranks.scatter(None, root=0)
+    if share is None:
         return
-    ranks.gather(ids == (_identity(src), _identity(dst)), root=0)
-    jobs, ranges = ranks.scatter(None, root=0)
-    node = Destination(dst, src, [e for e, _ in jobs], durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
-    reader = Reader(src, node.entries)
+    ids, plan, claims, ranges = share
+    if ids != (identity(src), identity(dst)):
+        idle_until_all_arrive(ranks)
+        ranks.gather(("unable",), root=0)
+        return
+    node = Destination(dst, src, entries, durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
+    reader = Reader(src, entries)
     try:
-        copy_local([(k, e.size, path) for k, (e, path) in enumerate(jobs)], node, reader, None)
-        node.checkpoint()
+        mine = copy_blocks(plan, src, entries, node, reader, None, claims)
+        if ranges:
+            node.checkpoint()  # the whole files are recorded before the long ranges
     finally:
         if node.journal is not None:
             node.journal.close()
-    bad_ranges = _copy_ranges(ranges)
-    records = [(e.rel, node.records[e.rel]) for e in node.entries if e.rel in node.records]
-    ranks.gather((records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
+    bad_ranges = _copy_ranges(src, entries, ranges)
+    copied = [i for k in mine for i in plan[k][1] if entries[i].rel in node.records]
+    records = json.dumps(node.records, separators=(",", ":"))  # JSON for the manifest, made here in parallel
+    idle_until_all_arrive(ranks)
+    ranks.gather((copied, records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
                   node.bytes_written, bad_ranges), root=0)
 
 

@@ -1,0 +1,261 @@
+"""Stage-in of small files: the listing shared by a node's ranks, modes given at creation, the
+kernel copy's fallbacks, leftovers of a killed stage, and a kill amid small files then a resume."""
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import hpcsync
+from hpcsync import staging
+from hpcsync.staging import fileops, listing, transfer
+from launch import PY, Launcher, clean_env, openmpi, run
+from test_staging import (OLD, _kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
+                          journal_records, journaled, make_tree, no_temporaries, snapshot)
+
+MODES = [0o600, 0o640, 0o644, 0o664, 0o666, 0o700, 0o755, 0o777, 0o444, 0o400, 0o000, 0o4755, 0o2750, 0o1644]
+
+
+def test_every_mode_whatever_the_umask(tmp_path):
+    """A copy is created with its mode when the umask leaves it whole, else given it after; both
+    end with the source's mode, set-id and sticky bits included."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for m in MODES:
+        p = src / f"m{m:04o}"
+        p.write_bytes(os.urandom(100 + m))
+        os.chmod(p, m)
+    assert fileops.creation_mode(0o644, 0o022) == (0o644, False)
+    assert fileops.creation_mode(0o664, 0o022) == (0o600, True)  # the umask would drop group write
+    assert fileops.creation_mode(0o4755, 0) == (0o600, True)  # set-id bits are set after creation
+    assert fileops.creation_mode(0o644, None) == (0o600, True)  # umask unknown: always set after
+    old = os.umask(0o022)
+    try:
+        assert fileops.process_umask() == 0o022
+        for umask in (0o022, 0o077, 0o000):
+            os.umask(umask)
+            dst = tmp_path / f"dst{umask:03o}"
+            hpcsync.stage(src, dst)
+            assert snapshot(dst) == snapshot(src), oct(umask)
+    finally:
+        os.umask(old)
+
+
+def test_copier_fallbacks_copy_every_byte(tmp_path):
+    """copy_file_range, then sendfile, then read/write: each copies the same bytes at any offset,
+    and a short source answers fewer bytes."""
+    data = os.urandom(3 * 2**20 + 17)
+    (tmp_path / "a").write_bytes(data)
+    for range_copy, sendfile in ((True, True), (False, True), (False, False)):
+        c = fileops.Copier()
+        c.range_copy, c.sendfile = range_copy, sendfile
+        out = tmp_path / f"out-{range_copy}-{sendfile}"
+        sfd, dfd = os.open(tmp_path / "a", os.O_RDONLY), os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            assert c.copy(sfd, dfd, 1000) == 1000
+            assert c.copy(sfd, dfd, len(data) - 1000, 1000) == len(data) - 1000
+            assert c.copy(sfd, dfd, 50, len(data) - 10) == 10  # the source ends first
+        finally:
+            os.close(sfd)
+            os.close(dfd)
+        assert out.read_bytes() == data
+
+
+def test_source_on_another_filesystem(tmp_path):
+    """A source on another filesystem than the destination (here: disk to RAM), as a shared
+    filesystem is to node-local disk: copy_file_range refuses (EXDEV on most kernels), the copy
+    goes on with sendfile, exact."""
+    src = tmp_path / "src"
+    make_tree(src, files=20)
+    (src / "many").mkdir()
+    for i in range(20):  # a folder copied whole
+        (src / "many" / f"m{i:02d}").write_bytes(os.urandom(5000 + i))
+    dst = Path("/dev/shm") / f"hpcsync-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        r = hpcsync.stage(src, dst)
+        assert snapshot(dst) == expected(src) and r.source_reads == r.bytes
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
+
+
+def test_leftover_temporary_without_journal_is_replaced(tmp_path):
+    """A stage killed before its first journal leaves a temporary file and no journal: the next
+    call creates the copy afresh (its mode from creation, not the leftover's)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "f.bin").write_bytes(os.urandom(5000))
+    os.chmod(src / "f.bin", 0o644)
+    dst.mkdir()
+    tag = hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]
+    leftover = dst / f".f.bin.{tag}{staging.TMP_SUFFIX}"
+    leftover.write_bytes(b"partial")
+    os.chmod(leftover, 0o600)
+    hpcsync.stage(src, dst)
+    assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
+
+
+def test_listing_in_shares_matches_one_walk(tmp_path):
+    """The names walked once and stat'ed in any split give the listing of a single scan; a name
+    whose kind changed since the walk is an error, not a wrong listing."""
+    src = tmp_path / "src"
+    make_tree(src, files=30)
+    whole, ignored, err = listing.scan(str(src))
+    assert err is None and ignored == ["a_fifo"]
+    names, dirs, err = listing.walk_names(str(src))
+    for parts in (2, 3, 7):
+        stats = []
+        for k in range(parts):
+            part, err = listing.stat_names(str(src), names, dirs, len(names) * k // parts, len(names) * (k + 1) // parts)
+            assert err is None
+            stats += part
+        entries, left_out = listing.assemble(names, stats)
+        assert [e._replace(atime_ns=0) for e in entries] == [e._replace(atime_ns=0) for e in whole]  # a walk reads folders
+        assert left_out == ignored
+    i = names.index("d0/e0/f000.bin")
+    dirs[i] = 1  # walked as a directory, a file when stat'ed
+    assert "changed while the source was listed" in listing.stat_names(str(src), names, dirs, 0, len(names))[1]
+
+
+def test_unreadable_file_in_a_helpers_share_fails_on_every_rank(tmp_path):
+    """The last file of the listing is stat'ed by the last rank: its error still reaches every
+    rank, naming the file, before anything is copied."""
+    src = tmp_path / "src"
+    make_tree(src, files=30)
+    last = src / "zz" / "zz_last.bin"
+    last.parent.mkdir()
+    last.write_bytes(b"x" * 100)
+    os.chmod(last, 0)
+    lau = openmpi()
+    unprivileged = Launcher("openmpi", ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *lau.argv],
+                            lau.env)
+    res = run(unprivileged, 3, "stage.py", str(src), str(tmp_path / "dst"), tmp_path=tmp_path, expect_ok=False,
+              timeout=120)
+    _same_error_everywhere(res, 3, "zz_last.bin", "not readable")
+    assert not [p for p in (tmp_path / "dst").rglob("*") if p.is_file()]
+
+
+def _small_and_big(src: Path) -> None:
+    """Eight folders: four of 200 small files (each copied whole), four of one 17 MiB file (a
+    rank journals what it finished before such a file)."""
+    for k in range(8):
+        folder = src / f"a{k}"
+        folder.mkdir(parents=True)
+        if k % 2:
+            (folder / "z.big").write_bytes(os.urandom(17 * 2**20))
+            continue
+        for i in range(200):
+            (folder / f"s{i:04d}").write_bytes(os.urandom(1024 + i))
+
+
+def test_killed_amid_small_files_then_restaged(tmp_path):
+    """SIGKILL once a folder of small files is journaled, while the ranks copy the others: only
+    complete files at final names (a folder being filled is hidden), and the next call copies
+    exactly what the journals lack."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _small_and_big(src)
+    lau = openmpi()
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    proc = subprocess.Popen([*lau.command(2), PY, str(Path(__file__).parent / "programs" / "stage.py"), str(src),
+                             str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _kill_when(lambda: journaled(dst) >= 200, proc)
+    done = journal_records(dst)
+    assert len(done) >= 200
+    for p in dst.rglob("*"):  # what a reader sees: complete files only (hidden names are not data)
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(dst).parts):
+            assert p.read_bytes() == (src / p.relative_to(dst)).read_bytes(), p
+    before = inodes(dst)
+    r = _ranks_ok(run(lau, 2, "stage.py", str(src), str(dst), tmp_path=tmp_path), 2)
+    assert set(r["copied"]) == {str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()} - done
+    assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
+    after = inodes(dst)
+    assert all(after[p] == before[p] for p in before if os.path.relpath(p, dst) in done)
+
+
+def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
+    """A folder of small files is filled under a hidden name and renamed into place: the same
+    tree (contents, modes, mtimes), a folder with links or subfolders copied file by file."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src)
+    for i, m in enumerate(MODES):
+        p = src / "many" / f"m{i:02d}"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(os.urandom(i * 100))
+        os.chmod(p, m)
+        os.utime(p, ns=(OLD, OLD + i))
+    filled = []
+    real = transfer.fill_folder
+    monkeypatch.setattr(transfer, "fill_folder", lambda *a: filled.append(a[4]) or real(*a))
+    r = hpcsync.stage(src, dst)
+    assert snapshot(dst) == expected(src) and no_temporaries(dst) and len(r.copied) == r.files
+    assert sorted(os.path.relpath(f, src) for f in filled) == ["many"]  # the other folders hold 2 or 3 files
+    doc = json.loads((dst / staging.MANIFEST).read_text())
+    assert all(doc["files"][f"many/m{i:02d}"][4] == os.lstat(dst / "many" / f"m{i:02d}").st_ino for i in range(len(MODES)))
+    r = hpcsync.stage(src, dst)
+    assert r.copied == () and len(filled) == 1
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_same_tree_from_one_or_more_ranks(ranks, tmp_path):
+    """The one-node path gives the same tree whatever the ranks: contents, modes, mtimes, links,
+    empty folders, the manifest's records for every file."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src)
+    r = _ranks_ok(run(openmpi(), ranks, "stage.py", str(src), str(dst), tmp_path=tmp_path), ranks)
+    assert snapshot(dst) == expected(src) and no_temporaries(dst)
+    doc = json.loads((dst / staging.MANIFEST).read_text())
+    assert sorted(doc["files"]) == sorted(r["copied"]) and len(r["copied"]) == r["files"]
+    for rel, (size, mtime, mode, _crc, ino, ctime) in doc["files"].items():
+        s = os.lstat(dst / rel)
+        assert (s.st_size, s.st_mtime_ns, stat.S_IMODE(s.st_mode), s.st_ino, s.st_ctime_ns) == (size, mtime, mode,
+                                                                                              ino, ctime), rel
+
+
+def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
+    """Rank 1 runs in a mount namespace where the source path holds something else: it neither
+    stats nor copies anything (its share of both goes to the root), and the copy is exact."""
+    src, dst, decoy = tmp_path / "src", tmp_path / "dst", tmp_path / "decoy"
+    make_tree(src)
+    for i in range(40):
+        (src / "many" / f"m{i:03d}").parent.mkdir(exist_ok=True)
+        (src / "many" / f"m{i:03d}").write_bytes(os.urandom(3000 + i))
+    make_tree(decoy, files=5, seed=1)
+    lau = openmpi()
+    out = tmp_path / "out"
+    out.mkdir()
+    prog = str(Path(__file__).parent / "programs" / "stage.py")
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    cmd = [*lau.argv, "-n", "1", PY, prog, str(src), str(dst), ":", "-n", "1", "unshare", "--mount", "sh", "-c",
+           f"mount --bind {decoy} {src} && exec {PY} {prog} {src} {dst}"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["ok"] for d in ranks) and ranks[0]["result"]["copied"] == ranks[1]["result"]["copied"]
+    assert snapshot(dst) == expected(src) and no_temporaries(dst)
+    assert not list(dst.glob(staging.JOURNAL + "*"))
+
+
+def test_journal_lines_old_and_new_are_both_read(tmp_path):
+    """A killed stage's journal: a line per checkpoint ([[rel, record], ...]), or, from an older
+    version, a line per file ([rel, record]); either way the next call skips what they record,
+    and a torn last line is ignored."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=6)
+    hpcsync.stage(src, dst)
+    records = json.loads((dst / staging.MANIFEST).read_text())["files"]
+    os.unlink(dst / staging.MANIFEST)
+    rels = sorted(records)
+    old, batch, torn = rels[:2], rels[2:5], rels[5]
+    head = json.dumps({"source": str(src)}) + "\n"
+    (dst / staging.JOURNAL).write_text(head + "".join(json.dumps([r, records[r]]) + "\n" for r in old)
+                                       + json.dumps([[r, records[r]] for r in batch]) + "\n"
+                                       + json.dumps([[torn, records[torn]]]))
+    r = hpcsync.stage(src, dst)
+    assert sorted(r.copied) == sorted(set(rels) - set(old) - set(batch))
+    assert snapshot(dst) == expected(src) and not (dst / staging.JOURNAL).exists()
