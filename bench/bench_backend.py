@@ -173,6 +173,9 @@ def worker(quick: bool, parts: str) -> None:
                 "mpi4py": lambda: comm.Reduce_scatter_block(rsn_in, rsn_out),
             },
         }
+        if os.environ.get("BENCH_NO_GLOO"):
+            for fns in impls.values():
+                del fns["gloo"]
         if base is not None:
             impls["all_reduce"]["baseline"] = lambda: dist.all_reduce(x, group=base)
             impls["all_gather"]["baseline"] = lambda: all_gather(g_out, g_in, group=base)
@@ -421,6 +424,8 @@ def main() -> None:
                     help="the MPI libraries (one job each): Debian's Open MPI (mpirun), the venv's MPICH (mpiexec)")
     ap.add_argument("--rounds", type=int, default=REPEATS, help="interleaved rounds; each figure is the best")
     ap.add_argument("--baseline", help="a checkout of another commit: its backend measured beside this one")
+    ap.add_argument("--no-gloo", action="store_true", help="collectives: hpcsync and raw mpi4py only (more rounds "
+                    "in the same time)")
     ap.add_argument("--nodes", type=int, default=1,
                     help="spread the ranks over this many network-namespace nodes (needs root; TCP between them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backend.json"))
@@ -432,7 +437,8 @@ def main() -> None:
         args.ranks = [2]
     env = mpirun_env(OMP_NUM_THREADS="1", BENCH_ROUNDS=str(args.rounds), **({"BENCH_QUICK": "1"} if args.quick else {}),
                      **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {}),
-                     **({"BENCH_BASELINE": str(Path(args.baseline).resolve())} if args.baseline else {}))
+                     **({"BENCH_BASELINE": str(Path(args.baseline).resolve())} if args.baseline else {}),
+                     **({"BENCH_NO_GLOO": "1"} if args.no_gloo else {}))
     runs = [(mpi, n, "none") for mpi in args.mpi for n in args.ranks]
     if args.bind_core:
         runs += [(mpi, n, "core") for mpi in args.mpi for n in args.ranks if n <= (os.cpu_count() or 1)]

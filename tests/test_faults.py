@@ -239,6 +239,10 @@ def test_disagreeing_ranks_get_one_error_never_wrong_data(launcher, mode, tmp_pa
         assert d["hot_vs_general"] == {**d["hot_vs_general"], "error": None,
                                        "result": [[2.0 * k + 1 for k in range(8)], [0.0, 0.5, 1.0, 1.5]]}
         assert d["kept_works"]["result"] == [True, True, [2.0] * 3, [4.0] * 3, True, True], d["kept_works"]
+    # a rank with nothing to send or receive: Open MPI's non-blocking all_to_all took its two empty
+    # buffers (one address) for MPI_IN_PLACE and the next collective hung (polled mode)
+    assert r0["a2a_one_rank_empty"]["result"] == [[0.0, 1.0, 2.0, 3.0], [2.0] * 3], r0["a2a_one_rank_empty"]
+    assert r1["a2a_one_rank_empty"]["result"] == [[], [2.0] * 3], r1["a2a_one_rank_empty"]
     for d in (r0, r1):
         got = d["avg_ints"]
         assert got["error"] is None, got

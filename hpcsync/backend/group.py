@@ -8,7 +8,7 @@ import torch
 from .. import _mpi
 from .._bigmpi import INT_MAX
 from . import checks
-from .buffers import (_bytes, _chunks, _mpi_type,
+from .buffers import (EMPTY_RECV, EMPTY_SEND, _bytes, _chunks, _mpi_type,
                       _overlap, _Staged)
 from .desync import Call
 from .work import MPIWork
@@ -164,7 +164,8 @@ class ProcessGroupHpcsync(Reductions):
         sd = [sum(send_counts[:r]) for r in range(len(send_counts))]
         rd = [sum(recv_counts[:r]) for r in range(len(recv_counts))]
         t = _mpi_type(si.t.dtype)
-        self._c("Alltoallv", [_bytes(si.t), (send_counts, sd), t], [_bytes(so.t), (recv_counts, rd), t])
+        self._c("Alltoallv", [_bytes(si.t) if si.t.numel() else EMPTY_SEND, (send_counts, sd), t],
+                [_bytes(so.t) if so.t.numel() else EMPTY_RECV, (recv_counts, rd), t])
         so.finish()
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],

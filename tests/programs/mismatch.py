@@ -141,6 +141,16 @@ def hot_vs_general(g):  # rank 1's tensor is a strided view: the general path on
     return [x.tolist(), out.tolist()]
 
 
+def a2a_one_rank_empty(g):  # rank 1 sends and receives nothing, then an all_reduce on the group
+    out = torch.zeros(4 if not odd else 0)
+    splits = [0, 0] if odd else [4, 0]
+    dist.all_to_all_single(out, torch.arange(4.0) if not odd else torch.zeros(0), output_split_sizes=splits,
+                           input_split_sizes=splits, group=g)
+    x = torch.ones(3)
+    dist.all_reduce(x, group=g)
+    return [out.tolist(), x.tolist()]
+
+
 def kept_works(g):  # blocking calls whose Work the caller keeps: each keeps its own outputs
     opts = dist.AllreduceOptions()
     opts.asyncOp = False
@@ -181,7 +191,7 @@ def avg_uint64(g):  # refused the same way on every rank, at once
 
 CASES = [redop_small, redop_async, avg_vs_sum, reduce_redop, rs_redop, coalesced_second_tensor, gather_coalesced_second,
          sparse_vs_dense, a2a_bad_splits, gather_bad_size, rs_forms, ag_forms, same_buffer_other_layout,
-         hot_vs_general, kept_works, avg_ints, avg_uint64]
+         hot_vs_general, kept_works, a2a_one_rank_empty, avg_ints, avg_uint64]
 chosen = [c for c in CASES if not sys.argv[1:] or c.__name__ in sys.argv[1:]]
 out = {"rank": R, "world_size": W, "cases": {}}
 for case in chosen:
