@@ -1,13 +1,16 @@
 """Benchmark: the hpcsync backend vs gloo vs raw mpi4py vs the memory limit, and DDP step time.
 
-    python bench/bench_backend.py [--ranks 2 4] [--mpi openmpi|mpich] [--quick]
+    python bench/bench_backend.py [--ranks 2 4] [--mpi openmpi mpich] [--quick] [--baseline DIR]
 
 Every rank runs, in one job and side by side: each collective on the hpcsync group and on a gloo
 group, the same MPI call with mpi4py on numpy (the MPI limit), and one ``np.add`` over the same
 bytes (the memory limit). Sizes are per-rank message bytes (all_gather: the gathered output;
 reduce_scatter: the input). Time per call = the slowest rank's mean over the iterations, best of
-three interleaved rounds (hpcsync, gloo, mpi4py, hpcsync, ...): this 2-core VM is noisy. Then
-DDP training steps of an MLP and a small CNN on each backend. Prints tables, writes
+``--rounds`` interleaved rounds (hpcsync, gloo, mpi4py, hpcsync, ...): this 2-core VM is noisy.
+Then DDP training steps of an MLP and a small CNN on each backend. One job per MPI library and
+rank count; at the end one table of the backend's targets over all of them (:data:`TARGETS`).
+``--baseline DIR``: a checkout of another commit whose backend runs as a second group in the same
+jobs, interleaved with this one ("before" and "after" in one run). Prints tables, writes
 ``bench/results/backend.json`` and ``bench/results/backend.png``.
 """
 from __future__ import annotations
@@ -27,6 +30,10 @@ SIZES = [4, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [4, 4 << 10, 1 << 20, 16 << 20]
 OPS = ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
 REPEATS = 3  # hpcsync, gloo, mpi4py measured in turn this many times; each keeps its best
+# (ops, smallest size, goal): hpcsync's speed as a fraction of raw mpi4py's (raw time / hpcsync
+# time) for these collectives at these sizes and up; and the 4 KiB all_reduce's time, times raw.
+TARGETS = ((("all_reduce", "all_gather", "broadcast"), 1 << 20, 0.9),)
+SMALL_TARGET = 3.0
 
 
 def _noop_backend() -> None:
@@ -52,6 +59,39 @@ def _noop_backend() -> None:
                                       extended_api=True, devices=["cpu"])
 
 
+def _load_baseline(path: str) -> None:
+    """Register the backend of the checkout at ``path`` as ``hpcsync_base`` (its package copied
+    under that name, so both trees live in one process)."""
+    import importlib
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    import atexit
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # dist.rendezvous is a function
+
+    tmp = tempfile.mkdtemp(prefix="hpcsync-baseline-")
+    atexit.register(shutil.rmtree, tmp, True)
+    shutil.copytree(Path(path) / "hpcsync", Path(tmp) / "hpcsync_base")
+    sys.path.insert(0, tmp)
+    register = rdzv.register_rendezvous_handler
+
+    def tolerant(scheme, handler):  # "hpcsync://" is this tree's already
+        try:
+            register(scheme, handler)
+        except RuntimeError:
+            pass
+
+    rdzv.register_rendezvous_handler = tolerant
+    try:
+        base = importlib.import_module("hpcsync_base.backend")
+    finally:
+        rdzv.register_rendezvous_handler = register
+    dist.Backend.register_backend("hpcsync_base", base._create, extended_api=True, devices=["cpu"])
+
+
 def worker(quick: bool, parts: str) -> None:
     import warnings
 
@@ -69,6 +109,11 @@ def worker(quick: bool, parts: str) -> None:
     R, W = topo.rank, topo.world_size
     ours = dist.new_group(list(range(W)), backend="hpcsync")
     gloo = dist.new_group(list(range(W)), backend="gloo")
+    baseline = os.environ.get("BENCH_BASELINE")
+    if baseline:
+        _load_baseline(baseline)
+    base = dist.new_group(list(range(W)), backend="hpcsync_base") if baseline else None
+    rounds = int(os.environ.get("BENCH_ROUNDS", REPEATS))
     comm = MPI.COMM_WORLD.Dup()
     rows = []
     ddp_only = parts == "ddp"
@@ -128,9 +173,17 @@ def worker(quick: bool, parts: str) -> None:
                 "mpi4py": lambda: comm.Reduce_scatter_block(rsn_in, rsn_out),
             },
         }
+        if os.environ.get("BENCH_NO_GLOO"):
+            for fns in impls.values():
+                del fns["gloo"]
+        if base is not None:
+            impls["all_reduce"]["baseline"] = lambda: dist.all_reduce(x, group=base)
+            impls["all_gather"]["baseline"] = lambda: all_gather(g_out, g_in, group=base)
+            impls["broadcast"]["baseline"] = lambda: dist.broadcast(x, src=0, group=base)
+            impls["reduce_scatter"]["baseline"] = lambda: reduce_scatter(rs_out, rs_in, group=base)
         for op, fns in impls.items():
             row = {"op": op, "bytes": nbytes, "np.add": mem}
-            for _ in range(1 if quick else REPEATS):  # interleaved rounds; the best of each is kept
+            for _ in range(1 if quick else rounds):  # interleaved rounds; the best of each is kept
                 for name, fn in fns.items():
                     if f"{name}_error" in row:
                         continue
@@ -143,7 +196,8 @@ def worker(quick: bool, parts: str) -> None:
             rows.append(row)
             if R == 0:
                 print(f"  {op:15s} {nbytes:>10d} B  " + "  ".join(
-                    f"{k}={v * 1e6:9.1f}us" for k, v in row.items() if k in ("hpcsync", "gloo", "mpi4py", "np.add") and v),
+                    f"{k}={v * 1e6:9.1f}us" for k, v in row.items()
+                    if k in ("hpcsync", "baseline", "gloo", "mpi4py", "np.add") and v),
                     flush=True)
 
     # DDP steps: same model, same data, each backend
@@ -203,8 +257,10 @@ def worker(quick: bool, parts: str) -> None:
             if var:
                 del os.environ[var[0]]
             calls[mode] = lambda g=g: dist.all_reduce(x4k, group=g)
+        if base is not None:
+            calls["default (baseline)"] = lambda: dist.all_reduce(x4k, group=base)
         calls["mpi4py (raw)"] = lambda: comm.Allreduce(MPI.IN_PLACE, x4n)
-        for _ in range(1 if quick else REPEATS):
+        for _ in range(1 if quick else rounds):
             for mode, fn in calls.items():
                 t = timed(fn, 4096 * 20)
                 checks[mode] = min(t, checks.get(mode, t))
@@ -244,41 +300,77 @@ def fmt_time(s):
     return "-" if s is None else (f"{s * 1e6:.1f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms")
 
 
+def targets(results):
+    """One row per target and run: (MPI, ranks, measure, goal, figure, baseline's figure or None, met)."""
+    rows = []
+    for res in results:
+        lib, W = res.get("mpi", "openmpi"), res["world_size"]
+        for ops, smallest, goal in TARGETS:
+            for r in res["collectives"]:
+                if r["op"] in ops and r["bytes"] >= smallest and r.get("hpcsync") and r.get("mpi4py"):
+                    was = r["mpi4py"] / r["baseline"] if r.get("baseline") else None
+                    fig = r["mpi4py"] / r["hpcsync"]
+                    rows.append((lib, W, f"{r['op']} {human(r['bytes'])}, × raw speed", f"≥ {goal}", fig, was,
+                                 fig >= goal))
+        c = res.get("checks") or {}
+        if c.get("default") and c.get("mpi4py (raw)"):
+            raw = c["mpi4py (raw)"]
+            was = c["default (baseline)"] / raw if c.get("default (baseline)") else None
+            fig = c["default"] / raw
+            rows.append((lib, W, "all_reduce 4 KiB, time × raw", f"≤ {SMALL_TARGET}", fig, was, fig <= SMALL_TARGET))
+    return rows
+
+
 def report(results, out_json, out_png):
     lines = []
     for res in results:
         W = res["world_size"]
+        base = any(r.get("baseline") for r in res["collectives"])
         lines.append(f"\n### {W} ranks on {res.get('nodes', 1)} node(s), {res.get('mpi', 'openmpi')}, "
                      f"--bind-to {res.get('binding', 'none')}\n")
-        lines.append("| op | size | hpcsync | gloo | mpi4py | np.add | hpcsync GB/s | × gloo | × mpi4py |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("| op | size | hpcsync | gloo | mpi4py | np.add | hpcsync GB/s | × gloo | × mpi4py |"
+                     + (" baseline | baseline × mpi4py |" if base else ""))
+        lines.append("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if base else ""))
         for r in res["collectives"]:
-            o, g, m = r.get("hpcsync"), r.get("gloo"), r.get("mpi4py")
+            o, g, m, b = r.get("hpcsync"), r.get("gloo"), r.get("mpi4py"), r.get("baseline")
             bw = f"{r['bytes'] / o / 1e9:.2f}" if o else "-"
             lines.append(f"| {r['op']} | {human(r['bytes'])} | {fmt_time(o)} | {fmt_time(g)} | {fmt_time(m)} | "
-                         f"{fmt_time(r['np.add'])} | {bw} | {g / o:.2f} | {m / o:.2f} |" if o and g and m else
-                         f"| {r['op']} | {human(r['bytes'])} | {fmt_time(o)} | {fmt_time(g)} | {fmt_time(m)} | "
-                         f"{fmt_time(r['np.add'])} | {bw} | - | - |")
-        if not res["ddp"]:
-            continue
-        lines.append("\n| DDP step | hpcsync | no_sync (floor) | hpcsync / floor | gloo | gloo no_sync | gloo / floor "
-                     "| hpcsync / gloo |")
-        lines.append("|---|---|---|---|---|---|---|---|")
-        for d in res["ddp"]:
-            o, of, g, gf = d["hpcsync"], d["hpcsync no_sync"], d["gloo"], d["gloo no_sync"]
-            lines.append(f"| {d['model']} | {fmt_time(o)} | {fmt_time(of)} | {o / of:.2f} | {fmt_time(g)} | "
-                         f"{fmt_time(gf)} | {g / gf:.2f} | {o / g:.2f} |")
+                         f"{fmt_time(r['np.add'])} | {bw} | {ratio(g, o)} | {ratio(m, o)} |"
+                         + (f" {fmt_time(b)} | {ratio(m, b)} |" if base else ""))
+        if res["ddp"]:
+            lines.append("\n| DDP step | hpcsync | no_sync (floor) | hpcsync / floor | gloo | gloo no_sync "
+                         "| gloo / floor | hpcsync / gloo |")
+            lines.append("|---|---|---|---|---|---|---|---|")
+            for d in res["ddp"]:
+                o, of, g, gf = d["hpcsync"], d["hpcsync no_sync"], d["gloo"], d["gloo no_sync"]
+                lines.append(f"| {d['model']} | {fmt_time(o)} | {fmt_time(of)} | {o / of:.2f} | {fmt_time(g)} | "
+                             f"{fmt_time(gf)} | {g / gf:.2f} | {o / g:.2f} |")
         if res.get("checks"):
             lines.append("\n| 4 KiB all_reduce, hpcsync | " + " | ".join(res["checks"]) + " |")
             lines.append("|---|" + "---|" * len(res["checks"]))
             lines.append("| time per call | " + " | ".join(fmt_time(v) for v in res["checks"].values()) + " |")
+    rows = targets(results)
+    if rows:
+        base = any(r[5] is not None for r in rows)
+        lines.append("\n### Targets\n")
+        lines.append("| MPI | ranks | measure | goal | figure |" + (" baseline |" if base else "") + " met |")
+        lines.append("|---|---|---|---|---|" + ("---|" if base else "") + "---|")
+        for lib, W, what, goal, fig, was, met in rows:
+            lines.append(f"| {lib} | {W} | {what} | {goal} | {fig:.2f} |"
+                         + ((f" {was:.2f} |" if was is not None else " - |") if base else "")
+                         + f" {'yes' if met else 'no'} |")
     print("\n".join(lines))
-    save_json(out_json, "results", results)
+    save_json(out_json, "results", results, targets=[dict(zip(("mpi", "ranks", "measure", "goal", "figure",
+                                                                "baseline", "met"), r)) for r in rows])
     try:
         plot(results, out_png)
     except ImportError:
         print("(matplotlib not installed: no plot)")
     print(f"wrote {out_png}")
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a and b else "-"
 
 
 def human(n):
@@ -328,8 +420,12 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default: 4 B - 256 MiB)")
     ap.add_argument("--parts", choices=["all", "collectives", "no-ddp"], default="all",
                     help="collectives: skip the DDP and per-call-check parts (scaling curves); no-ddp: skip DDP")
-    ap.add_argument("--mpi", choices=["openmpi", "mpich"], default="openmpi",
-                    help="the MPI library: Debian's Open MPI (mpirun) or the venv's MPICH (mpiexec)")
+    ap.add_argument("--mpi", choices=["openmpi", "mpich"], nargs="+", default=["openmpi"],
+                    help="the MPI libraries (one job each): Debian's Open MPI (mpirun), the venv's MPICH (mpiexec)")
+    ap.add_argument("--rounds", type=int, default=REPEATS, help="interleaved rounds; each figure is the best")
+    ap.add_argument("--baseline", help="a checkout of another commit: its backend measured beside this one")
+    ap.add_argument("--no-gloo", action="store_true", help="collectives: hpcsync and raw mpi4py only (more rounds "
+                    "in the same time)")
     ap.add_argument("--nodes", type=int, default=1,
                     help="spread the ranks over this many network-namespace nodes (needs root; TCP between them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backend.json"))
@@ -339,14 +435,13 @@ def main() -> None:
         return
     if args.quick:
         args.ranks = [2]
-    env = mpirun_env(OMP_NUM_THREADS="1", **({"BENCH_QUICK": "1"} if args.quick else {}),
-                     **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {}))
-    if args.mpi == "mpich":  # mpi4py loads the venv's libmpi.so.12 when MPI4PY_MPIABI is unset
-        env = {k: v for k, v in env.items() if k != "MPI4PY_MPIABI"}
-    env["BENCH_MPI"] = args.mpi
-    runs = [(n, "none") for n in args.ranks]
+    env = mpirun_env(OMP_NUM_THREADS="1", BENCH_ROUNDS=str(args.rounds), **({"BENCH_QUICK": "1"} if args.quick else {}),
+                     **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {}),
+                     **({"BENCH_BASELINE": str(Path(args.baseline).resolve())} if args.baseline else {}),
+                     **({"BENCH_NO_GLOO": "1"} if args.no_gloo else {}))
+    runs = [(mpi, n, "none") for mpi in args.mpi for n in args.ranks]
     if args.bind_core:
-        runs += [(n, "core") for n in args.ranks if n <= (os.cpu_count() or 1)]
+        runs += [(mpi, n, "core") for mpi in args.mpi for n in args.ranks if n <= (os.cpu_count() or 1)]
     cluster = None
     if args.nodes > 1:  # namespace nodes on this machine (root): TCP between them, as across racks
         import tempfile
@@ -358,15 +453,17 @@ def main() -> None:
         cluster.start()
     results = []
     try:
-        for n, binding in runs:
-            print(f"{n} ranks, {args.nodes} node(s), --bind-to {binding}:", flush=True)
-            run_env = {**env, "BENCH_BINDING": binding, "BENCH_NODES": str(args.nodes),
+        for mpi, n, binding in runs:
+            print(f"{mpi}, {n} ranks, {args.nodes} node(s), --bind-to {binding}:", flush=True)
+            run_env = {**env, "BENCH_BINDING": binding, "BENCH_NODES": str(args.nodes), "BENCH_MPI": mpi,
                        "BENCH_PARTS": "ddp" if binding != "none" else args.parts}
+            if mpi == "mpich":  # mpi4py loads the venv's libmpi.so.12 when MPI4PY_MPIABI is unset
+                run_env.pop("MPI4PY_MPIABI", None)
             if cluster is not None:
                 lau = cluster.openmpi([n // args.nodes] * args.nodes, "round-robin")
                 run_env.update(lau.env)
                 cmd = [*lau.command(n, run_env), sys.executable, __file__, "--worker"]
-            elif args.mpi == "mpich":
+            elif mpi == "mpich":
                 cmd = [str(Path(sys.executable).parent / "mpiexec"), "-bind-to", binding, "-n", str(n),
                        sys.executable, __file__, "--worker"]
             else:

@@ -229,6 +229,20 @@ def test_disagreeing_ranks_get_one_error_never_wrong_data(launcher, mode, tmp_pa
     assert r0["rs_forms"] == {**r0["rs_forms"], "result": [10.0, 12.0], "error": None}
     assert r1["rs_forms"]["result"] == [14.0, 16.0] and r1["rs_forms"]["error"] is None
     assert r0["ag_forms"]["result"] == r1["ag_forms"]["result"] == [0.0, 0.5, 1.0, 1.5]
+    # one address and count, another layout, dtype, count or root each time: the right data, no false desync
+    total = [2.0 * k + 1 for k in range(16)]
+    transposed = [total[j * 4 + i] for i in range(4) for j in range(4)]
+    for d in (r0, r1):
+        assert d["same_buffer_other_layout"]["error"] is None, d["same_buffer_other_layout"]
+        assert d["same_buffer_other_layout"]["result"] == [total, transposed, list(range(1, -15, -1)), [1.0] * 8,
+                                                           [2.0] * 8], d["same_buffer_other_layout"]
+        assert d["hot_vs_general"] == {**d["hot_vs_general"], "error": None,
+                                       "result": [[2.0 * k + 1 for k in range(8)], [0.0, 0.5, 1.0, 1.5]]}
+        assert d["kept_works"]["result"] == [True, True, [2.0] * 3, [4.0] * 3, True, True], d["kept_works"]
+    # a rank with nothing to send or receive: Open MPI's non-blocking all_to_all took its two empty
+    # buffers (one address) for MPI_IN_PLACE and the next collective hung (polled mode)
+    assert r0["a2a_one_rank_empty"]["result"] == [[0.0, 1.0, 2.0, 3.0], [2.0] * 3], r0["a2a_one_rank_empty"]
+    assert r1["a2a_one_rank_empty"]["result"] == [[], [2.0] * 3], r1["a2a_one_rank_empty"]
     for d in (r0, r1):
         got = d["avg_ints"]
         assert got["error"] is None, got

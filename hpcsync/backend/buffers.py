@@ -83,6 +83,14 @@ def _fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
         return hit
 
 
+# Empty send and receive buffers at two addresses of their own. Every empty bytearray is at one
+# address, and Open MPI's non-blocking collectives (libnbc) take a send buffer at the receive
+# buffer's address for MPI_IN_PLACE: a rank with nothing to send or receive in an all_to_all then
+# ran the in-place exchange while the others did not, and the group's next collective never
+# completed (polled groups, which call the non-blocking forms).
+EMPTY_SEND, EMPTY_RECV = bytearray(8), bytearray(8)
+
+
 def _bytes(t: torch.Tensor, start: int = 0, nbytes: Optional[int] = None) -> Any:
     """A writable buffer over a contiguous CPU tensor's memory, from byte ``start`` (no copy).
 

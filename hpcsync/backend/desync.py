@@ -34,6 +34,7 @@ OP_IDS = _OP_IDS
 _REDOP_NAMES = {int(v): name for name, v in dist.ReduceOp.RedOpType.__members__.items()}
 
 FP_MASK = 0x3FFFFFFFFFFFFFFF  # a fingerprint and its negation both fit an int64
+SEQ_MIX = 0x9E3779B97F4A7C15  # odd: two sequence numbers of one description never share a fingerprint
 
 FIELDS = ("seq", "op", "dtype", "count", "root", "redop", "sparse", "tensors", "shapes", "invalid")
 
@@ -92,6 +93,12 @@ def debug_mode() -> bool:
             or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
 
 
+def fingerprint(vec: Sequence[int]) -> int:
+    """The 62-bit fingerprint of a description: the hash of its fields after the sequence number,
+    mixed with that number (the hot path keeps the first part per buffer and adds the second)."""
+    return (hash(tuple(vec[1:])) + vec[0] * SEQ_MIX) & FP_MASK
+
+
 def hot_vector(seq: int, op: str, dtype: torch.dtype, count: int, root: int, redop: int) -> Tuple[int, ...]:
     """:func:`_describe`'s row for one dense tensor (the hot path builds the same tuple inline)."""
     return (seq, OP_IDS[op], DTYPE_IDS[dtype], count, root, redop, 0, 1, 0, 0)
@@ -140,7 +147,7 @@ class Agreement:
         """``Allreduce(MAX)`` of ``[fp, -fp]`` (fp: the hash of ``vec``) on the group's check
         communicator: blocking, or (``beside``) started and its request returned. Afterwards
         :attr:`_fp_differs` says whether the ranks disagree (max != -min)."""
-        fp = hash(tuple(vec)) & FP_MASK
+        fp = fingerprint(vec)
         buf = self._fp
         buf[0], buf[1] = fp, -fp
         if beside:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from .. import _mpi, jobend, settings, watchdog
 from . import deadline
 from .deadline import _broken_groups  # noqa: F401  (re-exported)
-from .desync import DTYPE_NAMES, FP_MASK, Agreement, Call, _describe, debug_mode, hot_vector
+from .desync import DTYPE_NAMES, Agreement, Call, _describe, debug_mode
+from .hot import HotPath
 from .p2p import PointToPoint
 from .serial import SERIAL, check_thread, nap
 from .work import DoneWork, MPIWork, ran
@@ -51,10 +52,6 @@ def _nonblocking_fast() -> Set[str]:
         if name in version:
             return set(calls)
     return set()
-
-
-_monotonic, _now = time.monotonic, time.time
-
 
 
 
@@ -100,7 +97,7 @@ class GroupIdentity(dist.ProcessGroup):
         return self.getGroupDesc()
 
 
-class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
+class GroupEngine(HotPath, Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
     """A group's communicators, identity and engine: the queue and worker thread, one operation's
     flight record, deadline and fingerprint, waits bounded by the timeout, the broken state, and
     point-to-point requests. :class:`ProcessGroupHpcsync` adds the operations."""
@@ -160,7 +157,8 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
         # never matches a non-blocking one): blocking MPI calls watched by the deadline thread when
         # a timeout ends the job anyway; polled calls when the caller wants the exception.
         self._watched = self._agree_mode()
-        self._hot = self._watched and self._fingerprints and not self._debug  # see _blocking_op
+        self._hot = self._watched and not self._debug  # blocking requests may take the hot path (.hot)
+        self._hot_setup()
         if not self._threads_ok:
             log.warning("hpcsync backend: MPI provides no THREAD_MULTIPLE; every operation runs synchronously, "
                         "one MPI call at a time in the process")
@@ -334,47 +332,6 @@ class GroupEngine(Agreement, PointToPoint, deadline.Timeouts, GroupIdentity):
             if self._fp_differs:
                 self._agree(rec, vec)
         rec.finished = ran(rec, time.time())
-
-    def _blocking_op(self, op: str, t: torch.Tensor, root: int, call: str, args: Tuple[Any, ...],
-                     kwargs: Any, outputs: List[torch.Tensor], count: int = -1, redop: int = -1) -> MPIWork:
-        """The hot path: one MPI call ``call`` (its name) on ``t``'s memory, in the
-        caller's thread, with what :meth:`_execute` gives every operation in the default mode --
-        flight record, deadline (enforced by the deadline thread), 16-byte fingerprint agreed
-        before the call -- written out flat, because at 4 KiB every µs of Python shows. The
-        fingerprint is :func:`~.desync.hot_vector`'s, the same as :func:`~.desync._describe`'s
-        for one dense tensor, so ranks on the general path match. Callers check ``self._hot``,
-        ``self._pending == 0`` and a blocking request first; ``count``: the element count the
-        general path describes (default ``t.numel()``); ``redop``: the reduce op's kind or -1."""
-        if self._broken:
-            raise dist.DistBackendError(self._broken)
-        if self._closed:
-            raise RuntimeError("hpcsync backend: process group was shut down")
-        with self._issue:  # see __init__
-            dtype = t.dtype
-            rec = self._log.start(op, DTYPE_NAMES[dtype], tuple(t.shape), root)
-            seq = rec.seq
-            self._rec = rec
-            self._current = (rec, _monotonic() + self._timeout_s, True)
-            vec = hot_vector(seq, op, dtype, t.numel() if count < 0 else count, root, redop)
-            fp = hash(vec) & FP_MASK
-            buf = self._fp
-            buf[0] = fp
-            buf[1] = -fp
-            try:
-                self._check.Allreduce(self._in_place, self._fp_spec, op=self._max)
-                if buf[0] != -buf[1]:
-                    self._agree(rec, list(vec), in_flight=False)
-                fn, request = self._calls.get(call) or self._bind(call)
-                if request:
-                    fn(*args, **kwargs).Wait()
-                else:
-                    fn(*args, **kwargs)
-            except BaseException as exc:  # surfaced by wait()
-                if rec.error is None:
-                    rec.error = f"{type(exc).__name__}: {exc}"
-                return DoneWork(outputs, exc)
-            rec.finished = ran(rec, _now())
-            return DoneWork(outputs)
 
     def _bind(self, name: str) -> Tuple[Callable[..., Any], bool]:
         """``(call, returns a request)`` for MPI collective ``name`` in this group's wait mode: in a

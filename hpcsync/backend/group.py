@@ -8,8 +8,8 @@ import torch
 from .. import _mpi
 from .._bigmpi import INT_MAX
 from . import checks
-from .buffers import (_bytes, _chunks, _mpi_type,
-                      _overlap, _spans_overlap, _Staged)
+from .buffers import (EMPTY_RECV, EMPTY_SEND, _bytes, _chunks, _mpi_type,
+                      _overlap, _Staged)
 from .desync import Call
 from .work import MPIWork
 from .reduce import Reductions
@@ -20,9 +20,10 @@ class ProcessGroupHpcsync(Reductions):
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
         root = opts.rootRank
-        if len(tensors) == 1 and self._hot_now(opts) and self._direct(t := tensors[0]):
-            buf = [self._address(t.data_ptr(), t.numel() * t.element_size()), t.numel(), _mpi_type(t.dtype)]
-            return self._blocking_op("broadcast", t, root, "Bcast", (buf,), {"root": root}, tensors)
+        if self._hot and not self._pending and len(tensors) == 1 and not opts.asyncOp:
+            work = self._hot_broadcast(tensors[0], root, tensors)
+            if work is not None:
+                return work
 
         def fn() -> None:
             me = self._coll.Get_rank()
@@ -59,19 +60,11 @@ class ProcessGroupHpcsync(Reductions):
         so.finish()
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
+        if self._hot and not self._pending and opts is not None and not opts.asyncOp:
+            work = self._hot_allgather(output, input)
+            if work is not None:
+                return work
         n = input.numel()
-        if (self._hot_now(opts) and self._direct(input) and self._direct(output) and input.dtype == output.dtype
-                and output.numel() == n * self._size and output.numel() <= INT_MAX):
-            out = [self._address(output.data_ptr(), output.numel() * output.element_size()), _mpi_type(output.dtype)]
-            item, o0, i0 = output.element_size(), output.data_ptr(), input.data_ptr()
-            if i0 == o0 + self._me * n * item:  # exactly this rank's slot: MPI_IN_PLACE
-                send: Any = self._in_place
-            elif not _spans_overlap(i0, n * item, o0, n * self._size * item):
-                send = [self._address(i0, n * item), n, out[1]]
-            else:
-                send = None
-            if send is not None:
-                return self._blocking_op("all_gather", input, -1, "Allgather", (send, out), {}, [output])
         return self._run(lambda: self._allgather_flat(output, input), [output], opts,
                          Call("all_gather", input, invalid=checks.first(
                              checks.dtypes((input, output)),
@@ -171,7 +164,8 @@ class ProcessGroupHpcsync(Reductions):
         sd = [sum(send_counts[:r]) for r in range(len(send_counts))]
         rd = [sum(recv_counts[:r]) for r in range(len(recv_counts))]
         t = _mpi_type(si.t.dtype)
-        self._c("Alltoallv", [_bytes(si.t), (send_counts, sd), t], [_bytes(so.t), (recv_counts, rd), t])
+        self._c("Alltoallv", [_bytes(si.t) if si.t.numel() else EMPTY_SEND, (send_counts, sd), t],
+                [_bytes(so.t) if so.t.numel() else EMPTY_RECV, (recv_counts, rd), t])
         so.finish()
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .. import _mpi
 from . import checks
 from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
-                      _overlap, _spans_overlap, _Staged, avg_parts, avg_result, is_int_avg)
+                      _overlap, _Staged, avg_parts, avg_result, is_int_avg)
 from .desync import Call, redop_id
 from .engine import GroupEngine
 from .work import MPIWork
@@ -59,26 +59,18 @@ class Reductions(GroupEngine):
             else:
                 self._c("Reduce", buf, None, op=mop, root=root)
 
-    def _direct(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s own memory can be the MPI buffer: a dense contiguous CPU tensor whose
-        count fits one call (reductions also need :func:`_fast_types`: no 16-bit floats)."""
-        return t.is_cpu and not t.is_sparse and t.is_contiguous() and 0 < t.numel() <= _CHUNK_ELEMS
-
-    def _hot_now(self, opts: Any) -> bool:
-        """A blocking request with nothing queued, in the default mode: :meth:`_blocking_op`."""
-        return self._hot and self._pending == 0 and not getattr(opts, "asyncOp", True)
-
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if len(tensors) == 1:  # the common case, with as few calls into torch as possible
             t = tensors[0]
+            if self._hot and not self._pending and opts is not None and not opts.asyncOp:
+                work = self._hot_allreduce(t, op, tensors)
+                if work is not None:
+                    return work
             fast = _fast_types(op, t.dtype)
             if fast is not None and t.is_cpu and t.is_contiguous() and not t.is_sparse and 0 < (n := t.numel()) <= _CHUNK_ELEMS:
                 mtype, mop, item, kind = fast
                 buf = [self._address(t.data_ptr(), n * item), n, mtype]
-                if self._hot and self._pending == 0 and opts is not None and not opts.asyncOp:
-                    return self._blocking_op("all_reduce", t, -1, "Allreduce", (self._in_place, buf),
-                                             {"op": mop}, tensors, n, kind)
                 in_place = self._in_place
                 return self._run(lambda: self._c("Allreduce", in_place, buf, op=mop), tensors, opts,
                                  Call("all_reduce", t, -1, kind))
@@ -174,16 +166,10 @@ class Reductions(GroupEngine):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        if (self._hot_now(opts) and (fast := _fast_types(op, input.dtype)) is not None and self._direct(input)
-                and self._direct(output) and input.dtype == output.dtype
-                and (n := output.numel()) * self._size == input.numel()):
-            t, mop, item, kind = fast
-            i0, o0 = input.data_ptr(), output.data_ptr()
-            if not _spans_overlap(i0, n * self._size * item, o0, n * item):
-                send = [self._address(i0, n * self._size * item), t]
-                recv = [self._address(o0, n * item), n, t]
-                return self._blocking_op("reduce_scatter", input, -1, "Reduce_scatter_block", (send, recv),
-                                         {"op": mop}, [output], n, kind)
+        if self._hot and not self._pending and opts is not None and not opts.asyncOp:
+            work = self._hot_reduce_scatter(output, input, op)
+            if work is not None:
+                return work
         return self._run(lambda: self._reduce_scatter_flat(output, input, op), [output], opts, self._rs_call(
             op, input, output.numel(), [input], checks.sizes("reduce_scatter", input.numel(),
                                                              output.numel() * self._size, "the input")))

@@ -110,6 +110,59 @@ def ag_forms(g):
     return out.tolist()
 
 
+def same_buffer_other_layout(g):  # one address and element count, each time another tensor
+    base = torch.arange(16.0) + R
+    got = []
+    x = base.view(4, 4)
+    dist.all_reduce(x, group=g)  # contiguous
+    got.append(x.reshape(-1).tolist())
+    y = base.view(4, 4).t()  # the same address and count, not contiguous: the general path
+    y.copy_((torch.arange(16.0).view(4, 4) + R).t())
+    dist.all_reduce(y, group=g)
+    got.append(y.reshape(-1).tolist())
+    z = base.view(torch.int32)  # the same address and count, another dtype
+    z.copy_(R - torch.arange(16, dtype=torch.int32))
+    dist.all_reduce(z, op=MAX, group=g)
+    got.append(z.tolist())
+    b = base[:8]  # the same address, another count; broadcast from each root in turn
+    for root in range(W):
+        b.fill_(R + 1)
+        dist.broadcast(b, src=root, group=g)
+        got.append(b.tolist())
+    return got
+
+
+def hot_vs_general(g):  # rank 1's tensor is a strided view: the general path on it, the hot one on rank 0
+    x = torch.arange(8.0) + R if not odd else torch.zeros(8, 2)[:, 0].copy_(torch.arange(8.0) + R)
+    dist.all_reduce(x, group=g)
+    out = torch.zeros(2 * W)
+    src = torch.tensor([float(R), R + 0.5])
+    dist.all_gather_into_tensor(out, src if not odd else torch.stack([src, src], 1)[:, 0], group=g)
+    return [x.tolist(), out.tolist()]
+
+
+def a2a_one_rank_empty(g):  # rank 1 sends and receives nothing, then an all_reduce on the group
+    out = torch.zeros(4 if not odd else 0)
+    splits = [0, 0] if odd else [4, 0]
+    dist.all_to_all_single(out, torch.arange(4.0) if not odd else torch.zeros(0), output_split_sizes=splits,
+                           input_split_sizes=splits, group=g)
+    x = torch.ones(3)
+    dist.all_reduce(x, group=g)
+    return [out.tolist(), x.tolist()]
+
+
+def kept_works(g):  # blocking calls whose Work the caller keeps: each keeps its own outputs
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    wa = g.allreduce([a], opts)
+    wb = g.allreduce([b], opts)
+    wa.wait()
+    wb.wait()
+    return [wa.result()[0] is a, wb.result()[0] is b, a.tolist(), b.tolist(),
+            wa.get_future().value()[0] is a, wb.get_future().value()[0] is b]
+
+
 def avg_ints(g):
     got = {}
     for name, dtype, values in (("int8", torch.int8, (100, 100)), ("uint8", torch.uint8, (200, 250)),
@@ -137,7 +190,8 @@ def avg_uint64(g):  # refused the same way on every rank, at once
 
 
 CASES = [redop_small, redop_async, avg_vs_sum, reduce_redop, rs_redop, coalesced_second_tensor, gather_coalesced_second,
-         sparse_vs_dense, a2a_bad_splits, gather_bad_size, rs_forms, ag_forms, avg_ints, avg_uint64]
+         sparse_vs_dense, a2a_bad_splits, gather_bad_size, rs_forms, ag_forms, same_buffer_other_layout,
+         hot_vs_general, kept_works, a2a_one_rank_empty, avg_ints, avg_uint64]
 chosen = [c for c in CASES if not sys.argv[1:] or c.__name__ in sys.argv[1:]]
 out = {"rank": R, "world_size": W, "cases": {}}
 for case in chosen:
