@@ -65,6 +65,32 @@ def test_copier_fallbacks_copy_every_byte(tmp_path):
         assert out.read_bytes() == data
 
 
+def test_a_kernel_copy_that_answers_zero_is_not_the_end_of_the_file(tmp_path, monkeypatch):
+    """Some kernels and filesystems answer 0 from copy_file_range (or sendfile) at offset 0 of a
+    file that is not empty; cp then reads and writes. Simulated here (this kernel refuses
+    procfs with EXDEV instead): the copy goes on with the next way, exact, and only a plain
+    read's 0 is the end of the file."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=12)
+    (src / "many").mkdir()
+    for i in range(6):  # a folder copied whole
+        (src / "many" / f"m{i}").write_bytes(os.urandom(3000 + i))
+    (src / "big.bin").write_bytes(os.urandom(17 * 2**20))  # a file of its own, in its own call
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: 0)
+    r = hpcsync.stage(src, dst / "a")
+    assert snapshot(dst / "a") == expected(src) and r.source_reads == r.bytes
+    monkeypatch.setattr(os, "sendfile", lambda *a: 0)
+    r = hpcsync.stage(src, dst / "b")
+    assert snapshot(dst / "b") == expected(src) and r.source_reads == r.bytes
+    c = fileops.Copier()
+    sfd, dfd = os.open(src / "many" / "m0", os.O_RDONLY), os.open(tmp_path / "short", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert c.copy(sfd, dfd, 5000) == 3000  # the source ends first: the plain read says so
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+
+
 def test_source_on_another_filesystem(tmp_path):
     """A source on another filesystem than the destination (here: disk to RAM), as a shared
     filesystem is to node-local disk: copy_file_range refuses (EXDEV on most kernels), the copy

@@ -194,7 +194,10 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
 
 class Copier:
     """Copies byte ranges between open files in the kernel; remembers when ``copy_file_range``
-    cannot serve this pair of filesystems and goes straight to ``sendfile`` from then on."""
+    cannot serve this pair of filesystems and goes straight to ``sendfile`` from then on. A 0
+    from ``copy_file_range`` or ``sendfile`` before ``size`` bytes is not taken as the end of the
+    file (some kernels and filesystems answer 0 for a file they cannot copy, as ``cp`` knows): the
+    next way is tried, and only a plain read's 0 ends the copy."""
 
     def __init__(self) -> None:
         self.range_copy = True
@@ -209,9 +212,10 @@ class Copier:
                 while done < size:
                     k = os.copy_file_range(sfd, dfd, size - done, offset + done, offset + done)
                     if k == 0:
-                        return done
+                        break  # not always the end of the file: some filesystems answer 0 (see below)
                     done += k
-                return done
+                else:
+                    return done
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise
@@ -223,14 +227,15 @@ class Copier:
                 while done < size:
                     k = os.sendfile(dfd, sfd, offset + done, size - done)
                     if k == 0:
-                        return done
+                        break
                     done += k
-                return done
+                else:
+                    return done
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise
                 self.sendfile = False
-        return done + _read_write(sfd, dfd, size - done, offset + done)
+        return done + _read_write(sfd, dfd, size - done, offset + done)  # only its 0 is the end of the file
 
 
 def _read_write(sfd: int, dfd: int, size: int, offset: int) -> int:
