@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import stat
+import struct
 import subprocess
 from pathlib import Path
 
@@ -41,6 +42,47 @@ def test_every_mode_whatever_the_umask(tmp_path):
             dst = tmp_path / f"dst{umask:03o}"
             hpcsync.stage(src, dst)
             assert snapshot(dst) == snapshot(src), oct(umask)
+    finally:
+        os.umask(old)
+
+
+def _default_acl(folder: Path, user: int, group: int, other: int) -> None:
+    """A default POSIX ACL on ``folder`` (``setfacl -d -m u::..,g::..,o::..``), set through its
+    extended attribute: the acl package (setfacl) is not installed here, the kernel's ACL is the same."""
+    entries = ((0x01, user), (0x04, group), (0x20, other))  # ACL_USER_OBJ, ACL_GROUP_OBJ, ACL_OTHER
+    os.setxattr(folder, "system.posix_acl_default",
+                struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF) for tag, perm in entries))
+
+
+def test_default_acl_on_the_destination_does_not_change_modes(tmp_path):
+    """A default ACL on the destination replaces the umask at creation: a copy created with its
+    mode (the umask leaves it whole) gets the ACL's instead, so the copy's own mode is checked;
+    a copy that an earlier stage left with the ACL's mode and recorded is staged again."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=12)
+    (src / "many").mkdir()
+    for i, m in enumerate((0o644, 0o755, 0o664, 0o600, 0o444, 0o640)):  # a folder copied whole
+        (src / "many" / f"m{i}").write_bytes(os.urandom(300 + i))
+        os.chmod(src / "many" / f"m{i}", m)
+    os.chmod(src / "d0" / "e0" / "f000.bin", 0o755)  # a file copied on its own
+    dst.mkdir()
+    _default_acl(dst, 6, 0, 0)  # what a file created with 0o644 gets: rw-------
+    old = os.umask(0o022)
+    try:
+        probe = os.open(dst / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
+        assert stat.S_IMODE(os.fstat(probe).st_mode) == 0o600  # the ACL applies, not the umask
+        os.close(probe)
+        os.unlink(dst / "probe")
+        hpcsync.stage(src, dst)
+        assert snapshot(dst) == expected(src)
+        # a copy with the ACL's mode, recorded with its ctime: what the stage used to leave
+        doc = json.loads((dst / staging.MANIFEST).read_text())
+        for rel in ("many/m0", "d0/e0/f000.bin"):
+            os.chmod(dst / rel, 0o600)
+            doc["files"][rel][5] = os.lstat(dst / rel).st_ctime_ns
+        (dst / staging.MANIFEST).write_text(json.dumps(doc))
+        r = hpcsync.stage(src, dst)
+        assert sorted(r.copied) == ["d0/e0/f000.bin", "many/m0"] and snapshot(dst) == expected(src)
     finally:
         os.umask(old)
 

@@ -360,11 +360,12 @@ def _journals(dst: str) -> List[str]:
 
 
 def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
-    """The copy is the one this stage recorded and the source is unchanged since."""
+    """The copy is the one this stage recorded, with the source's permissions (a copy made under
+    a default ACL by an older version may lack them), and the source is unchanged since."""
     if rec is None or have is None or not st.S_ISREG(have.st_mode):
         return False
     size, mtime, mode, _crc, ino, ctime = rec
-    return ((size, mtime, mode) == (e.size, e.mtime_ns, e.mode)
+    return ((size, mtime, mode, have.st_mode & 0o777) == (e.size, e.mtime_ns, e.mode, e.mode & 0o777)
             and (have.st_ino, have.st_size, have.st_mtime_ns, have.st_ctime_ns) == (ino, size, mtime, ctime))
 
 
