@@ -269,6 +269,21 @@ def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
     assert r.copied == () and len(filled) == 1
 
 
+def test_a_folder_whose_copy_failed_is_not_put_in_place(tmp_path, mount_tmpfs):
+    """A folder of small files is filled under a hidden name; when a file of it cannot be
+    written (here: the destination runs out of inodes, which the free-space check does not
+    count), the stage fails and the folder stays empty: readers never see part of it."""
+    src = tmp_path / "src"
+    (src / "many").mkdir(parents=True)
+    for i in range(12):
+        (src / "many" / f"m{i:02d}").write_bytes(os.urandom(1000 + i))
+    dst = mount_tmpfs(tmp_path / "small", "size=1m,nr_inodes=10") / "dst"
+    with pytest.raises(hpcsync.StageError, match="No space left on device"):
+        hpcsync.stage(src, dst)
+    assert os.listdir(dst / "many") == [] and no_temporaries(dst)
+    assert not (dst / staging.MANIFEST).exists()
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_same_tree_from_one_or_more_ranks(ranks, tmp_path):
     """The one-node path gives the same tree whatever the ranks: contents, modes, mtimes, links,

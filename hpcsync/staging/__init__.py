@@ -19,7 +19,8 @@ Nothing half-done passes as done:
   checked -- its size, and for bytes that crossed MPI a CRC-32 against the root's, piece by piece --
   given its mode and mtime, then renamed into place; on one node a new folder of small files is
   filled under a hidden name instead and renamed into place whole (one rename, not one per file:
-  readers see all of its files or none);
+  readers see all of its files or none; a folder whose copy failed is removed, not put in place,
+  and a folder that something else wrote into meanwhile gets its files one rename each);
 - a manifest in ``dst`` (:data:`MANIFEST`, with a journal while a stage runs) records what was
   staged, with the source's size, mtime and mode and the copy's inode, size, mtime and ctime. A
   later call skips a file only when all of them still match, so a file changed at the source, or

@@ -122,8 +122,8 @@ def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "R
 def _copy_folder(node: "Destination", p: int, files: List[int], source: str, reader: "Reader",
                  bar: Optional[Progress]) -> None:
     """Copy a folder's files into a hidden folder beside it, then rename that over the empty folder
-    :meth:`Destination.prepare` made: readers see all of the folder's files or none. Its files
-    are recorded once it is in place."""
+    :meth:`Destination.prepare` made: readers see all of the folder's files or none (a folder
+    whose fill failed is removed, not put in place). Its files are recorded once it is in place."""
     final = node.path(p)
     hidden = node.tmp_path(final)
     try:
@@ -139,6 +139,9 @@ def _copy_folder(node: "Destination", p: int, files: List[int], source: str, rea
             reader.fail(i, why)
         else:
             node.fail(i, why)
+    if failed:  # the stage fails; the next call copies the whole folder again
+        shutil.rmtree(hidden, ignore_errors=True)
+        return
     try:
         try:
             os.rename(hidden, final)
