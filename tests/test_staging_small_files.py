@@ -16,7 +16,7 @@ from hpcsync import staging
 from hpcsync.staging import fileops, listing, transfer
 from launch import PY, Launcher, clean_env, openmpi, run
 from test_staging import (OLD, _kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
-                          journal_records, journaled, make_tree, no_temporaries, snapshot)
+                          journal_records, journaled, make_tree, no_temporaries, snapshot, temporary)
 
 MODES = [0o600, 0o640, 0o644, 0o664, 0o666, 0o700, 0o755, 0o777, 0o444, 0o400, 0o000, 0o4755, 0o2750, 0o1644]
 
@@ -164,6 +164,27 @@ def test_leftover_temporary_without_journal_is_replaced(tmp_path):
     os.chmod(leftover, 0o600)
     hpcsync.stage(src, dst)
     assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
+
+
+def test_killed_before_its_first_checkpoint_leaves_no_temporary_behind(tmp_path):
+    """A stage killed while it copies its first file, before any checkpoint: its temporary file
+    must not outlive it, even when the next call no longer copies that file (here: gone from the
+    source), since loaders that walk the tree see hidden names too."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "z_small.txt").write_text("copied after the big file\n")
+    with open(src / "a_big.bin", "wb") as f:  # sparse: made at once, copied in about half a second
+        f.truncate(128 * 2**20)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([PY, str(Path(__file__).parent / "programs" / "stage.py"), str(src), str(dst)],
+                            env=clean_env({"HPCSYNC_TEST_OUT": str(out)}), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _kill_when(lambda: temporary(dst, "a_big.bin"), proc)
+    assert not journal_records(dst)  # killed before its first checkpoint
+    os.unlink(src / "a_big.bin")
+    r = hpcsync.stage(src, dst)
+    assert no_temporaries(dst) and snapshot(dst) == snapshot(src) and r.copied == ("z_small.txt",)
 
 
 def test_listing_in_shares_matches_one_walk(tmp_path):

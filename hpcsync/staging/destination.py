@@ -10,7 +10,7 @@ import shutil
 import stat as st
 import time
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -120,6 +120,7 @@ class Destination:
         shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
         need_bytes = replaced = largest = 0
         made = set()
+        links = []
         try:
             for i, e in enumerate(self.entries):
                 path = self.path(i)
@@ -127,7 +128,7 @@ class Destination:
                     if _ensure_dir(path):
                         made.add(i)
                 elif e.kind == LINK:
-                    _ensure_link(path, e, self.tmp_path(path))
+                    links.append(i)  # made once the room is known: a destination too small gets no file
                 elif e.rel not in self.records:  # never staged here: needed, whatever lies there now
                     self.need[i] = 1
                     need_bytes += e.size
@@ -153,6 +154,12 @@ class Destination:
         want = need_bytes - replaced + largest  # a replaced file is freed only after its copy is in
         if want > free:
             return self._where(f"not enough space in {dst}: need {want} bytes, {free} free (disk full)")
+        try:
+            for i in links:
+                path = self.path(i)
+                _ensure_link(path, self.entries[i], self.tmp_path(path), self.begin)
+        except OSError as exc:
+            return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
         return None
 
     def _load_manifest(self) -> Tuple[Dict[str, list], bool]:
@@ -279,6 +286,15 @@ class Destination:
             self.failed.setdefault(idx, why)
             self.broken = self.broken or why
 
+    def begin(self) -> None:
+        """Start the journal (its first line names the source) before this node makes its first
+        temporary name: a stage killed from then on leaves a journal, and the next call, finding
+        it, removes the temporary files and folders (hidden names, but not hidden from a walk)."""
+        if self.journal is None:
+            self.journal = open(os.path.join(self.dst, self.journal_name), "w")
+            self.journal.write(json.dumps({"source": self.src}) + "\n")
+            self.journal.flush()
+
     def checkpoint(self) -> None:
         """Append the files finished since the last checkpoint to the journal."""
         self.last_journal = time.monotonic()
@@ -286,9 +302,7 @@ class Destination:
             return
         if self.durable:
             _syncfs(self.dst)
-        if self.journal is None:
-            self.journal = open(os.path.join(self.dst, self.journal_name), "w")
-            self.journal.write(json.dumps({"source": self.src}) + "\n")
+        self.begin()
         self.journal.write(json.dumps(self.unjournaled, separators=(",", ":")) + "\n")  # one line, the C encoder
         self.journal.flush()
         if self.durable:
@@ -311,6 +325,7 @@ class Destination:
                 self.checkpoint()  # what did finish is kept for the next call
                 return self._where(next(iter(self.failed.values())))
             if self.files_written or self.journal is not None or self.interrupted or self._stale_records():
+                self.begin()  # (the manifest too is written under a temporary name)
                 self._write_manifest()
             self._set_dir_attributes()
         except OSError as exc:
@@ -390,7 +405,8 @@ def _ensure_dir(path: str) -> bool:
     return False
 
 
-def _ensure_link(path: str, e: Entry, tmp: str) -> None:
+def _ensure_link(path: str, e: Entry, tmp: str, begin: Callable[[], None]) -> None:
+    """Make ``path`` the link ``e`` (through ``tmp``, after ``begin``) unless it is already."""
     try:
         if os.readlink(path) == e.target:
             return
@@ -399,6 +415,7 @@ def _ensure_link(path: str, e: Entry, tmp: str) -> None:
     except OSError:  # not a link
         if os.path.isdir(path) and not os.path.islink(path):
             raise OSError(21, "the source has a symbolic link here, the copy a directory", path) from None
+    begin()
     try:
         os.unlink(tmp)
     except FileNotFoundError:
