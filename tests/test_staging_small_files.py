@@ -267,6 +267,46 @@ def test_killed_amid_small_files_then_restaged(tmp_path):
     assert all(after[p] == before[p] for p in before if os.path.relpath(p, dst) in done)
 
 
+def test_killed_twice_still_skips_what_the_first_run_finished(tmp_path):
+    """Kill, resume, kill again, resume: the second run's journal carries what the first run's
+    journals recorded, so the third run copies neither what the first nor what the second
+    finished. The first and last runs are one process, the second two ranks (a journal per rank;
+    the root's is the one the first run left, which the second starts afresh)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    every = set()
+    for k in range(10):
+        folder = src / f"a{k}"
+        folder.mkdir(parents=True)
+        if k % 2:  # sparse: made at once; a rank journals what it finished before such a file
+            with open(folder / "z.big", "wb") as f:
+                f.truncate(17 * 2**20)
+            every.add(f"a{k}/z.big")
+            continue
+        for i in range(200):
+            (folder / f"s{i:04d}").write_bytes(os.urandom(1024 + i))
+            every.add(f"a{k}/s{i:04d}")
+    lau = openmpi()
+    prog = str(Path(__file__).parent / "programs" / "stage.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env({"HPCSYNC_TEST_OUT": str(out)})
+
+    def start(cmd, e):
+        return subprocess.Popen(cmd, env=e, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    _kill_when(lambda: journaled(dst) >= 200, start([PY, prog, str(src), str(dst)], env))
+    first = journal_records(dst)
+    assert first and not (dst / staging.MANIFEST).exists()
+    _kill_when(lambda: bool(journal_records(dst) - first),
+               start([*lau.command(2), PY, prog, str(src), str(dst)], {**env, **lau.env}))
+    second = journal_records(dst)
+    assert second > first, sorted(first - second)[:5]  # nothing the first run finished is forgotten
+    r = _ranks_ok(run(None, 1, "stage.py", str(src), str(dst), tmp_path=tmp_path), 1)
+    assert set(r["copied"]) == every - second
+    assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
+
+
 def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
     """A folder of small files is filled under a hidden name and renamed into place: the same
     tree (contents, modes, mtimes), a folder with links or subfolders copied file by file."""

@@ -38,6 +38,7 @@ class Destination:
         self.crcs: Dict[int, int] = {}
         self.failed: Dict[Any, str] = {}
         self.unjournaled: List[Tuple[str, list]] = []
+        self.resumed: Dict[str, list] = {}  # records read from a killed stage's journals
         self.journal: Optional[Any] = None
         self.last_journal = time.monotonic()
         self.files_written = self.bytes_written = 0
@@ -114,7 +115,9 @@ class Destination:
         lacks; with ``whole_folders``, also pick the folders to copy whole (:attr:`units`).
         Returns an error naming node and path, or None."""
         dst = self.dst
-        self.records, self.interrupted = self._load_manifest()
+        journals = _journals(dst)
+        self.records, self.resumed = self._load_manifest(journals)
+        self.interrupted = bool(journals)
         if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
         shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
@@ -162,8 +165,11 @@ class Destination:
             return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
         return None
 
-    def _load_manifest(self) -> Tuple[Dict[str, list], bool]:
+    def _load_manifest(self, journals: List[str]) -> Tuple[Dict[str, list], Dict[str, list]]:
+        """``(every record, those of them read from journals)``: the manifest's, then those of
+        the ``journals`` a killed stage left."""
         records: Dict[str, list] = {}
+        resumed: Dict[str, list] = {}
         try:
             with open(os.path.join(self.dst, MANIFEST)) as f:
                 doc = json.load(f)
@@ -173,7 +179,6 @@ class Destination:
             pass
         except (OSError, ValueError, KeyError, AttributeError) as exc:
             log.warning("%s: ignoring unreadable stage manifest in %s: %s", self.host, self.dst, exc)
-        journals = _journals(self.dst)
         for name in journals:
             try:
                 with open(os.path.join(self.dst, name)) as f:
@@ -185,11 +190,10 @@ class Destination:
                             break  # torn last line of a killed stage
                         batch = json.loads(line)  # one line per checkpoint: [[rel, record], ...]
                         for rel, rec in [batch] if batch and isinstance(batch[0], str) else batch:
-                            records[rel] = rec  # (a line of one [rel, record]: an older journal)
+                            records[rel] = resumed[rel] = rec  # (a line of one [rel, record]: an older journal)
             except (OSError, ValueError) as exc:
                 log.warning("%s: ignoring the rest of stage journal %s in %s: %s", self.host, name, self.dst, exc)
-        interrupted = bool(journals)
-        return records, interrupted
+        return records, resumed
 
     # - the transfer
 
@@ -289,11 +293,18 @@ class Destination:
     def begin(self) -> None:
         """Start the journal (its first line names the source) before this node makes its first
         temporary name: a stage killed from then on leaves a journal, and the next call, finding
-        it, removes the temporary files and folders (hidden names, but not hidden from a walk)."""
+        it, removes the temporary files and folders (hidden names, but not hidden from a walk).
+        Its second line carries what the journals of a killed stage recorded, which this journal
+        replaces: a stage killed twice still skips what the first finished."""
         if self.journal is None:
             self.journal = open(os.path.join(self.dst, self.journal_name), "w")
             self.journal.write(json.dumps({"source": self.src}) + "\n")
+            if self.resumed:
+                self.journal.write(json.dumps(list(self.resumed.items()), separators=(",", ":")) + "\n")
+                self.resumed = {}
             self.journal.flush()
+            if self.durable:
+                os.fsync(self.journal.fileno())
 
     def checkpoint(self) -> None:
         """Append the files finished since the last checkpoint to the journal."""
