@@ -7,6 +7,7 @@ import shutil
 import stat
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,30 @@ def test_unreadable_file_in_a_helpers_share_fails_on_every_rank(tmp_path):
               timeout=120)
     _same_error_everywhere(res, 3, "zz_last.bin", "not readable")
     assert not [p for p in (tmp_path / "dst").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_journal_that_cannot_be_written_is_one_error_on_every_rank(rank, tmp_path):
+    """One rank's journal cannot be written (a directory holds its path): every rank raises the
+    same StageError naming it, within seconds, when the job neither aborts on an exception nor
+    lets one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the error caught): no rank is left waiting.
+    The root starts its journal before any copy; rank 1 writes its own once it has copied a
+    block, before its byte range of a file over SPLIT_BYTES."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for i in range(40):  # files only: no link for the stage to replace while it prepares
+        (src / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 4}" / f"f{i:02d}").write_bytes(os.urandom(2000 + i))
+    if rank:
+        with open(src / "split.bin", "wb") as f:  # sparse: made at once
+            f.truncate(staging.SPLIT_BYTES + 1)
+    journal = staging.JOURNAL + (f".{rank}" if rank else "")
+    (dst / journal).mkdir(parents=True)
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False, timeout=60,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})
+    assert time.monotonic() - t0 < 30
+    _same_error_everywhere(res, 2, f"{dst / journal}: Is a directory")
+    assert no_temporaries(dst)
 
 
 def _small_and_big(src: Path) -> None:

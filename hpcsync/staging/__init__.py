@@ -30,8 +30,9 @@ Nothing half-done passes as done:
   files that are complete; the journal, appended at least once a second and before each large file, lets the
   next call skip what was finished;
 - any error -- a missing or unreadable source, a destination that is not writable or too small on
-  one node, a file changing while it is read -- raises the same :class:`~hpcsync.errors.StageError`
-  on every rank, naming the node and the path.
+  one node, a file changing while it is read, a journal that cannot be written, on one node an
+  error of any kind on any rank -- raises the same :class:`~hpcsync.errors.StageError` on every
+  rank, naming the node and the path; no rank is left waiting for another.
 
 Directories get their mode and mtime once their files are in. Symbolic links are copied as links
 (never followed, except a link given as ``src`` itself); sockets, FIFOs and devices are listed in
@@ -55,11 +56,12 @@ import numpy as np
 from .. import _bigmpi, _mpi
 from ..errors import StageError, raise_if_any, raise_if_settings_differ
 from ..progress import Progress
-from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
+from .destination import MANIFEST, TMP_SUFFIX, Destination
+from .journal import JOURNAL
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
                       stat_names, walk_names)
 from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_blocks, copy_shared, help_on_one_node, identity,
-                       idle_until_all_arrive)
+                       idle_until_all_arrive, unexpected)
 
 __all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
            "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
@@ -135,8 +137,15 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
             raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
         result = None
         if leaders is not None:
-            result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
-                                           node if one_node else None)
+            try:
+                result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
+                                               node if one_node else None)
+            except Exception as exc:
+                if not one_node:
+                    raise
+                # the other ranks are past their last exchange with this one (copy_shared sees to
+                # it): they learn this error from the broadcast below
+                result, err = None, f"node {socket.gethostname()}: {unexpected(exc)}"
         elif one_node:
             help_on_one_node(node, src, dst, durable, entries)
         idle_until_all_arrive(comm)
@@ -239,7 +248,10 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     finally:
         node.close_probe()
     if err is None and node.writes:
-        err = node.prepare(whole_folders=not many)
+        try:
+            err = node.prepare(whole_folders=not many)
+        except Exception as exc:  # every rank must still reach the collectives below
+            err = f"node {host}: {unexpected(exc)}"
     if many and any(leaders.allgather(err)):
         return None, err  # no node moves anything when one cannot take it; every rank raises
     if err is not None:
@@ -247,8 +259,6 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
             idle_until_all_arrive(helpers)
             helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
-    if node.need.any():
-        node.begin()  # before any temporary name: a kill from here on leaves a journal
     union = node.need.copy()
     if many:
         leaders.Allreduce(node.need, union, op=_mpi.MPI().MAX)

@@ -15,12 +15,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal
+from .journal import JOURNAL, Journal, journals, read_journals
 from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, Entry, Piece, trailer_at, whole
 
 log = logging.getLogger("hpcsync.staging")
 
 MANIFEST = ".hpcsync-stage.json"
-JOURNAL = ".hpcsync-stage.journal"
 TMP_SUFFIX = ".hpcsync-tmp"
 _JOURNAL_SECONDS = 1.0
 
@@ -31,15 +31,13 @@ class Destination:
     def __init__(self, dst: str, src: str, entries: List[Entry], durable: bool, host: str,
                  journal: str = JOURNAL) -> None:
         self.dst, self.src, self.entries, self.durable, self.host = dst, src, entries, durable, host
-        self.journal_name = journal
         self.need = np.zeros(len(entries), dtype=np.uint8)
         self.records: Dict[str, list] = {}
         self.fds: Dict[int, int] = {}
         self.crcs: Dict[int, int] = {}
         self.failed: Dict[Any, str] = {}
         self.unjournaled: List[Tuple[str, list]] = []
-        self.resumed: Dict[str, list] = {}  # records read from a killed stage's journals
-        self.journal: Optional[Any] = None
+        self.journal = Journal(dst, journal, src, durable)
         self.last_journal = time.monotonic()
         self.files_written = self.bytes_written = 0
         self.broken: Optional[str] = None  # first write error: later files are not even tried
@@ -111,13 +109,14 @@ class Destination:
             self.probe = None
 
     def prepare(self, whole_folders: bool = False) -> Optional[str]:
-        """Create the directories and links, check there is room, and mark the files this node
-        lacks; with ``whole_folders``, also pick the folders to copy whole (:attr:`units`).
-        Returns an error naming node and path, or None."""
+        """Create the directories and links, check there is room, mark the files this node lacks
+        (and start the journal if it lacks any); with ``whole_folders``, also pick the folders to
+        copy whole (:attr:`units`). Returns an error naming node and path, or None."""
         dst = self.dst
-        journals = _journals(dst)
-        self.records, self.resumed = self._load_manifest(journals)
-        self.interrupted = bool(journals)
+        found = journals(dst)
+        self.records = self._load_manifest()
+        self.journal.carried = read_journals(dst, found, self.src, self.records, self.host)
+        self.interrupted = bool(found)
         if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
         shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
@@ -163,37 +162,21 @@ class Destination:
                 _ensure_link(path, self.entries[i], self.tmp_path(path), self.begin)
         except OSError as exc:
             return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
-        return None
+        if self.need.any():
+            self.begin()  # before any temporary name: a kill from here on leaves a journal
+        return self._where(self.broken) if self.broken else None
 
-    def _load_manifest(self, journals: List[str]) -> Tuple[Dict[str, list], Dict[str, list]]:
-        """``(every record, those of them read from journals)``: the manifest's, then those of
-        the ``journals`` a killed stage left."""
-        records: Dict[str, list] = {}
-        resumed: Dict[str, list] = {}
+    def _load_manifest(self) -> Dict[str, list]:
         try:
             with open(os.path.join(self.dst, MANIFEST)) as f:
                 doc = json.load(f)
             if doc.get("version") == 1 and doc.get("source") == self.src:
-                records = doc["files"]
+                return doc["files"]
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, AttributeError) as exc:
             log.warning("%s: ignoring unreadable stage manifest in %s: %s", self.host, self.dst, exc)
-        for name in journals:
-            try:
-                with open(os.path.join(self.dst, name)) as f:
-                    head = f.readline()
-                    if not head.endswith("\n") or json.loads(head).get("source") != self.src:
-                        continue
-                    for line in f:
-                        if not line.endswith("\n"):
-                            break  # torn last line of a killed stage
-                        batch = json.loads(line)  # one line per checkpoint: [[rel, record], ...]
-                        for rel, rec in [batch] if batch and isinstance(batch[0], str) else batch:
-                            records[rel] = resumed[rel] = rec  # (a line of one [rel, record]: an older journal)
-            except (OSError, ValueError) as exc:
-                log.warning("%s: ignoring the rest of stage journal %s in %s: %s", self.host, name, self.dst, exc)
-        return records, resumed
+        return {}
 
     # - the transfer
 
@@ -291,34 +274,33 @@ class Destination:
             self.broken = self.broken or why
 
     def begin(self) -> None:
-        """Start the journal (its first line names the source) before this node makes its first
-        temporary name: a stage killed from then on leaves a journal, and the next call, finding
-        it, removes the temporary files and folders (hidden names, but not hidden from a walk).
-        Its second line carries what the journals of a killed stage recorded, which this journal
-        replaces: a stage killed twice still skips what the first finished."""
-        if self.journal is None:
-            self.journal = open(os.path.join(self.dst, self.journal_name), "w")
-            self.journal.write(json.dumps({"source": self.src}) + "\n")
-            if self.resumed:
-                self.journal.write(json.dumps(list(self.resumed.items()), separators=(",", ":")) + "\n")
-                self.resumed = {}
-            self.journal.flush()
-            if self.durable:
-                os.fsync(self.journal.fileno())
+        """Start the journal before this node makes its first temporary name: a stage killed
+        from then on leaves a journal, and the next call, finding it, removes the temporary files
+        and folders (hidden names, but not hidden from a walk)."""
+        self.note(self.journal.start())
 
     def checkpoint(self) -> None:
-        """Append the files finished since the last checkpoint to the journal."""
+        """Append the files finished since the last checkpoint to the journal. A journal that
+        cannot be written fails the stage (on every rank), it does not raise here."""
         self.last_journal = time.monotonic()
-        if not self.unjournaled:
+        if not self.unjournaled or self.journal.error:
             return
         if self.durable:
-            _syncfs(self.dst)
-        self.begin()
-        self.journal.write(json.dumps(self.unjournaled, separators=(",", ":")) + "\n")  # one line, the C encoder
-        self.journal.flush()
-        if self.durable:
-            os.fsync(self.journal.fileno())
-        self.unjournaled.clear()
+            try:
+                _syncfs(self.dst)
+            except OSError as exc:
+                self.note(f"syncing {self.dst}: {exc.strerror}")
+                return
+        if not self.note(self.journal.append(self.unjournaled)):
+            self.unjournaled.clear()
+
+    def note(self, error: Optional[str]) -> Optional[str]:
+        """An ``error`` (None: none) of this node that is no one file's: it fails the stage, and
+        later files are not tried. Returns it."""
+        if error is not None:
+            self.failed[("node", len(self.failed))] = error
+            self.broken = self.broken or error
+        return error
 
     # - after the transfer
 
@@ -335,15 +317,15 @@ class Destination:
                     self.unjournaled.extend(json.loads(more).items())
                 self.checkpoint()  # what did finish is kept for the next call
                 return self._where(next(iter(self.failed.values())))
-            if self.files_written or self.journal is not None or self.interrupted or self._stale_records():
-                self.begin()  # (the manifest too is written under a temporary name)
+            if self.files_written or self.journal.started or self.interrupted or self._stale_records():
+                if self.note(self.journal.start()):  # (the manifest too has a temporary name)
+                    return self._where(self.journal.error)  # type: ignore[arg-type]
                 self._write_manifest()
             self._set_dir_attributes()
         except OSError as exc:
             return self._where(f"finishing {exc.filename or self.dst}: {exc.strerror}")
         finally:
-            if self.journal is not None:
-                self.journal.close()
+            self.journal.close()
         return None
 
     def _stale_records(self) -> bool:
@@ -362,7 +344,7 @@ class Destination:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.dst, MANIFEST))
-        for name in _journals(self.dst):
+        for name in journals(self.dst):
             try:
                 os.unlink(os.path.join(self.dst, name))
             except FileNotFoundError:
@@ -375,14 +357,6 @@ class Destination:
                 path = self.path(i)
                 os.chmod(path, e.mode)
                 os.utime(path, ns=(e.atime_ns, e.mtime_ns))
-
-
-def _journals(dst: str) -> List[str]:
-    """The journals in ``dst``: the root's, and one per rank that helped on a one-node job."""
-    try:
-        return sorted(n for n in os.listdir(dst) if n == JOURNAL or n.startswith(JOURNAL + "."))
-    except OSError:
-        return []
 
 
 def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
