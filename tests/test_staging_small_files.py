@@ -410,6 +410,35 @@ def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
     assert not list(dst.glob(staging.JOURNAL + "*"))
 
 
+def test_a_rank_that_sees_another_destination_gets_its_own_copy(tmp_path):
+    """Rank 1 runs in a mount namespace where the destination path is another directory (as a
+    private /tmp per rank in a container): the same path, another folder. Each rank returns
+    with the dataset in the destination it sees: rank 1 counts as a node of its own."""
+    src, dst, private = tmp_path / "src", tmp_path / "dst", tmp_path / "private"
+    make_tree(src)
+    for i in range(40):
+        (src / "many" / f"m{i:03d}").parent.mkdir(exist_ok=True)
+        (src / "many" / f"m{i:03d}").write_bytes(os.urandom(3000 + i))
+    dst.mkdir()
+    private.mkdir()
+    lau = openmpi()
+    out = tmp_path / "out"
+    out.mkdir()
+    prog = str(Path(__file__).parent / "programs" / "stage.py")
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    cmd = [*lau.argv, "-n", "1", PY, prog, str(src), str(dst), ":", "-n", "1", "unshare", "--mount", "sh", "-c",
+           f"mount --bind {private} {dst} && exec {PY} {prog} {src} {dst}"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["ok"] for d in ranks), ranks
+    r = ranks[0]["result"]
+    assert r == {**ranks[1]["result"], "seconds": r["seconds"]} and r["nodes"] == 2
+    assert [w[1:] for w in r["written"]] == [[r["files"], r["bytes"]]] * 2
+    for folder in (dst, private):
+        assert snapshot(folder) == expected(src) and no_temporaries(folder), folder
+
+
 def test_journal_lines_old_and_new_are_both_read(tmp_path):
     """A killed stage's journal: a line per checkpoint ([[rel, record], ...]), or, from an older
     version, a line per file ([rel, record]); either way the next call skips what they record,

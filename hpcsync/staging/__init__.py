@@ -84,7 +84,7 @@ class StageResult:
     copied_bytes: int
     source_reads: int  # bytes read from the source (== copied_bytes: each byte once)
     broadcasts: int  # broadcast rounds among node leaders (0 on one node)
-    nodes: int
+    nodes: int  # (ranks of a host that see different directories at dst count as that many nodes)
     written: Tuple[Tuple[str, int, int], ...]  # per node: (hostname, files written, bytes written)
     ignored: Tuple[str, ...]  # sockets, FIFOs, devices: not staged
     seconds: float
@@ -126,7 +126,7 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
     raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable},
                              StageError, "stage: ranks called it with different arguments (desync), nothing staged: ")
     what = f"stage of {src} to {dst} failed: "
-    node, leaders = _split(comm, root)
+    node, leaders = _split(comm, root, dst)
     try:
         one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
         entries, ignored, err = _list_source(node, me == root, src, one_node)
@@ -173,19 +173,37 @@ def _transport(comm: Any) -> Any:
     return w
 
 
-def _split(comm: Any, root: int) -> Tuple[Any, Any]:
+def _split(comm: Any, root: int, dst: str) -> Tuple[Any, Any]:
     """(this node's communicator, the node leaders' communicator or None). ``root`` leads its node
-    and is rank 0 among the leaders."""
+    and is rank 0 among the leaders. A "node" is the ranks of one host that see the same ``dst``:
+    a rank that sees another directory there (a private ``/tmp`` in a container) is a node of its
+    own, which gets its own copy."""
     if comm.Get_size() == 1:
         return comm, comm
     MPI = _mpi.MPI()
     me = comm.Get_rank()
     key = 0 if me == root else me + 1
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    if node.Get_size() > 1:
+        seen = node.allgather(_destination(dst))
+        if len(set(seen)) > 1:
+            mine = node.Split(seen.index(seen[node.Get_rank()]), key=key)
+            node.Free()
+            node = mine
     if node.Get_size() == comm.Get_size():  # one node: the root leads alone
         return node, (MPI.COMM_SELF if me == root else None)
     leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, key=key)
     return node, (None if leaders == MPI.COMM_NULL else leaders)
+
+
+def _destination(dst: str) -> Optional[Tuple[int, int]]:
+    """The identity of ``dst`` as this rank sees it, made first if it is missing (its errors are
+    the leader's to report)."""
+    try:
+        os.makedirs(dst, exist_ok=True)
+    except OSError:
+        pass
+    return identity(dst)
 
 
 def _list_source(node: Any, is_root: bool, src: str, one_node: bool

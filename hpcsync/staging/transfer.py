@@ -198,8 +198,8 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
     fewer); a file over :data:`SPLIT_BYTES` is cut into one byte range per rank, copied into a
     temporary file the root created, and sealed by the root once every range is in. Each rank
     journals the whole files it finished; the root gathers the records and writes the manifest.
-    A rank that does not see the very source and destination claims nothing and leaves its
-    ranges to the root. Whatever fails on the root, it still takes part in the scatter and the
+    A rank that does not see the very source claims nothing and leaves its ranges to the root
+    (one that does not see the root's destination is a node of its own: see ``_split``). Whatever fails on the root, it still takes part in the scatter and the
     gather (the other ranks wait there): its error is the node's, and :meth:`Destination.finish`
     reports it."""
     idle_until_all_arrive(ranks)  # the others waited for the root's look at the destination
@@ -274,7 +274,7 @@ def _gathered(every: List[Any], src: str, entries: List[Entry], ranges: List[Lis
     for r, done in enumerate(every):
         if done is None:
             continue
-        if done[0] == "unable":  # it does not see this source or destination: the root does its ranges
+        if done[0] == "unable":  # it does not see this source: the root does its ranges
             range_errors.update(_copy_ranges(src, entries, ranges[r]))
             continue
         copied, records, failed, unreadable, read_bytes, written, bad_ranges = done
@@ -367,13 +367,17 @@ def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: Lis
     if share is None:
         return
     ids, plan, claims, ranges = share
-    if ids != (identity(src), identity(dst)):
-        done: Tuple[Any, ...] = ("unable",)
+    me = ranks.Get_rank()
+    if ids[1] != identity(dst):  # the ranks were grouped by what they see at dst: it changed since
+        why = f"rank {me} of the node no longer sees the directory {dst} that rank 0 of the node writes"
+        done: Tuple[Any, ...] = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
+    elif ids[0] != identity(src):  # another source: its share goes to the root
+        done = ("unable",)
     else:
         try:
-            done = _help(ranks.Get_rank(), src, dst, durable, entries, plan, claims, ranges)
+            done = _help(me, src, dst, durable, entries, plan, claims, ranges)
         except Exception as exc:
-            why = f"rank {ranks.Get_rank()}: {unexpected(exc)}"
+            why = f"rank {me}: {unexpected(exc)}"
             done = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
     idle_until_all_arrive(ranks)
     ranks.gather(done, root=0)
