@@ -277,6 +277,8 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
             idle_until_all_arrive(helpers)
             helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
+    if node.writes:
+        node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
     union = node.need.copy()
     if many:
         leaders.Allreduce(node.need, union, op=_mpi.MPI().MAX)

@@ -48,7 +48,8 @@ class Destination:
         self.umask = process_umask()
         self.copier = Copier()
         self.chmod: Dict[int, bool] = {}  # open temporary files still to be given their mode
-        self.units: Dict[int, List[int]] = {}  # folders copied whole: folder index -> its file indexes
+        self.units: Dict[int, List[int]] = {}
+        self.links: List[int] = []  # links to make (see start)  # folders copied whole: folder index -> its file indexes
         self.more: List[str] = []  # other ranks' records, as JSON objects (see add_records)
         self.more_files = 0
 
@@ -109,9 +110,9 @@ class Destination:
             self.probe = None
 
     def prepare(self, whole_folders: bool = False) -> Optional[str]:
-        """Create the directories and links, check there is room, mark the files this node lacks
-        (and start the journal if it lacks any); with ``whole_folders``, also pick the folders to
-        copy whole (:attr:`units`). Returns an error naming node and path, or None."""
+        """Create the directories, check there is room, mark the files this node lacks and the
+        links to make (:meth:`start` makes them); with ``whole_folders``, also pick the folders
+        to copy whole (:attr:`units`). Returns an error naming node and path, or None."""
         dst = self.dst
         found = journals(dst)
         self.records = self._load_manifest()
@@ -130,7 +131,7 @@ class Destination:
                     if _ensure_dir(path):
                         made.add(i)
                 elif e.kind == LINK:
-                    links.append(i)  # made once the room is known: a destination too small gets no file
+                    links.append(i)
                 elif e.rel not in self.records:  # never staged here: needed, whatever lies there now
                     self.need[i] = 1
                     need_bytes += e.size
@@ -156,15 +157,21 @@ class Destination:
         want = need_bytes - replaced + largest  # a replaced file is freed only after its copy is in
         if want > free:
             return self._where(f"not enough space in {dst}: need {want} bytes, {free} free (disk full)")
+        self.links = links
+        return None
+
+    def start(self) -> None:
+        """Once every node said it can take the copy: start the journal if this node lacks files
+        (before any temporary name: a kill from then on leaves a journal) and make the links.
+        An error here is the node's (:meth:`note`), reported by :meth:`finish`."""
+        if self.need.any():
+            self.begin()
         try:
-            for i in links:
+            for i in self.links:
                 path = self.path(i)
                 _ensure_link(path, self.entries[i], self.tmp_path(path), self.begin)
         except OSError as exc:
-            return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
-        if self.need.any():
-            self.begin()  # before any temporary name: a kill from here on leaves a journal
-        return self._where(self.broken) if self.broken else None
+            self.note(f"making link {exc.filename or self.dst}: {exc.strerror}")
 
     def _load_manifest(self) -> Dict[str, list]:
         try:
