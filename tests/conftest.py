@@ -1,3 +1,4 @@
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,3 +20,19 @@ def slurm(tmp_path_factory):
         pytest.fail(f"could not start the test Slurm cluster: {exc}")
     yield env
     slurm_cluster.stop(d)
+
+
+@pytest.fixture
+def mount_tmpfs():
+    """``mount(path, options)``: a tmpfs mounted at ``path`` (created) for the test, unmounted after."""
+    mounted = []
+
+    def mount(path: Path, options: str) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for p in reversed(mounted):
+        subprocess.run(["umount", "-l", str(p)])

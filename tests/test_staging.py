@@ -212,21 +212,6 @@ def _same_error_everywhere(res, n, *needles):
     return error
 
 
-@pytest.fixture
-def mount_tmpfs():
-    mounted = []
-
-    def mount(path: Path, options: str) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
-        mounted.append(path)
-        return path
-
-    yield mount
-    for p in reversed(mounted):
-        subprocess.run(["umount", "-l", str(p)])
-
-
 def test_errors_are_the_same_on_every_rank(tmp_path, mount_tmpfs):
     host = os.uname().nodename
     src = tmp_path / "src"

@@ -5,7 +5,9 @@ import json
 import os
 import shutil
 import stat
+import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from hpcsync import staging
 from hpcsync.staging import fileops, listing, transfer
 from launch import PY, Launcher, clean_env, openmpi, run
 from test_staging import (OLD, _kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
-                          journal_records, journaled, make_tree, no_temporaries, snapshot)
+                          journal_records, journaled, make_tree, no_temporaries, snapshot, temporary)
 
 MODES = [0o600, 0o640, 0o644, 0o664, 0o666, 0o700, 0o755, 0o777, 0o444, 0o400, 0o000, 0o4755, 0o2750, 0o1644]
 
@@ -45,6 +47,47 @@ def test_every_mode_whatever_the_umask(tmp_path):
         os.umask(old)
 
 
+def _default_acl(folder: Path, user: int, group: int, other: int) -> None:
+    """A default POSIX ACL on ``folder`` (``setfacl -d -m u::..,g::..,o::..``), set through its
+    extended attribute: the acl package (setfacl) is not installed here, the kernel's ACL is the same."""
+    entries = ((0x01, user), (0x04, group), (0x20, other))  # ACL_USER_OBJ, ACL_GROUP_OBJ, ACL_OTHER
+    os.setxattr(folder, "system.posix_acl_default",
+                struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF) for tag, perm in entries))
+
+
+def test_default_acl_on_the_destination_does_not_change_modes(tmp_path):
+    """A default ACL on the destination replaces the umask at creation: a copy created with its
+    mode (the umask leaves it whole) gets the ACL's instead, so the copy's own mode is checked;
+    a copy that an earlier stage left with the ACL's mode and recorded is staged again."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=12)
+    (src / "many").mkdir()
+    for i, m in enumerate((0o644, 0o755, 0o664, 0o600, 0o444, 0o640)):  # a folder copied whole
+        (src / "many" / f"m{i}").write_bytes(os.urandom(300 + i))
+        os.chmod(src / "many" / f"m{i}", m)
+    os.chmod(src / "d0" / "e0" / "f000.bin", 0o755)  # a file copied on its own
+    dst.mkdir()
+    _default_acl(dst, 6, 0, 0)  # what a file created with 0o644 gets: rw-------
+    old = os.umask(0o022)
+    try:
+        probe = os.open(dst / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
+        assert stat.S_IMODE(os.fstat(probe).st_mode) == 0o600  # the ACL applies, not the umask
+        os.close(probe)
+        os.unlink(dst / "probe")
+        hpcsync.stage(src, dst)
+        assert snapshot(dst) == expected(src)
+        # a copy with the ACL's mode, recorded with its ctime: what the stage used to leave
+        doc = json.loads((dst / staging.MANIFEST).read_text())
+        for rel in ("many/m0", "d0/e0/f000.bin"):
+            os.chmod(dst / rel, 0o600)
+            doc["files"][rel][5] = os.lstat(dst / rel).st_ctime_ns
+        (dst / staging.MANIFEST).write_text(json.dumps(doc))
+        r = hpcsync.stage(src, dst)
+        assert sorted(r.copied) == ["d0/e0/f000.bin", "many/m0"] and snapshot(dst) == expected(src)
+    finally:
+        os.umask(old)
+
+
 def test_copier_fallbacks_copy_every_byte(tmp_path):
     """copy_file_range, then sendfile, then read/write: each copies the same bytes at any offset,
     and a short source answers fewer bytes."""
@@ -63,6 +106,32 @@ def test_copier_fallbacks_copy_every_byte(tmp_path):
             os.close(sfd)
             os.close(dfd)
         assert out.read_bytes() == data
+
+
+def test_a_kernel_copy_that_answers_zero_is_not_the_end_of_the_file(tmp_path, monkeypatch):
+    """Some kernels and filesystems answer 0 from copy_file_range (or sendfile) at offset 0 of a
+    file that is not empty; cp then reads and writes. Simulated here (this kernel refuses
+    procfs with EXDEV instead): the copy goes on with the next way, exact, and only a plain
+    read's 0 is the end of the file."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=12)
+    (src / "many").mkdir()
+    for i in range(6):  # a folder copied whole
+        (src / "many" / f"m{i}").write_bytes(os.urandom(3000 + i))
+    (src / "big.bin").write_bytes(os.urandom(17 * 2**20))  # a file of its own, in its own call
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: 0)
+    r = hpcsync.stage(src, dst / "a")
+    assert snapshot(dst / "a") == expected(src) and r.source_reads == r.bytes
+    monkeypatch.setattr(os, "sendfile", lambda *a: 0)
+    r = hpcsync.stage(src, dst / "b")
+    assert snapshot(dst / "b") == expected(src) and r.source_reads == r.bytes
+    c = fileops.Copier()
+    sfd, dfd = os.open(src / "many" / "m0", os.O_RDONLY), os.open(tmp_path / "short", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert c.copy(sfd, dfd, 5000) == 3000  # the source ends first: the plain read says so
+    finally:
+        os.close(sfd)
+        os.close(dfd)
 
 
 def test_source_on_another_filesystem(tmp_path):
@@ -96,6 +165,27 @@ def test_leftover_temporary_without_journal_is_replaced(tmp_path):
     os.chmod(leftover, 0o600)
     hpcsync.stage(src, dst)
     assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
+
+
+def test_killed_before_its_first_checkpoint_leaves_no_temporary_behind(tmp_path):
+    """A stage killed while it copies its first file, before any checkpoint: its temporary file
+    must not outlive it, even when the next call no longer copies that file (here: gone from the
+    source), since loaders that walk the tree see hidden names too."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "z_small.txt").write_text("copied after the big file\n")
+    with open(src / "a_big.bin", "wb") as f:  # sparse: made at once, copied in about half a second
+        f.truncate(128 * 2**20)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([PY, str(Path(__file__).parent / "programs" / "stage.py"), str(src), str(dst)],
+                            env=clean_env({"HPCSYNC_TEST_OUT": str(out)}), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _kill_when(lambda: temporary(dst, "a_big.bin"), proc)
+    assert not journal_records(dst)  # killed before its first checkpoint
+    os.unlink(src / "a_big.bin")
+    r = hpcsync.stage(src, dst)
+    assert no_temporaries(dst) and snapshot(dst) == snapshot(src) and r.copied == ("z_small.txt",)
 
 
 def test_listing_in_shares_matches_one_walk(tmp_path):
@@ -138,6 +228,30 @@ def test_unreadable_file_in_a_helpers_share_fails_on_every_rank(tmp_path):
     assert not [p for p in (tmp_path / "dst").rglob("*") if p.is_file()]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_journal_that_cannot_be_written_is_one_error_on_every_rank(rank, tmp_path):
+    """One rank's journal cannot be written (a directory holds its path): every rank raises the
+    same StageError naming it, within seconds, when the job neither aborts on an exception nor
+    lets one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the error caught): no rank is left waiting.
+    The root starts its journal before any copy; rank 1 writes its own once it has copied a
+    block, before its byte range of a file over SPLIT_BYTES."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for i in range(40):  # files only: no link for the stage to replace while it prepares
+        (src / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 4}" / f"f{i:02d}").write_bytes(os.urandom(2000 + i))
+    if rank:
+        with open(src / "split.bin", "wb") as f:  # sparse: made at once
+            f.truncate(staging.SPLIT_BYTES + 1)
+    journal = staging.JOURNAL + (f".{rank}" if rank else "")
+    (dst / journal).mkdir(parents=True)
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False, timeout=60,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})
+    assert time.monotonic() - t0 < 30
+    _same_error_everywhere(res, 2, f"{dst / journal}: Is a directory")
+    assert no_temporaries(dst)
+
+
 def _small_and_big(src: Path) -> None:
     """Eight folders: four of 200 small files (each copied whole), four of one 17 MiB file (a
     rank journals what it finished before such a file)."""
@@ -178,6 +292,46 @@ def test_killed_amid_small_files_then_restaged(tmp_path):
     assert all(after[p] == before[p] for p in before if os.path.relpath(p, dst) in done)
 
 
+def test_killed_twice_still_skips_what_the_first_run_finished(tmp_path):
+    """Kill, resume, kill again, resume: the second run's journal carries what the first run's
+    journals recorded, so the third run copies neither what the first nor what the second
+    finished. The first and last runs are one process, the second two ranks (a journal per rank;
+    the root's is the one the first run left, which the second starts afresh)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    every = set()
+    for k in range(10):
+        folder = src / f"a{k}"
+        folder.mkdir(parents=True)
+        if k % 2:  # sparse: made at once; a rank journals what it finished before such a file
+            with open(folder / "z.big", "wb") as f:
+                f.truncate(17 * 2**20)
+            every.add(f"a{k}/z.big")
+            continue
+        for i in range(200):
+            (folder / f"s{i:04d}").write_bytes(os.urandom(1024 + i))
+            every.add(f"a{k}/s{i:04d}")
+    lau = openmpi()
+    prog = str(Path(__file__).parent / "programs" / "stage.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env({"HPCSYNC_TEST_OUT": str(out)})
+
+    def start(cmd, e):
+        return subprocess.Popen(cmd, env=e, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    _kill_when(lambda: journaled(dst) >= 200, start([PY, prog, str(src), str(dst)], env))
+    first = journal_records(dst)
+    assert first and not (dst / staging.MANIFEST).exists()
+    _kill_when(lambda: bool(journal_records(dst) - first),
+               start([*lau.command(2), PY, prog, str(src), str(dst)], {**env, **lau.env}))
+    second = journal_records(dst)
+    assert second > first, sorted(first - second)[:5]  # nothing the first run finished is forgotten
+    r = _ranks_ok(run(None, 1, "stage.py", str(src), str(dst), tmp_path=tmp_path), 1)
+    assert set(r["copied"]) == every - second
+    assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
+
+
 def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
     """A folder of small files is filled under a hidden name and renamed into place: the same
     tree (contents, modes, mtimes), a folder with links or subfolders copied file by file."""
@@ -199,6 +353,21 @@ def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
     assert all(doc["files"][f"many/m{i:02d}"][4] == os.lstat(dst / "many" / f"m{i:02d}").st_ino for i in range(len(MODES)))
     r = hpcsync.stage(src, dst)
     assert r.copied == () and len(filled) == 1
+
+
+def test_a_folder_whose_copy_failed_is_not_put_in_place(tmp_path, mount_tmpfs):
+    """A folder of small files is filled under a hidden name; when a file of it cannot be
+    written (here: the destination runs out of inodes, which the free-space check does not
+    count), the stage fails and the folder stays empty: readers never see part of it."""
+    src = tmp_path / "src"
+    (src / "many").mkdir(parents=True)
+    for i in range(12):
+        (src / "many" / f"m{i:02d}").write_bytes(os.urandom(1000 + i))
+    dst = mount_tmpfs(tmp_path / "small", "size=1m,nr_inodes=10") / "dst"
+    with pytest.raises(hpcsync.StageError, match="No space left on device"):
+        hpcsync.stage(src, dst)
+    assert os.listdir(dst / "many") == [] and no_temporaries(dst)
+    assert not (dst / staging.MANIFEST).exists()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -239,6 +408,35 @@ def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
     assert all(d["ok"] for d in ranks) and ranks[0]["result"]["copied"] == ranks[1]["result"]["copied"]
     assert snapshot(dst) == expected(src) and no_temporaries(dst)
     assert not list(dst.glob(staging.JOURNAL + "*"))
+
+
+def test_a_rank_that_sees_another_destination_gets_its_own_copy(tmp_path):
+    """Rank 1 runs in a mount namespace where the destination path is another directory (as a
+    private /tmp per rank in a container): the same path, another folder. Each rank returns
+    with the dataset in the destination it sees: rank 1 counts as a node of its own."""
+    src, dst, private = tmp_path / "src", tmp_path / "dst", tmp_path / "private"
+    make_tree(src)
+    for i in range(40):
+        (src / "many" / f"m{i:03d}").parent.mkdir(exist_ok=True)
+        (src / "many" / f"m{i:03d}").write_bytes(os.urandom(3000 + i))
+    dst.mkdir()
+    private.mkdir()
+    lau = openmpi()
+    out = tmp_path / "out"
+    out.mkdir()
+    prog = str(Path(__file__).parent / "programs" / "stage.py")
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    cmd = [*lau.argv, "-n", "1", PY, prog, str(src), str(dst), ":", "-n", "1", "unshare", "--mount", "sh", "-c",
+           f"mount --bind {private} {dst} && exec {PY} {prog} {src} {dst}"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["ok"] for d in ranks), ranks
+    r = ranks[0]["result"]
+    assert r == {**ranks[1]["result"], "seconds": r["seconds"]} and r["nodes"] == 2
+    assert [w[1:] for w in r["written"]] == [[r["files"], r["bytes"]]] * 2
+    for folder in (dst, private):
+        assert snapshot(folder) == expected(src) and no_temporaries(folder), folder
 
 
 def test_journal_lines_old_and_new_are_both_read(tmp_path):

@@ -19,7 +19,8 @@ Nothing half-done passes as done:
   checked -- its size, and for bytes that crossed MPI a CRC-32 against the root's, piece by piece --
   given its mode and mtime, then renamed into place; on one node a new folder of small files is
   filled under a hidden name instead and renamed into place whole (one rename, not one per file:
-  readers see all of its files or none);
+  readers see all of its files or none; a folder whose copy failed is removed, not put in place,
+  and a folder that something else wrote into meanwhile gets its files one rename each);
 - a manifest in ``dst`` (:data:`MANIFEST`, with a journal while a stage runs) records what was
   staged, with the source's size, mtime and mode and the copy's inode, size, mtime and ctime. A
   later call skips a file only when all of them still match, so a file changed at the source, or
@@ -29,8 +30,9 @@ Nothing half-done passes as done:
   files that are complete; the journal, appended at least once a second and before each large file, lets the
   next call skip what was finished;
 - any error -- a missing or unreadable source, a destination that is not writable or too small on
-  one node, a file changing while it is read -- raises the same :class:`~hpcsync.errors.StageError`
-  on every rank, naming the node and the path.
+  one node, a file changing while it is read, a journal that cannot be written, on one node an
+  error of any kind on any rank -- raises the same :class:`~hpcsync.errors.StageError` on every
+  rank, naming the node and the path; no rank is left waiting for another.
 
 Directories get their mode and mtime once their files are in. Symbolic links are copied as links
 (never followed, except a link given as ``src`` itself); sockets, FIFOs and devices are listed in
@@ -54,11 +56,12 @@ import numpy as np
 from .. import _bigmpi, _mpi
 from ..errors import StageError, raise_if_any, raise_if_settings_differ
 from ..progress import Progress
-from .destination import JOURNAL, MANIFEST, TMP_SUFFIX, Destination
+from .destination import MANIFEST, TMP_SUFFIX, Destination
+from .journal import JOURNAL
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
                       stat_names, walk_names)
 from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_blocks, copy_shared, help_on_one_node, identity,
-                       idle_until_all_arrive)
+                       idle_until_all_arrive, unexpected)
 
 __all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
            "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
@@ -81,7 +84,7 @@ class StageResult:
     copied_bytes: int
     source_reads: int  # bytes read from the source (== copied_bytes: each byte once)
     broadcasts: int  # broadcast rounds among node leaders (0 on one node)
-    nodes: int
+    nodes: int  # (ranks of a host that see different directories at dst count as that many nodes)
     written: Tuple[Tuple[str, int, int], ...]  # per node: (hostname, files written, bytes written)
     ignored: Tuple[str, ...]  # sockets, FIFOs, devices: not staged
     seconds: float
@@ -123,7 +126,7 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
     raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable},
                              StageError, "stage: ranks called it with different arguments (desync), nothing staged: ")
     what = f"stage of {src} to {dst} failed: "
-    node, leaders = _split(comm, root)
+    node, leaders = _split(comm, root, dst)
     try:
         one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
         entries, ignored, err = _list_source(node, me == root, src, one_node)
@@ -134,8 +137,15 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
             raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
         result = None
         if leaders is not None:
-            result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
-                                           node if one_node else None)
+            try:
+                result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
+                                               node if one_node else None)
+            except Exception as exc:
+                if not one_node:
+                    raise
+                # the other ranks are past their last exchange with this one (copy_shared sees to
+                # it): they learn this error from the broadcast below
+                result, err = None, f"node {socket.gethostname()}: {unexpected(exc)}"
         elif one_node:
             help_on_one_node(node, src, dst, durable, entries)
         idle_until_all_arrive(comm)
@@ -163,19 +173,37 @@ def _transport(comm: Any) -> Any:
     return w
 
 
-def _split(comm: Any, root: int) -> Tuple[Any, Any]:
+def _split(comm: Any, root: int, dst: str) -> Tuple[Any, Any]:
     """(this node's communicator, the node leaders' communicator or None). ``root`` leads its node
-    and is rank 0 among the leaders."""
+    and is rank 0 among the leaders. A "node" is the ranks of one host that see the same ``dst``:
+    a rank that sees another directory there (a private ``/tmp`` in a container) is a node of its
+    own, which gets its own copy."""
     if comm.Get_size() == 1:
         return comm, comm
     MPI = _mpi.MPI()
     me = comm.Get_rank()
     key = 0 if me == root else me + 1
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    if node.Get_size() > 1:
+        seen = node.allgather(_destination(dst))
+        if len(set(seen)) > 1:
+            mine = node.Split(seen.index(seen[node.Get_rank()]), key=key)
+            node.Free()
+            node = mine
     if node.Get_size() == comm.Get_size():  # one node: the root leads alone
         return node, (MPI.COMM_SELF if me == root else None)
     leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, key=key)
     return node, (None if leaders == MPI.COMM_NULL else leaders)
+
+
+def _destination(dst: str) -> Optional[Tuple[int, int]]:
+    """The identity of ``dst`` as this rank sees it, made first if it is missing (its errors are
+    the leader's to report)."""
+    try:
+        os.makedirs(dst, exist_ok=True)
+    except OSError:
+        pass
+    return identity(dst)
 
 
 def _list_source(node: Any, is_root: bool, src: str, one_node: bool
@@ -238,7 +266,10 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     finally:
         node.close_probe()
     if err is None and node.writes:
-        err = node.prepare(whole_folders=not many)
+        try:
+            err = node.prepare(whole_folders=not many)
+        except Exception as exc:  # every rank must still reach the collectives below
+            err = f"node {host}: {unexpected(exc)}"
     if many and any(leaders.allgather(err)):
         return None, err  # no node moves anything when one cannot take it; every rank raises
     if err is not None:
@@ -246,6 +277,8 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
             idle_until_all_arrive(helpers)
             helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
+    if node.writes:
+        node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
     union = node.need.copy()
     if many:
         leaders.Allreduce(node.need, union, op=_mpi.MPI().MAX)

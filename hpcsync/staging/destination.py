@@ -10,17 +10,17 @@ import shutil
 import stat as st
 import time
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal
+from .journal import JOURNAL, Journal, journals, read_journals
 from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, Entry, Piece, trailer_at, whole
 
 log = logging.getLogger("hpcsync.staging")
 
 MANIFEST = ".hpcsync-stage.json"
-JOURNAL = ".hpcsync-stage.journal"
 TMP_SUFFIX = ".hpcsync-tmp"
 _JOURNAL_SECONDS = 1.0
 
@@ -31,14 +31,13 @@ class Destination:
     def __init__(self, dst: str, src: str, entries: List[Entry], durable: bool, host: str,
                  journal: str = JOURNAL) -> None:
         self.dst, self.src, self.entries, self.durable, self.host = dst, src, entries, durable, host
-        self.journal_name = journal
         self.need = np.zeros(len(entries), dtype=np.uint8)
         self.records: Dict[str, list] = {}
         self.fds: Dict[int, int] = {}
         self.crcs: Dict[int, int] = {}
         self.failed: Dict[Any, str] = {}
         self.unjournaled: List[Tuple[str, list]] = []
-        self.journal: Optional[Any] = None
+        self.journal = Journal(dst, journal, src, durable)
         self.last_journal = time.monotonic()
         self.files_written = self.bytes_written = 0
         self.broken: Optional[str] = None  # first write error: later files are not even tried
@@ -49,7 +48,8 @@ class Destination:
         self.umask = process_umask()
         self.copier = Copier()
         self.chmod: Dict[int, bool] = {}  # open temporary files still to be given their mode
-        self.units: Dict[int, List[int]] = {}  # folders copied whole: folder index -> its file indexes
+        self.units: Dict[int, List[int]] = {}
+        self.links: List[int] = []  # links to make (see start)  # folders copied whole: folder index -> its file indexes
         self.more: List[str] = []  # other ranks' records, as JSON objects (see add_records)
         self.more_files = 0
 
@@ -110,16 +110,20 @@ class Destination:
             self.probe = None
 
     def prepare(self, whole_folders: bool = False) -> Optional[str]:
-        """Create the directories and links, check there is room, and mark the files this node
-        lacks; with ``whole_folders``, also pick the folders to copy whole (:attr:`units`).
-        Returns an error naming node and path, or None."""
+        """Create the directories, check there is room, mark the files this node lacks and the
+        links to make (:meth:`start` makes them); with ``whole_folders``, also pick the folders
+        to copy whole (:attr:`units`). Returns an error naming node and path, or None."""
         dst = self.dst
-        self.records, self.interrupted = self._load_manifest()
+        found = journals(dst)
+        self.records = self._load_manifest()
+        self.journal.carried = read_journals(dst, found, self.src, self.records, self.host)
+        self.interrupted = bool(found)
         if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
         shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
         need_bytes = replaced = largest = 0
         made = set()
+        links = []
         try:
             for i, e in enumerate(self.entries):
                 path = self.path(i)
@@ -127,7 +131,7 @@ class Destination:
                     if _ensure_dir(path):
                         made.add(i)
                 elif e.kind == LINK:
-                    _ensure_link(path, e, self.tmp_path(path))
+                    links.append(i)
                 elif e.rel not in self.records:  # never staged here: needed, whatever lies there now
                     self.need[i] = 1
                     need_bytes += e.size
@@ -153,36 +157,33 @@ class Destination:
         want = need_bytes - replaced + largest  # a replaced file is freed only after its copy is in
         if want > free:
             return self._where(f"not enough space in {dst}: need {want} bytes, {free} free (disk full)")
+        self.links = links
         return None
 
-    def _load_manifest(self) -> Tuple[Dict[str, list], bool]:
-        records: Dict[str, list] = {}
+    def start(self) -> None:
+        """Once every node said it can take the copy: start the journal if this node lacks files
+        (before any temporary name: a kill from then on leaves a journal) and make the links.
+        An error here is the node's (:meth:`note`), reported by :meth:`finish`."""
+        if self.need.any():
+            self.begin()
+        try:
+            for i in self.links:
+                path = self.path(i)
+                _ensure_link(path, self.entries[i], self.tmp_path(path), self.begin)
+        except OSError as exc:
+            self.note(f"making link {exc.filename or self.dst}: {exc.strerror}")
+
+    def _load_manifest(self) -> Dict[str, list]:
         try:
             with open(os.path.join(self.dst, MANIFEST)) as f:
                 doc = json.load(f)
             if doc.get("version") == 1 and doc.get("source") == self.src:
-                records = doc["files"]
+                return doc["files"]
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, AttributeError) as exc:
             log.warning("%s: ignoring unreadable stage manifest in %s: %s", self.host, self.dst, exc)
-        journals = _journals(self.dst)
-        for name in journals:
-            try:
-                with open(os.path.join(self.dst, name)) as f:
-                    head = f.readline()
-                    if not head.endswith("\n") or json.loads(head).get("source") != self.src:
-                        continue
-                    for line in f:
-                        if not line.endswith("\n"):
-                            break  # torn last line of a killed stage
-                        batch = json.loads(line)  # one line per checkpoint: [[rel, record], ...]
-                        for rel, rec in [batch] if batch and isinstance(batch[0], str) else batch:
-                            records[rel] = rec  # (a line of one [rel, record]: an older journal)
-            except (OSError, ValueError) as exc:
-                log.warning("%s: ignoring the rest of stage journal %s in %s: %s", self.host, name, self.dst, exc)
-        interrupted = bool(journals)
-        return records, interrupted
+        return {}
 
     # - the transfer
 
@@ -279,21 +280,34 @@ class Destination:
             self.failed.setdefault(idx, why)
             self.broken = self.broken or why
 
+    def begin(self) -> None:
+        """Start the journal before this node makes its first temporary name: a stage killed
+        from then on leaves a journal, and the next call, finding it, removes the temporary files
+        and folders (hidden names, but not hidden from a walk)."""
+        self.note(self.journal.start())
+
     def checkpoint(self) -> None:
-        """Append the files finished since the last checkpoint to the journal."""
+        """Append the files finished since the last checkpoint to the journal. A journal that
+        cannot be written fails the stage (on every rank), it does not raise here."""
         self.last_journal = time.monotonic()
-        if not self.unjournaled:
+        if not self.unjournaled or self.journal.error:
             return
         if self.durable:
-            _syncfs(self.dst)
-        if self.journal is None:
-            self.journal = open(os.path.join(self.dst, self.journal_name), "w")
-            self.journal.write(json.dumps({"source": self.src}) + "\n")
-        self.journal.write(json.dumps(self.unjournaled, separators=(",", ":")) + "\n")  # one line, the C encoder
-        self.journal.flush()
-        if self.durable:
-            os.fsync(self.journal.fileno())
-        self.unjournaled.clear()
+            try:
+                _syncfs(self.dst)
+            except OSError as exc:
+                self.note(f"syncing {self.dst}: {exc.strerror}")
+                return
+        if not self.note(self.journal.append(self.unjournaled)):
+            self.unjournaled.clear()
+
+    def note(self, error: Optional[str]) -> Optional[str]:
+        """An ``error`` (None: none) of this node that is no one file's: it fails the stage, and
+        later files are not tried. Returns it."""
+        if error is not None:
+            self.failed[("node", len(self.failed))] = error
+            self.broken = self.broken or error
+        return error
 
     # - after the transfer
 
@@ -310,14 +324,15 @@ class Destination:
                     self.unjournaled.extend(json.loads(more).items())
                 self.checkpoint()  # what did finish is kept for the next call
                 return self._where(next(iter(self.failed.values())))
-            if self.files_written or self.journal is not None or self.interrupted or self._stale_records():
+            if self.files_written or self.journal.started or self.interrupted or self._stale_records():
+                if self.note(self.journal.start()):  # (the manifest too has a temporary name)
+                    return self._where(self.journal.error)  # type: ignore[arg-type]
                 self._write_manifest()
             self._set_dir_attributes()
         except OSError as exc:
             return self._where(f"finishing {exc.filename or self.dst}: {exc.strerror}")
         finally:
-            if self.journal is not None:
-                self.journal.close()
+            self.journal.close()
         return None
 
     def _stale_records(self) -> bool:
@@ -336,7 +351,7 @@ class Destination:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.dst, MANIFEST))
-        for name in _journals(self.dst):
+        for name in journals(self.dst):
             try:
                 os.unlink(os.path.join(self.dst, name))
             except FileNotFoundError:
@@ -351,20 +366,13 @@ class Destination:
                 os.utime(path, ns=(e.atime_ns, e.mtime_ns))
 
 
-def _journals(dst: str) -> List[str]:
-    """The journals in ``dst``: the root's, and one per rank that helped on a one-node job."""
-    try:
-        return sorted(n for n in os.listdir(dst) if n == JOURNAL or n.startswith(JOURNAL + "."))
-    except OSError:
-        return []
-
-
 def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
-    """The copy is the one this stage recorded and the source is unchanged since."""
+    """The copy is the one this stage recorded, with the source's permissions (a copy made under
+    a default ACL by an older version may lack them), and the source is unchanged since."""
     if rec is None or have is None or not st.S_ISREG(have.st_mode):
         return False
     size, mtime, mode, _crc, ino, ctime = rec
-    return ((size, mtime, mode) == (e.size, e.mtime_ns, e.mode)
+    return ((size, mtime, mode, have.st_mode & 0o777) == (e.size, e.mtime_ns, e.mode, e.mode & 0o777)
             and (have.st_ino, have.st_size, have.st_mtime_ns, have.st_ctime_ns) == (ino, size, mtime, ctime))
 
 
@@ -389,7 +397,8 @@ def _ensure_dir(path: str) -> bool:
     return False
 
 
-def _ensure_link(path: str, e: Entry, tmp: str) -> None:
+def _ensure_link(path: str, e: Entry, tmp: str, begin: Callable[[], None]) -> None:
+    """Make ``path`` the link ``e`` (through ``tmp``, after ``begin``) unless it is already."""
     try:
         if os.readlink(path) == e.target:
             return
@@ -398,6 +407,7 @@ def _ensure_link(path: str, e: Entry, tmp: str) -> None:
     except OSError:  # not a link
         if os.path.isdir(path) and not os.path.islink(path):
             raise OSError(21, "the source has a symbolic link here, the copy a directory", path) from None
+    begin()
     try:
         os.unlink(tmp)
     except FileNotFoundError:

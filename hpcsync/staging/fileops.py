@@ -1,7 +1,8 @@
 """One file's copy on a node: created under a temporary name, filled in the kernel, sealed.
 
 Small files cost system calls, not bandwidth, so each step here makes as few as it can: a copy
-is created with its final mode when the umask leaves that mode whole (no ``fchmod``), filled
+is created with its final mode when the umask leaves that mode whole (no ``fchmod``, unless the
+``fstat`` taken anyway shows that a default ACL gave it another mode), filled
 with one ``copy_file_range`` (or, where the filesystems cannot, ``sendfile``; the choice is
 remembered, so a source on another filesystem costs no failed call per file), given its times
 and renamed into place; one ``fstat`` of the open file after the rename gives the inode and
@@ -65,12 +66,21 @@ def seal(fd: int, e: Entry, tmp: str, final: str, chmod: bool) -> os.stat_result
         os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
         os.replace(tmp, final)
         s = os.fstat(fd)
+        if not chmod and s.st_mode & 0o7777 != e.mode:  # a default ACL on the folder replaced the umask
+            s = _chmod(fd, e.mode)
     finally:
         os.close(fd)
     if s.st_size != e.size:  # a safety net: the writers count every byte
         os.unlink(final)
         raise OSError(0, f"{final}: wrote {s.st_size} bytes, the source has {e.size}")
     return s
+
+
+def _chmod(fd: int, mode: int) -> os.stat_result:
+    """Give ``fd`` its mode after all and return its new stat: a default ACL on the destination
+    folder replaces the umask, so a mode given at creation may not be the one the file got."""
+    os.fchmod(fd, mode)
+    return os.fstat(fd)
 
 
 def copy_file(copier: "Copier", umask: Optional[int], e: Entry, source: str, tmp: str, final: str
@@ -168,6 +178,8 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
                             os.fchmod(fd, e.mode)
                         os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
                         s = fstat(fd)
+                        if not chmod and s.st_mode & 0o7777 != e.mode:  # a default ACL on the folder
+                            s = _chmod(fd, e.mode)
                         if s.st_size == size:  # a safety net: the copy counts every byte
                             done.append((i, s))
                             continue
@@ -194,7 +206,10 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
 
 class Copier:
     """Copies byte ranges between open files in the kernel; remembers when ``copy_file_range``
-    cannot serve this pair of filesystems and goes straight to ``sendfile`` from then on."""
+    cannot serve this pair of filesystems and goes straight to ``sendfile`` from then on. A 0
+    from ``copy_file_range`` or ``sendfile`` before ``size`` bytes is not taken as the end of the
+    file (some kernels and filesystems answer 0 for a file they cannot copy, as ``cp`` knows): the
+    next way is tried, and only a plain read's 0 ends the copy."""
 
     def __init__(self) -> None:
         self.range_copy = True
@@ -209,9 +224,10 @@ class Copier:
                 while done < size:
                     k = os.copy_file_range(sfd, dfd, size - done, offset + done, offset + done)
                     if k == 0:
-                        return done
+                        break  # not always the end of the file: some filesystems answer 0 (see below)
                     done += k
-                return done
+                else:
+                    return done
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise
@@ -223,14 +239,15 @@ class Copier:
                 while done < size:
                     k = os.sendfile(dfd, sfd, offset + done, size - done)
                     if k == 0:
-                        return done
+                        break
                     done += k
-                return done
+                else:
+                    return done
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise
                 self.sendfile = False
-        return done + _read_write(sfd, dfd, size - done, offset + done)
+        return done + _read_write(sfd, dfd, size - done, offset + done)  # only its 0 is the end of the file
 
 
 def _read_write(sfd: int, dfd: int, size: int, offset: int) -> int:

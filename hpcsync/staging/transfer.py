@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -14,9 +15,12 @@ import numpy as np
 
 from .. import _mpi
 from ..progress import Progress
-from .destination import _JOURNAL_SECONDS, JOURNAL, Destination
+from .destination import _JOURNAL_SECONDS, Destination
+from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
 from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, blocks, chunks, source_path, trailer_at
+
+log = logging.getLogger("hpcsync.staging")
 
 SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
 
@@ -122,8 +126,8 @@ def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "R
 def _copy_folder(node: "Destination", p: int, files: List[int], source: str, reader: "Reader",
                  bar: Optional[Progress]) -> None:
     """Copy a folder's files into a hidden folder beside it, then rename that over the empty folder
-    :meth:`Destination.prepare` made: readers see all of the folder's files or none. Its files
-    are recorded once it is in place."""
+    :meth:`Destination.prepare` made: readers see all of the folder's files or none (a folder
+    whose fill failed is removed, not put in place). Its files are recorded once it is in place."""
     final = node.path(p)
     hidden = node.tmp_path(final)
     try:
@@ -139,6 +143,9 @@ def _copy_folder(node: "Destination", p: int, files: List[int], source: str, rea
             reader.fail(i, why)
         else:
             node.fail(i, why)
+    if failed:  # the stage fails; the next call copies the whole folder again
+        shutil.rmtree(hidden, ignore_errors=True)
+        return
     try:
         try:
             os.rename(hidden, final)
@@ -191,45 +198,83 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
     fewer); a file over :data:`SPLIT_BYTES` is cut into one byte range per rank, copied into a
     temporary file the root created, and sealed by the root once every range is in. Each rank
     journals the whole files it finished; the root gathers the records and writes the manifest.
-    A rank that does not see the very source and destination claims nothing and leaves its
-    ranges to the root."""
+    A rank that does not see the very source claims nothing and leaves its ranges to the root
+    (one that does not see the root's destination is a node of its own: see ``_split``). Whatever fails on the root, it still takes part in the scatter and the
+    gather (the other ranks wait there): its error is the node's, and :meth:`Destination.finish`
+    reports it."""
     idle_until_all_arrive(ranks)  # the others waited for the root's look at the destination
-    if not todo:
-        ranks.scatter([None] * ranks.Get_size(), root=0)
-        return
     size = ranks.Get_size()
+    work = None
+    if todo and node.broken is None:
+        try:
+            work = _share_out(size, entries, todo, node)
+        except Exception as exc:
+            node.note(unexpected(exc))
+    if work is None or node.broken is not None:  # nothing to do, or the stage fails: the others stop
+        if work is not None:
+            shutil.rmtree(work[1], ignore_errors=True)
+        ranks.scatter([None] * size, root=0)
+        return
+    plan, claims, ranges, sealing = work
+    ids = (identity(src), identity(node.dst))
+    ranks.scatter([(ids, plan, claims, r) for r in ranges], root=0)
+    try:
+        copy_blocks(plan, src, entries, node, reader, bar, claims)
+        if sealing:
+            node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
+        range_errors = _copy_ranges(src, entries, ranges[0])
+    except Exception as exc:
+        range_errors = _all_failed(entries, ranges[0], node.note(unexpected(exc)))  # type: ignore[arg-type]
+    idle_until_all_arrive(ranks)
+    every = ranks.gather(None, root=0)
+    try:
+        _gathered(every, src, entries, ranges, range_errors, node, reader, bar)
+        _seal(sealing, src, entries, range_errors, node, reader, bar)
+    except Exception as exc:
+        node.note(unexpected(exc))  # a split file not sealed is dropped by Destination.finish
+    finally:
+        shutil.rmtree(claims, ignore_errors=True)
+
+
+def _share_out(size: int, entries: List[Entry], todo: List[Tuple[int, int]], node: "Destination"
+               ) -> Tuple[List[Tuple[int, List[int]]], str, List[List["Range"]], List[int]]:
+    """The root's plan of a one-node copy: ``(blocks, claims folder, byte ranges per rank, split
+    files to seal)``; it creates the split files' temporary files and the claims folder."""
     plan = blocks(entries, [i for i, n in todo if n <= SPLIT_BYTES], node.units)
     ranges: List[List[Range]] = [[] for _ in range(size)]
     sealing = []
     for i, n in todo:
         if n <= SPLIT_BYTES:
             continue
-        final = node.path(i)
         fd = node.open(i, shared=True)  # created by the root, written by every rank, sealed by the root
         if fd is None:
             continue
-        os.ftruncate(fd, n)
+        tmp = node.tmp_path(node.path(i))
+        try:
+            os.ftruncate(fd, n)
+        except OSError as exc:
+            node.fail(i, f"cannot extend {tmp} to {n} bytes: {exc.strerror}")
+            continue
         sealing.append(i)
         cuts = [n * k // size for k in range(size + 1)]
         for r in range(size):
-            ranges[r].append((i, node.tmp_path(final), cuts[r], cuts[r + 1] - cuts[r]))
+            ranges[r].append((i, tmp, cuts[r], cuts[r + 1] - cuts[r]))
     claims = node.claims_path()
     try:
         new_folder(claims)
     except OSError as exc:
         node.fail(todo[0][0], f"cannot create {claims}: {exc.strerror}")
         plan = []
-    ids = (identity(src), identity(node.dst))
-    ranks.scatter([(ids, plan, claims, r) for r in ranges], root=0)
-    copy_blocks(plan, src, entries, node, reader, bar, claims)
-    if sealing:
-        node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
-    range_errors = _copy_ranges(src, entries, ranges[0])
-    idle_until_all_arrive(ranks)
-    for r, done in enumerate(ranks.gather(None, root=0)):
+    return plan, claims, ranges, sealing
+
+
+def _gathered(every: List[Any], src: str, entries: List[Entry], ranges: List[List["Range"]],
+              range_errors: Dict[str, str], node: "Destination", reader: "Reader", bar: Optional[Progress]) -> None:
+    """Take in what each rank of a one-node copy reports (its records, errors and counts)."""
+    for r, done in enumerate(every):
         if done is None:
             continue
-        if done[0] == "unable":  # it does not see this source or destination: the root does its ranges
+        if done[0] == "unable":  # it does not see this source: the root does its ranges
             range_errors.update(_copy_ranges(src, entries, ranges[r]))
             continue
         copied, records, failed, unreadable, read_bytes, written, bad_ranges = done
@@ -245,8 +290,12 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
         range_errors.update(bad_ranges)
         if bar is not None:
             bar.update(written)
-    shutil.rmtree(claims, ignore_errors=True)
-    for i in sealing:  # every range is in (or one failed): seal, or drop
+
+
+def _seal(sealing: List[int], src: str, entries: List[Entry], range_errors: Dict[str, str], node: "Destination",
+          reader: "Reader", bar: Optional[Progress]) -> None:
+    """Every range of the split files is in (or one failed): seal each, or drop it."""
+    for i in sealing:
         e = entries[i]
         if e.rel in range_errors:
             node.fail(i, range_errors[e.rel])
@@ -260,6 +309,20 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
         node.complete(i, None)
         if bar is not None:
             bar.update(e.size)
+
+
+def _all_failed(entries: List[Entry], ranges: Sequence["Range"], why: str) -> Dict[str, str]:
+    """Every file of ``ranges`` as failed: a range that may not be in must not be sealed."""
+    return {entries[i].rel: why for i, *_ in ranges}
+
+
+def unexpected(exc: Exception) -> str:
+    """An error no part of the stage expected, as words for the StageError every rank raises
+    (its traceback goes to the log of the rank where it happened)."""
+    log.error("stage: unexpected error", exc_info=exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _copy_ranges(src: str, entries: List[Entry], ranges: Sequence[Range]) -> Dict[str, str]:
@@ -297,31 +360,45 @@ def _source_unchanged(source: str, e: Entry) -> Optional[str]:
 
 
 def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry]) -> None:
-    """A non-root rank's part of :func:`copy_shared` (its errors travel to the root)."""
+    """A non-root rank's part of :func:`copy_shared`. Its errors travel to the root in the
+    gather, which it reaches whatever fails here (the root waits there)."""
     idle_until_all_arrive(ranks)
     share = ranks.scatter(None, root=0)
     if share is None:
         return
     ids, plan, claims, ranges = share
-    if ids != (identity(src), identity(dst)):
-        idle_until_all_arrive(ranks)
-        ranks.gather(("unable",), root=0)
-        return
-    node = Destination(dst, src, entries, durable, socket.gethostname(), f"{JOURNAL}.{ranks.Get_rank()}")
+    me = ranks.Get_rank()
+    if ids[1] != identity(dst):  # the ranks were grouped by what they see at dst: it changed since
+        why = f"rank {me} of the node no longer sees the directory {dst} that rank 0 of the node writes"
+        done: Tuple[Any, ...] = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
+    elif ids[0] != identity(src):  # another source: its share goes to the root
+        done = ("unable",)
+    else:
+        try:
+            done = _help(me, src, dst, durable, entries, plan, claims, ranges)
+        except Exception as exc:
+            why = f"rank {me}: {unexpected(exc)}"
+            done = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
+    idle_until_all_arrive(ranks)
+    ranks.gather(done, root=0)
+
+
+def _help(rank: int, src: str, dst: str, durable: bool, entries: List[Entry], plan: List[Tuple[int, List[int]]],
+          claims: str, ranges: List["Range"]) -> Tuple[Any, ...]:
+    """Copy the blocks this rank claims and its byte ranges; returns its report for the root."""
+    node = Destination(dst, src, entries, durable, socket.gethostname(), f"{JOURNAL}.{rank}")
     reader = Reader(src, entries)
     try:
         mine = copy_blocks(plan, src, entries, node, reader, None, claims)
         if ranges:
             node.checkpoint()  # the whole files are recorded before the long ranges
     finally:
-        if node.journal is not None:
-            node.journal.close()
+        node.journal.close()
     bad_ranges = _copy_ranges(src, entries, ranges)
     copied = [i for k in mine for i in plan[k][1] if entries[i].rel in node.records]
     records = json.dumps(node.records, separators=(",", ":"))  # JSON for the manifest, made here in parallel
-    idle_until_all_arrive(ranks)
-    ranks.gather((copied, records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
-                  node.bytes_written, bad_ranges), root=0)
+    return (copied, records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
+            node.bytes_written, bad_ranges)
 
 
 class Reader:

@@ -23,7 +23,7 @@ out = {"rank": rank, "world_size": size, "hostname": socket.gethostname(),
        "local_rank": comm.get_local_rank(), "node_rank": hpcsync.topology().node_rank}
 try:
     out.update(ok=True, result=asdict(hpcsync.stage(src, dst, **opts)))
-except hpcsync.StageError as exc:
-    out.update(ok=False, error=f"StageError: {exc}")
+except Exception as exc:  # what a program that catches the error sees (a StageError, nothing else)
+    out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
 report(rank, out)
 sys.exit(0 if out["ok"] else 3)
