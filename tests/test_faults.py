@@ -271,14 +271,27 @@ def test_groups_made_without_a_timeout_follow_inits(launcher, tmp_path):
     assert res.ranks[0]["seconds"] < 3 + 8
 
 
-def test_a_per_call_barrier_timeout_bounds_the_barrier(tmp_path):
-    """BarrierOptions.timeout = 1 s on a group whose timeout is 5 s: the barrier gives up after 1 s."""
-    res = run(openmpi(), 2, "stall.py", "hpcsync", "barrier_opts", "5", tmp_path=tmp_path, expect_ok=False,
+@pytest.mark.parametrize("case,op", [("barrier_opts", "barrier"), ("allreduce_opts", "all_reduce")])
+def test_a_per_call_timeout_bounds_that_call(case, op, tmp_path):
+    """A per-call timeout of 1 s (BarrierOptions / AllreduceOptions.timeout) on a group whose
+    timeout is 5 s: the call gives up after 1 s, and says so."""
+    res = run(openmpi(), 2, "stall.py", "hpcsync", case, "5", tmp_path=tmp_path, expect_ok=False,
               env={**_POLLED, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
     reports_of_all(res, 2)
     err = res.ranks[0]["errors"][0]
-    assert err.startswith("DistBackendError") and "barrier #1" in err and "timed out" in err, err
+    assert err.startswith("DistBackendError") and f"{op} #1" in err and "timed out after 1s" in err, err
     assert res.ranks[0]["seconds"] < 4, res.ranks[0]
+
+
+def test_a_per_call_timeout_bounds_a_blocking_small_all_reduce(tmp_path):
+    """The same for a blocking 4 KiB all_reduce in a watched group (the abort hook on), the call
+    the fast path takes: the job ends with the report after the call's 1 s, not the group's 60 s."""
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "allreduce_opts", "60", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert res.returncode != 0 and time.monotonic() - t0 < 40, res
+    assert "HANG REPORT: all_reduce #1 (float32[1024]) in group '0' (ranks 0-1) did not complete within 1 s" \
+        in res.stderr, res
 
 
 @pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
