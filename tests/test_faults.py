@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launch import LAUNCHERS, PY, clean_env, openmpi, run
+from launch import LAUNCHERS, PY, clean_env, long_run, openmpi, run
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "stall.py")
 
@@ -170,6 +170,7 @@ def test_sigkilled_rank_ends_the_job(launcher, mode, tmp_path, request):
         assert all(p.stat().st_size == 8 << 20 for p in parts)
 
 
+@long_run
 def test_hang_report_of_32_ranks_stays_small(tmp_path):
     """32 ranks, the last stuck: one report of two groups of ranks (ranges, with the node), a few
     lines and a small JSON, not a stack per rank; printed once; the job ends."""
