@@ -108,10 +108,10 @@ def main() -> int:
         a.seeds, a.per_job, a.ending = 6, 6, 1
     rows, problems = [], []
     for mpi in a.mpi.split(","):
-        if a.quick:  # one job per cell: both faults kinds, every thread level, two ending faults in all
-            plans = [("none", a.seeds, "multiple"), ("mix", a.seeds, "multiple"),
-                     ("none" if mpi == "openmpi" else "mix", a.seeds, "serialized"),
-                     ("mix" if mpi == "openmpi" else "none", a.seeds, "funneled"),
+        if a.quick:  # three jobs per library: plain and mismatch programs, every thread level among
+            # the two libraries, two ending faults in all
+            plans = [("none", a.seeds, "multiple" if mpi == "openmpi" else "funneled"),
+                     ("mix", a.seeds, "serialized" if mpi == "openmpi" else "multiple"),
                      ("raise" if mpi == "openmpi" else "skip", a.ending, "multiple")]
         else:
             plans = [(fault, seeds, level) for level in a.levels.split(",")

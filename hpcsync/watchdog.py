@@ -43,6 +43,7 @@ class OpRecord:
     started: float  # time.time()
     finished: Optional[float] = None
     error: Optional[str] = None
+    timeout_s: float = 0.0  # a per-call timeout (the op's options), when it has one
 
     def describe(self) -> str:
         root = f" root={self.root}" if self.root >= 0 else ""

@@ -20,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 PY = sys.executable
+LONG = os.environ.get("HPCSYNC_TEST_LONG") == "1"  # the long runs too (docs/harness.md)
+long_run = pytest.mark.skipif(not LONG, reason="a long run: HPCSYNC_TEST_LONG=1")
 VENV_BIN = Path(sys.executable).parent
 
 # Variables a launcher sets; scrubbed so the tests' own environment cannot leak into a job.

@@ -10,7 +10,7 @@ import numpy as np
 import psutil
 import pytest
 
-from launch import LAUNCHERS, PY, ROOT, clean_env
+from launch import LAUNCHERS, PY, ROOT, clean_env, long_run
 
 EXAMPLE = str(ROOT / "examples" / "train.py")
 
@@ -99,6 +99,7 @@ def test_sync_file_example(tmp_path):
     assert p.stdout.count("bytes from 3 rank(s)") == 1
 
 
+@long_run
 def test_example_reads_its_dataset_from_a_staged_copy(tmp_path):
     from launch import openmpi
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launch import LAUNCHERS, PY, clean_env, openmpi, run
+from launch import LAUNCHERS, PY, clean_env, long_run, openmpi, run
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "stall.py")
 
@@ -170,6 +170,7 @@ def test_sigkilled_rank_ends_the_job(launcher, mode, tmp_path, request):
         assert all(p.stat().st_size == 8 << 20 for p in parts)
 
 
+@long_run
 def test_hang_report_of_32_ranks_stays_small(tmp_path):
     """32 ranks, the last stuck: one report of two groups of ranks (ranges, with the node), a few
     lines and a small JSON, not a stack per rank; printed once; the job ends."""
@@ -272,13 +273,25 @@ def test_groups_made_without_a_timeout_follow_inits(launcher, tmp_path):
 
 
 def test_a_per_call_barrier_timeout_bounds_the_barrier(tmp_path):
-    """BarrierOptions.timeout = 1 s on a group whose timeout is 5 s: the barrier gives up after 1 s."""
+    """BarrierOptions.timeout = 1 s on a group whose timeout is 5 s: the barrier gives up after
+    1 s, and says so."""
     res = run(openmpi(), 2, "stall.py", "hpcsync", "barrier_opts", "5", tmp_path=tmp_path, expect_ok=False,
               env={**_POLLED, "HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
     reports_of_all(res, 2)
     err = res.ranks[0]["errors"][0]
-    assert err.startswith("DistBackendError") and "barrier #1" in err and "timed out" in err, err
+    assert err.startswith("DistBackendError") and "barrier #1" in err and "timed out after 1s" in err, err
     assert res.ranks[0]["seconds"] < 4, res.ranks[0]
+
+
+def test_a_per_call_timeout_bounds_a_blocking_small_all_reduce(tmp_path):
+    """The same for a blocking 4 KiB all_reduce in a watched group (the abort hook on), the call
+    the fast path takes: the job ends with the report after the call's 1 s, not the group's 60 s."""
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stall.py", "hpcsync", "allreduce_opts", "60", tmp_path=tmp_path, expect_ok=False,
+              env={"HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
+    assert res.returncode != 0 and time.monotonic() - t0 < 40, res
+    assert "HANG REPORT: all_reduce #1 (float32[1024]) in group '0' (ranks 0-1) did not complete within 1 s" \
+        in res.stderr, res
 
 
 @pytest.mark.parametrize("launcher", ["openmpi", "mpich"])

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch import PY, clean_env, run
+from launch import LONG, PY, clean_env, run
 from multinode_checks import check_multinode_job
 from netns_cluster import BRIDGED, DUAL_HOMED, ROUTED, Cluster
 
@@ -36,11 +36,10 @@ def expected_nodes(placement, n, nodes):
 
 CASES = [  # network, launcher, placement, backend, nodes, ranks
     (BRIDGED, "openmpi", "round-robin", "hpcsync", 2, 4),
-    (ROUTED, "openmpi", "block", "hpcsync", 2, 4),
     (ROUTED, "mpich", "block", "gloo", 2, 4),
-    (BRIDGED, "mpich", "round-robin", "hpcsync", 2, 4),
     (ROUTED, "openmpi", "round-robin", "gloo", 3, 3),  # one rank a node: the 3-node case at its cheapest
-]
+] + ([(ROUTED, "openmpi", "block", "hpcsync", 2, 4), (BRIDGED, "mpich", "round-robin", "hpcsync", 2, 4)]
+     if LONG else [])
 
 
 @pytest.mark.parametrize("network,launcher,placement,backend,nodes,n", CASES,

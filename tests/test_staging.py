@@ -18,7 +18,7 @@ import pytest
 
 import hpcsync
 from hpcsync import staging
-from launch import PY, Launcher, clean_env, mpich, openmpi, run
+from launch import PY, Launcher, clean_env, long_run, mpich, openmpi, run
 from netns_cluster import ROUTED, Cluster
 
 OLD = 1_600_000_000_123_456_789  # an mtime in the past, with nanoseconds
@@ -398,6 +398,7 @@ def test_ten_thousand_small_files_across_nodes(cluster, tmp_path):
             subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
 
 
+@long_run
 def test_file_over_2gib_across_nodes(cluster, tmp_path):
     """2 GiB + 1 MiB + 3 bytes; every 8-byte word holds its own offset, so a misplaced chunk shows."""
     src = tmp_path / "big"

@@ -140,7 +140,8 @@ class Timeouts:
     def _timed_out(self, rec: Any) -> None:
         """Break the group, report the hang (and abort, unless turned off), raise DistBackendError.
         Once per operation: a worker's waiter and the deadline thread may both see its deadline."""
-        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after {self._timeout_s:g}s "
+        timeout_s = rec.timeout_s or self._timeout_s
+        msg = (f"hpcsync backend: {rec.describe()} in group {self._log.name!r} timed out after {timeout_s:g}s "
                f"(the group's timeout is {self._timeout_s:g}s)")  # torch's tests match " timeout "
         with self._timeout_once:
             first = rec.error != "timed out"
@@ -151,7 +152,7 @@ class Timeouts:
                         "the job")
         self._mark_broken()
         try:
-            watchdog.report_timeout(self._log, rec, self._timeout_s)
+            watchdog.report_timeout(self._log, rec, timeout_s)
         except Exception as exc:  # the report is best effort; the timeout error is not
             _say_report_failed(rec, exc)
         raise dist.DistBackendError(msg)

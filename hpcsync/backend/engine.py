@@ -282,6 +282,8 @@ class GroupEngine(HotPath, Agreement, PointToPoint, deadline.Timeouts, GroupIden
                               tuple(t.shape) if t is not None else (), call.root)
         watched = self._watched
         self._rec, self._deadline = rec, time.monotonic() + timeout_s
+        if timeout_s != self._timeout_s:
+            rec.timeout_s = timeout_s
         if watched:  # what the deadline thread reads
             if threading.get_ident() == self._worker_ident:
                 self._current_worker = (rec, self._deadline, True)

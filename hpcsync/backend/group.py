@@ -11,6 +11,7 @@ from . import checks
 from .buffers import (EMPTY_RECV, EMPTY_SEND, _bytes, _chunks, _mpi_type,
                       _overlap, _Staged)
 from .desync import Call
+from .hot import NO_TIMEOUT
 from .work import MPIWork
 from .reduce import Reductions
 
@@ -20,7 +21,7 @@ class ProcessGroupHpcsync(Reductions):
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> MPIWork:
         root = opts.rootRank
-        if self._hot and not self._pending and len(tensors) == 1 and not opts.asyncOp:
+        if self._hot and not self._pending and len(tensors) == 1 and not opts.asyncOp and opts.timeout <= NO_TIMEOUT:
             work = self._hot_broadcast(tensors[0], root, tensors)
             if work is not None:
                 return work
@@ -60,7 +61,7 @@ class ProcessGroupHpcsync(Reductions):
         so.finish()
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
-        if self._hot and not self._pending and opts is not None and not opts.asyncOp:
+        if self._hot and not self._pending and opts is not None and not opts.asyncOp and opts.timeout <= NO_TIMEOUT:
             work = self._hot_allgather(output, input)
             if work is not None:
                 return work

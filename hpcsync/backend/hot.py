@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import timedelta
 from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -28,6 +29,7 @@ from .work import DoneWork, ran
 
 _monotonic, _now = time.monotonic, time.time
 _refcount = sys.getrefcount
+NO_TIMEOUT = timedelta(0)  # torch's unset per-call timeout is -1 ms: the hot path runs only then
 _CACHE_MAX = 256  # prepared calls kept per group (buffers come and go: the oldest are dropped)
 
 

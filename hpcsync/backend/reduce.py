@@ -15,6 +15,7 @@ from . import checks
 from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
                       _overlap, _Staged, avg_parts, avg_result, is_int_avg)
 from .desync import Call, redop_id
+from .hot import NO_TIMEOUT
 from .engine import GroupEngine
 from .work import MPIWork
 
@@ -63,7 +64,7 @@ class Reductions(GroupEngine):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if len(tensors) == 1:  # the common case, with as few calls into torch as possible
             t = tensors[0]
-            if self._hot and not self._pending and opts is not None and not opts.asyncOp:
+            if self._hot and not self._pending and opts is not None and not opts.asyncOp and opts.timeout <= NO_TIMEOUT:
                 work = self._hot_allreduce(t, op, tensors)
                 if work is not None:
                     return work
@@ -166,7 +167,7 @@ class Reductions(GroupEngine):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        if self._hot and not self._pending and opts is not None and not opts.asyncOp:
+        if self._hot and not self._pending and opts is not None and not opts.asyncOp and opts.timeout <= NO_TIMEOUT:
             work = self._hot_reduce_scatter(output, input, op)
             if work is not None:
                 return work

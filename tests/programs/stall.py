@@ -7,7 +7,8 @@ CASE: ``stuck`` -- the last rank sleeps before its third all_reduce (line marked
 test_barrier_timeout_full_group); ``count`` / ``dtype`` -- rank 1's all_reduce has one more
 element / float64; ``newgroup`` -- the last rank stalls in a group made without ``timeout=``;
 ``futures`` -- futures of two async all_reduces
-behind a stalled rank; ``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``never_joins`` --
+behind a stalled rank; ``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``allreduce_opts`` -- the same for a blocking
+all_reduce; ``never_joins`` --
 the last rank never creates the group the others create; ``p2p`` -- rank 0's irecv is never
 matched; ``local_error`` -- rank 0's all_gather fails on its own argument check (run with
 HPCSYNC_DESYNC_CHECK=0); ``report_fails`` -- ``stuck`` on 2 ranks with the hang report made to
@@ -139,6 +140,14 @@ try:
         opts.timeout = datetime.timedelta(seconds=1)
         if R == 0:
             dist.distributed_c10d._get_default_group().barrier(opts).wait()
+        else:
+            time.sleep(timeout + 5)
+    elif case == "allreduce_opts":  # the same for a blocking all_reduce (AllreduceOptions.timeout)
+        opts = dist.AllreduceOptions()
+        opts.timeout = datetime.timedelta(seconds=1)
+        opts.asyncOp = False
+        if R == 0:
+            dist.distributed_c10d._get_default_group().allreduce([torch.ones(1024)], opts).wait()
         else:
             time.sleep(timeout + 5)
     elif case == "never_joins":  # the last rank never creates the group: creation is bounded too
