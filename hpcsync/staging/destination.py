@@ -48,8 +48,8 @@ class Destination:
         self.umask = process_umask()
         self.copier = Copier()
         self.chmod: Dict[int, bool] = {}  # open temporary files still to be given their mode
-        self.units: Dict[int, List[int]] = {}
-        self.links: List[int] = []  # links to make (see start)  # folders copied whole: folder index -> its file indexes
+        self.units: Dict[int, List[int]] = {}  # folders copied whole: folder index -> its file indexes
+        self.links: List[int] = []  # links to make (see start)
         self.more: List[str] = []  # other ranks' records, as JSON objects (see add_records)
         self.more_files = 0
 
