@@ -2,9 +2,10 @@
 
 When a rank raises, the abort hook (:func:`hpcsync.install_abort_hook`) hands the exception here
 instead of printing it. The rank claims the report from rank 0's responder thread (the first
-claim wins: the rank that failed first); the winner asks every rank what it is doing (bounded:
-a rank that does not answer within a few seconds is said to be silent), and prints one block:
-its own traceback, its node and step, then the other ranks in a few lines, grouped by what they
+claim wins, and prints); the winner asks every rank what it is doing (bounded: a rank that does
+not answer within a few seconds is said to be silent), and prints one block: the earliest raise
+among the answers (a claim may reach rank 0 after its own, later one) with its traceback, node
+and step, then the other ranks in a few lines, grouped by what they
 do (still running at a line, or failed too with an error line), so 64 ranks that fail alike are
 one line. A rank that lost the claim prints nothing to the console (its traceback goes to its
 log file, :mod:`hpcsync.logs`, and to the JSON report), waits for the winner to finish, and the
@@ -79,11 +80,15 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
 
 
 def build(me: int, states: Dict[int, Dict[str, Any]], size: int) -> Dict[str, Any]:
-    """The report as plain data: the first failure, then the other ranks grouped by what they do."""
-    first = states[me]
+    """The report as plain data: the first failure, then the other ranks grouped by what they do.
+    The first is the earliest raise among the gathered states, not the rank that won the claim
+    (``me``, which prints): a claim can reach rank 0 after a later one of its own."""
+    failed = [r for r, s in states.items() if s.get("failed")]
+    head = min(failed, key=lambda r: (states[r]["time"], r)) if failed else me
+    first = states[head]
     others: Dict[Any, List[int]] = {}
     for r, s in sorted(states.items()):
-        if r == me:
+        if r == head:
             continue
         key = ("failed", s["error"], s["where"]) if s["failed"] else ("running", tuple(s.get("frames", [])))
         others.setdefault(key, []).append(r)
@@ -96,10 +101,10 @@ def build(me: int, states: Dict[int, Dict[str, Any]], size: int) -> Dict[str, An
             g.update(frames=list(key[1]))
         groups.append(g)
     silent = sorted(set(range(size)) - set(states))
-    return {"kind": "hpcsync failure report", "rank": me, "node": _host(me), "step": first["step"],
+    return {"kind": "hpcsync failure report", "rank": head, "node": _host(head), "reported_by": me, "step": first["step"],
             "error": first["error"], "where": first["where"], "time": first["time"], "traceback": first["traceback"],
             "others": groups, "silent": silent,
-            "tracebacks": {str(r): s["traceback"] for r, s in states.items() if s["failed"] and r != me}}
+            "tracebacks": {str(r): s["traceback"] for r, s in states.items() if s["failed"] and r != head}}
 
 
 def _host(rank: int) -> str:
@@ -111,7 +116,7 @@ def format_block(rep: Dict[str, Any], text: str) -> str:
     """The block for people: a header naming the first failure, its traceback, a line per group."""
     step = f", at step {rep['step']}" if rep["step"] is not None else ""
     head = f"[hpcsync] ===== uncaught exception on rank {rep['rank']} ({rep['node']}), the first to fail{step} ====="
-    lines = [head, text.rstrip("\n")]
+    lines = [head, (rep.get("traceback") or text).rstrip("\n")]
     if rep["others"] or rep["silent"]:
         lines.append("[hpcsync] the other ranks, when it was reported:")
     for g in rep["others"][:MAX_LINES]:

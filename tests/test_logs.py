@@ -148,3 +148,23 @@ def test_a_stalled_gloo_collective_is_one_report_naming_the_rank(launcher, kind,
     assert re.search(r"ranks 0-1 \(.*\): last operation all_reduce #\d+ .*\n.*many_ranks.py\", line \d+", err), err
     reports = [p for p in os.listdir(tmp_path) if p.startswith("hpcsync-hang-")]
     assert len(reports) == 1, reports
+
+
+def test_the_report_names_the_earliest_raise_whoever_won_the_claim():
+    """Rank 0 won the claim (its own needs no message) though rank 2 raised 0.2 s earlier: the
+    report's first failure is rank 2's, with its traceback, and rank 0 is among the others."""
+    from hpcsync import digest
+
+    def failed(t, err):
+        return {"failed": True, "time": t, "error": err, "where": "train.py:9", "traceback": f"Traceback\n{err}\n",
+                "step": 40}
+
+    states = {0: failed(100.2, "RuntimeError: a consequence"), 1: failed(100.2, "RuntimeError: a consequence"),
+              2: failed(100.0, "ValueError: bad batch")}
+    rep = digest.build(0, states, 3)
+    assert (rep["rank"], rep["reported_by"], rep["error"]) == (2, 0, "ValueError: bad batch"), rep
+    assert rep["others"] == [{"state": "failed", "ranks": [0, 1], "error": "RuntimeError: a consequence",
+                              "where": "train.py:9", "after_s": 0.2}], rep
+    block = digest.format_block(rep, "rank 0's own traceback")
+    assert "uncaught exception on rank 2 (?), the first to fail, at step 40" in block and "ValueError: bad batch" in block
+    assert "rank 0's own traceback" not in block
