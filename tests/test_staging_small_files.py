@@ -386,6 +386,21 @@ def test_same_tree_from_one_or_more_ranks(ranks, tmp_path):
                                                                                               ino, ctime), rel
 
 
+def stage_with_rank1_bind(tmp_path, src, dst, folder, over):
+    """stage(src, dst) on 2 ranks of one node, rank 1 in a mount namespace where ``folder`` is
+    bind-mounted over the path ``over``; each rank's report."""
+    lau = openmpi()
+    out = tmp_path / "out"
+    out.mkdir()
+    prog = str(Path(__file__).parent / "programs" / "stage.py")
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    cmd = [*lau.argv, "-n", "1", PY, prog, str(src), str(dst), ":", "-n", "1", "unshare", "--mount", "sh", "-c",
+           f"mount --bind {folder} {over} && exec {PY} {prog} {src} {dst}"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
     """Rank 1 runs in a mount namespace where the source path holds something else: it neither
     stats nor copies anything (its share of both goes to the root), and the copy is exact."""
@@ -395,16 +410,7 @@ def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
         (src / "many" / f"m{i:03d}").parent.mkdir(exist_ok=True)
         (src / "many" / f"m{i:03d}").write_bytes(os.urandom(3000 + i))
     make_tree(decoy, files=5, seed=1)
-    lau = openmpi()
-    out = tmp_path / "out"
-    out.mkdir()
-    prog = str(Path(__file__).parent / "programs" / "stage.py")
-    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
-    cmd = [*lau.argv, "-n", "1", PY, prog, str(src), str(dst), ":", "-n", "1", "unshare", "--mount", "sh", "-c",
-           f"mount --bind {decoy} {src} && exec {PY} {prog} {src} {dst}"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = stage_with_rank1_bind(tmp_path, src, dst, decoy, src)
     assert all(d["ok"] for d in ranks) and ranks[0]["result"]["copied"] == ranks[1]["result"]["copied"]
     assert snapshot(dst) == expected(src) and no_temporaries(dst)
     assert not list(dst.glob(staging.JOURNAL + "*"))
@@ -421,16 +427,7 @@ def test_a_rank_that_sees_another_destination_gets_its_own_copy(tmp_path):
         (src / "many" / f"m{i:03d}").write_bytes(os.urandom(3000 + i))
     dst.mkdir()
     private.mkdir()
-    lau = openmpi()
-    out = tmp_path / "out"
-    out.mkdir()
-    prog = str(Path(__file__).parent / "programs" / "stage.py")
-    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
-    cmd = [*lau.argv, "-n", "1", PY, prog, str(src), str(dst), ":", "-n", "1", "unshare", "--mount", "sh", "-c",
-           f"mount --bind {private} {dst} && exec {PY} {prog} {src} {dst}"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = stage_with_rank1_bind(tmp_path, src, dst, private, dst)
     assert all(d["ok"] for d in ranks), ranks
     r = ranks[0]["result"]
     assert r == {**ranks[1]["result"], "seconds": r["seconds"]} and r["nodes"] == 2
