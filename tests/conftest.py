@@ -1,3 +1,9 @@
+"""Shared fixtures, and how `tests/run.sh` runs the suite on two workers (pytest-xdist,
+``--dist loadgroup``). The tests that use machine-global names -- every test of a module that
+builds namespace nodes or a Slurm of its own, and every test of the shared Slurm -- form one group
+("cluster") and run one at a time; the tests that move more than 2 GiB form another ("bigmem"), so
+two never hold that memory at once; the rest are spread one test at a time. A test marked
+``alone`` measures time or speed: it runs afterwards, with nothing beside it."""
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +14,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytest  # noqa: E402
 
 import slurm_cluster  # noqa: E402
+
+_MACHINE_WORDS = ("netns", "slurm_cluster")  # what a module that builds nodes or its own Slurm says
+
+
+def _builds_nodes(module) -> bool:
+    """Whether a test module builds namespace nodes or a Slurm of its own (read from its source once)."""
+    found = _builds_nodes.seen.get(module.__name__)
+    if found is None:
+        text = Path(module.__file__).read_text()
+        found = _builds_nodes.seen[module.__name__] = any(w in text for w in _MACHINE_WORDS)
+    return found
+
+
+_builds_nodes.seen = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _builds_nodes(item.module) or item.get_closest_marker("slurm") or "slurm" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif item.get_closest_marker("bigmem"):
+            item.add_marker(pytest.mark.xdist_group("bigmem"))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,11 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from launch import PY, ROOT, clean_env
+
+pytestmark = pytest.mark.alone  # benchmarks: their runs are timed
 
 
 def run_quick(tmp_path, script, *args, timeout=900):

@@ -15,6 +15,8 @@ import pytest
 
 from launch import LAUNCHERS, run
 
+pytestmark = pytest.mark.alone  # factors of measured step times
+
 WINDOW = 50
 
 

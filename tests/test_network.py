@@ -267,6 +267,7 @@ def test_names_that_differ_between_nodes_are_named():
     assert names_differ(links[:2]) is None
 
 
+@pytest.mark.alone  # a bound of wall time
 def test_reach_all_answers_for_every_target_within_its_bound():
     import socket
     import time
