@@ -283,15 +283,18 @@ def test_a_per_call_barrier_timeout_bounds_the_barrier(tmp_path):
     assert res.ranks[0]["seconds"] < 4, res.ranks[0]
 
 
-def test_a_per_call_timeout_bounds_a_blocking_small_all_reduce(tmp_path):
-    """The same for a blocking 4 KiB all_reduce in a watched group (the abort hook on), the call
-    the fast path takes: the job ends with the report after the call's 1 s, not the group's 60 s."""
+@pytest.mark.parametrize("case,call", [("allreduce", "all_reduce #1 (float32[1024])"),
+                                       ("broadcast", "broadcast #1 (float32[1024] root=0)"),
+                                       ("allgather", "all_gather #1 (float32[1024])"),
+                                       ("reducescatter", "reduce_scatter #1 (float32[2048])")])
+def test_a_per_call_timeout_bounds_a_blocking_small_collective(case, call, tmp_path):
+    """The same for each blocking 4 KiB collective the fast path takes, in a watched group (the
+    abort hook on): the job ends with the report after the call's 1 s, not the group's 60 s."""
     t0 = time.monotonic()
-    res = run(openmpi(), 2, "stall.py", "hpcsync", "allreduce_opts", "60", tmp_path=tmp_path, expect_ok=False,
+    res = run(openmpi(), 2, "stall.py", "hpcsync", f"{case}_opts", "60", tmp_path=tmp_path, expect_ok=False,
               env={"HPCSYNC_REPORT_DIR": str(tmp_path)}, timeout=120)
     assert res.returncode != 0 and time.monotonic() - t0 < 40, res
-    assert "HANG REPORT: all_reduce #1 (float32[1024]) in group '0' (ranks 0-1) did not complete within 1 s" \
-        in res.stderr, res
+    assert f"HANG REPORT: {call} in group '0' (ranks 0-1) did not complete within 1 s" in res.stderr, res.stderr[-3000:]
 
 
 @pytest.mark.parametrize("launcher", ["openmpi", "mpich"])

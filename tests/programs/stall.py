@@ -7,8 +7,8 @@ CASE: ``stuck`` -- the last rank sleeps before its third all_reduce (line marked
 test_barrier_timeout_full_group); ``count`` / ``dtype`` -- rank 1's all_reduce has one more
 element / float64; ``newgroup`` -- the last rank stalls in a group made without ``timeout=``;
 ``futures`` -- futures of two async all_reduces
-behind a stalled rank; ``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``allreduce_opts`` -- the same for a blocking
-all_reduce; ``never_joins`` --
+behind a stalled rank; ``barrier_opts`` -- only rank 0 enters a barrier with a 1 s per-call timeout; ``allreduce_opts`` (``broadcast_opts``, ``allgather_opts``,
+``reducescatter_opts``) -- the same for that blocking collective; ``never_joins`` --
 the last rank never creates the group the others create; ``p2p`` -- rank 0's irecv is never
 matched; ``local_error`` -- rank 0's all_gather fails on its own argument check (run with
 HPCSYNC_DESYNC_CHECK=0); ``report_fails`` -- ``stuck`` on 2 ranks with the hang report made to
@@ -24,6 +24,7 @@ import threading
 import time
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 import hpcsync
@@ -142,12 +143,18 @@ try:
             dist.distributed_c10d._get_default_group().barrier(opts).wait()
         else:
             time.sleep(timeout + 5)
-    elif case == "allreduce_opts":  # the same for a blocking all_reduce (AllreduceOptions.timeout)
-        opts = dist.AllreduceOptions()
+    elif case.endswith("_opts"):  # the same for a blocking all_reduce, broadcast, all_gather or reduce_scatter
+        opts = {"allreduce": dist.AllreduceOptions, "broadcast": dist.BroadcastOptions,
+                "allgather": c10d.AllgatherOptions, "reducescatter": c10d.ReduceScatterOptions}[case[:-5]]()
         opts.timeout = datetime.timedelta(seconds=1)
         opts.asyncOp = False
+        pg = dist.distributed_c10d._get_default_group()
+        calls = {"allreduce": lambda: pg.allreduce([torch.ones(1024)], opts),
+                 "broadcast": lambda: pg.broadcast([torch.ones(1024)], opts),
+                 "allgather": lambda: pg._allgather_base(torch.empty(1024 * W), torch.ones(1024), opts),
+                 "reducescatter": lambda: pg._reduce_scatter_base(torch.empty(1024), torch.ones(1024 * W), opts)}
         if R == 0:
-            dist.distributed_c10d._get_default_group().allreduce([torch.ones(1024)], opts).wait()
+            calls[case[:-5]]().wait()
         else:
             time.sleep(timeout + 5)
     elif case == "never_joins":  # the last rank never creates the group: creation is bounded too
