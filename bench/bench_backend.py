@@ -10,7 +10,11 @@ reduce_scatter: the input). Time per call = the slowest rank's mean over the ite
 Then DDP training steps of an MLP and a small CNN on each backend. One job per MPI library and
 rank count; at the end one table of the backend's targets over all of them (:data:`TARGETS`).
 ``--baseline DIR``: a checkout of another commit whose backend runs as a second group in the same
-jobs, interleaved with this one ("before" and "after" in one run). Prints tables, writes
+jobs, interleaved with this one ("before" and "after" in one run). ``--anchors``: two more raw
+mpi4py rows per collective, on the torch tensors' own memory ("raw on torch") and that call after a
+16-byte ``Allreduce`` on a second communicator ("raw + agreement": the floor of any design that
+agrees on each call before making it, as hpcsync does), so that what hpcsync's own code costs
+is told apart from what the memory and the agreement cost. Prints tables, writes
 ``bench/results/backend.json`` and ``bench/results/backend.png``.
 """
 from __future__ import annotations
@@ -115,6 +119,16 @@ def worker(quick: bool, parts: str) -> None:
     base = dist.new_group(list(range(W)), backend="hpcsync_base") if baseline else None
     rounds = int(os.environ.get("BENCH_ROUNDS", REPEATS))
     comm = MPI.COMM_WORLD.Dup()
+    anchors = bool(os.environ.get("BENCH_ANCHORS"))
+    agree_comm, agree_buf = comm.Dup(), np.zeros(2, dtype=np.int64)
+
+    def agreed(call):
+        """``call`` after the agreement hpcsync makes before each call: one 16-byte MAX Allreduce."""
+        def run():
+            agree_comm.Allreduce(MPI.IN_PLACE, agree_buf, op=MPI.MAX)
+            call()
+        return run
+
     rows = []
     ddp_only = parts == "ddp"
     coll_only = parts == "collectives"
@@ -176,6 +190,15 @@ def worker(quick: bool, parts: str) -> None:
         if os.environ.get("BENCH_NO_GLOO"):
             for fns in impls.values():
                 del fns["gloo"]
+        if anchors:  # raw on torch's own memory, then the same after the agreement
+            xt, gt_in, gt_out, rst_in, rst_out = x.numpy(), g_in.numpy(), g_out.numpy(), rs_in.numpy(), rs_out.numpy()
+            raw_torch = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, xt),
+                         "all_gather": lambda: comm.Allgather(gt_in, gt_out),
+                         "broadcast": lambda: comm.Bcast(xt, root=0),
+                         "reduce_scatter": lambda: comm.Reduce_scatter_block(rst_in, rst_out)}
+            for op, call in raw_torch.items():
+                impls[op]["raw on torch"] = call
+                impls[op]["raw + agreement"] = agreed(call)
         if base is not None:
             impls["all_reduce"]["baseline"] = lambda: dist.all_reduce(x, group=base)
             impls["all_gather"]["baseline"] = lambda: all_gather(g_out, g_in, group=base)
@@ -197,7 +220,8 @@ def worker(quick: bool, parts: str) -> None:
             if R == 0:
                 print(f"  {op:15s} {nbytes:>10d} B  " + "  ".join(
                     f"{k}={v * 1e6:9.1f}us" for k, v in row.items()
-                    if k in ("hpcsync", "baseline", "gloo", "mpi4py", "np.add") and v),
+                    if k in ("hpcsync", "baseline", "gloo", "mpi4py", "raw on torch", "raw + agreement", "np.add")
+                    and v),
                     flush=True)
 
     # DDP steps: same model, same data, each backend
@@ -260,6 +284,10 @@ def worker(quick: bool, parts: str) -> None:
         if base is not None:
             calls["default (baseline)"] = lambda: dist.all_reduce(x4k, group=base)
         calls["mpi4py (raw)"] = lambda: comm.Allreduce(MPI.IN_PLACE, x4n)
+        if anchors:
+            x4t = x4k.numpy()
+            calls["raw on torch"] = lambda: comm.Allreduce(MPI.IN_PLACE, x4t)
+            calls["raw + agreement"] = agreed(lambda: comm.Allreduce(MPI.IN_PLACE, x4t))
         for _ in range(1 if quick else rounds):
             for mode, fn in calls.items():
                 t = timed(fn, 4096 * 20)
@@ -301,7 +329,8 @@ def fmt_time(s):
 
 
 def targets(results):
-    """One row per target and run: (MPI, ranks, measure, goal, figure, baseline's figure or None, met)."""
+    """One row per target and run: (MPI, ranks, measure, goal, figure, baseline's figure or None, met,
+    the figure against raw on torch's memory or None, the figure against raw + agreement or None)."""
     rows = []
     for res in results:
         lib, W = res.get("mpi", "openmpi"), res["world_size"]
@@ -311,13 +340,15 @@ def targets(results):
                     was = r["mpi4py"] / r["baseline"] if r.get("baseline") else None
                     fig = r["mpi4py"] / r["hpcsync"]
                     rows.append((lib, W, f"{r['op']} {human(r['bytes'])}, × raw speed", f"≥ {goal}", fig, was,
-                                 fig >= goal))
+                                 fig >= goal, ratio_of(r.get("raw on torch"), r["hpcsync"]),
+                                 ratio_of(r.get("raw + agreement"), r["hpcsync"])))
         c = res.get("checks") or {}
         if c.get("default") and c.get("mpi4py (raw)"):
             raw = c["mpi4py (raw)"]
             was = c["default (baseline)"] / raw if c.get("default (baseline)") else None
             fig = c["default"] / raw
-            rows.append((lib, W, "all_reduce 4 KiB, time × raw", f"≤ {SMALL_TARGET}", fig, was, fig <= SMALL_TARGET))
+            rows.append((lib, W, "all_reduce 4 KiB, time × raw", f"≤ {SMALL_TARGET}", fig, was, fig <= SMALL_TARGET,
+                         ratio_of(c["default"], c.get("raw on torch")), ratio_of(c["default"], c.get("raw + agreement"))))
     return rows
 
 
@@ -352,16 +383,20 @@ def report(results, out_json, out_png):
     rows = targets(results)
     if rows:
         base = any(r[5] is not None for r in rows)
+        anchored = any(r[7] is not None for r in rows)
         lines.append("\n### Targets\n")
-        lines.append("| MPI | ranks | measure | goal | figure |" + (" baseline |" if base else "") + " met |")
-        lines.append("|---|---|---|---|---|" + ("---|" if base else "") + "---|")
-        for lib, W, what, goal, fig, was, met in rows:
+        lines.append("| MPI | ranks | measure | goal | figure |" + (" baseline |" if base else "") + " met |"
+                     + (" same against raw on torch | against raw + agreement |" if anchored else ""))
+        lines.append("|---|---|---|---|---|" + ("---|" if base else "") + "---|" + ("---|---|" if anchored else ""))
+        for lib, W, what, goal, fig, was, met, torch_fig, agreed_fig in rows:
             lines.append(f"| {lib} | {W} | {what} | {goal} | {fig:.2f} |"
                          + ((f" {was:.2f} |" if was is not None else " - |") if base else "")
-                         + f" {'yes' if met else 'no'} |")
+                         + f" {'yes' if met else 'no'} |"
+                         + (f" {ratio(torch_fig, 1)} | {ratio(agreed_fig, 1)} |" if anchored else ""))
     print("\n".join(lines))
     save_json(out_json, "results", results, targets=[dict(zip(("mpi", "ranks", "measure", "goal", "figure",
-                                                                "baseline", "met"), r)) for r in rows])
+                                                                "baseline", "met", "against raw on torch",
+                                                                "against raw + agreement"), r)) for r in rows])
     try:
         plot(results, out_png)
     except ImportError:
@@ -371,6 +406,10 @@ def report(results, out_json, out_png):
 
 def ratio(a, b):
     return f"{a / b:.2f}" if a and b else "-"
+
+
+def ratio_of(a, b):
+    return a / b if a and b else None
 
 
 def human(n):
@@ -426,6 +465,8 @@ def main() -> None:
     ap.add_argument("--baseline", help="a checkout of another commit: its backend measured beside this one")
     ap.add_argument("--no-gloo", action="store_true", help="collectives: hpcsync and raw mpi4py only (more rounds "
                     "in the same time)")
+    ap.add_argument("--anchors", action="store_true", help="collectives: also raw mpi4py on the torch tensors' "
+                    "memory, and that after the 16-byte agreement hpcsync makes before each call")
     ap.add_argument("--nodes", type=int, default=1,
                     help="spread the ranks over this many network-namespace nodes (needs root; TCP between them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backend.json"))
@@ -438,7 +479,8 @@ def main() -> None:
     env = mpirun_env(OMP_NUM_THREADS="1", BENCH_ROUNDS=str(args.rounds), **({"BENCH_QUICK": "1"} if args.quick else {}),
                      **({"BENCH_SIZES": ",".join(map(str, args.sizes))} if args.sizes else {}),
                      **({"BENCH_BASELINE": str(Path(args.baseline).resolve())} if args.baseline else {}),
-                     **({"BENCH_NO_GLOO": "1"} if args.no_gloo else {}))
+                     **({"BENCH_NO_GLOO": "1"} if args.no_gloo else {}),
+                     **({"BENCH_ANCHORS": "1"} if args.anchors else {}))
     runs = [(mpi, n, "none") for mpi in args.mpi for n in args.ranks]
     if args.bind_core:
         runs += [(mpi, n, "core") for mpi in args.mpi for n in args.ranks if n <= (os.cpu_count() or 1)]
