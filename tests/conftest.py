@@ -1,9 +1,8 @@
-"""Shared fixtures, and how `tests/run.sh` runs the suite on two workers (pytest-xdist,
-``--dist loadgroup``). The tests that use machine-global names -- every test of a module that
-builds namespace nodes or a Slurm of its own, and every test of the shared Slurm -- form one group
-("cluster") and run one at a time; the tests that move more than 2 GiB form another ("bigmem"), so
-two never hold that memory at once; the rest are spread one test at a time. A test marked
-``alone`` measures time or speed: it runs afterwards, with nothing beside it."""
+"""Shared fixtures, and the marks `tests/run.sh` runs the suite by. Most tests wait on jobs
+(timeouts, schedulers, launchers), so two pytest runs go side by side: the tests marked
+``cluster`` -- every test of a module that builds namespace nodes or a Slurm of its own, and every
+test of the shared Slurm: machine-global names, so one at a time -- and all the others. The tests
+marked ``alone`` measure time or speed: they run afterwards, with nothing beside them."""
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +32,7 @@ _builds_nodes.seen = {}
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _builds_nodes(item.module) or item.get_closest_marker("slurm") or "slurm" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-        elif item.get_closest_marker("bigmem"):
-            item.add_marker(pytest.mark.xdist_group("bigmem"))
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.fixture(scope="session")

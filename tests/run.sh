@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh Debian 12 machine: install the full stack, lint, then pytest.
 #   bash tests/run.sh [pytest args]
-# Most tests wait on jobs (timeouts, schedulers, launchers), so they run on two workers; the
-# tests marked `alone` measure time and run afterwards with nothing beside them (tests/conftest.py).
+# Most tests wait on jobs (timeouts, schedulers, launchers), so two runs go side by side: the
+# tests marked `cluster` (namespace nodes, Slurm: one at a time) and all the others. Then the
+# tests marked `alone` (they measure time) run with nothing beside them. See tests/conftest.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash jobs/setup_env.sh --full
 .venv/bin/ruff check .   # the lint configured in pyproject.toml
-status=0
-.venv/bin/python -m pytest tests -ra -n 2 --dist loadgroup -m "not alone" "$@" || status=$?
-alone=0
-.venv/bin/python -m pytest tests -ra -m alone "$@" || alone=$?
-[ "$alone" = 5 ] && alone=0   # 5: the arguments selected none of them
-[ "$status" = 5 ] && status=0
-[ "$status" = 0 ] && status=$alone
-exit "$status"
+pytest() { .venv/bin/python -m pytest tests -ra "$@"; }
+passed() { [ "$1" = 0 ] || [ "$1" = 5 ]; }   # 5: the arguments selected none of these tests
+cluster_log=$(mktemp)
+trap 'rm -f "$cluster_log"' EXIT
+pytest -p no:cacheprovider -m "cluster and not alone" "$@" >"$cluster_log" 2>&1 &
+cluster_pid=$!
+rest=0 cluster=0 alone=0
+pytest -m "not cluster and not alone" "$@" || rest=$?
+wait "$cluster_pid" || cluster=$?
+echo "---- beside them, the tests that build namespace nodes or use Slurm:"
+cat "$cluster_log"
+pytest -m alone "$@" || alone=$?
+for rc in "$rest" "$cluster" "$alone"; do passed "$rc" || exit "$rc"; done

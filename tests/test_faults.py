@@ -10,6 +10,8 @@ import pytest
 
 from launch import LAUNCHERS, PY, clean_env, long_run, openmpi, run
 
+pytestmark = pytest.mark.alone  # bounds of wall time: each job must end within its timeout and a margin
+
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "stall.py")
 
 
