@@ -44,7 +44,9 @@ def test_a_slowed_rank_is_named_and_jitter_names_nobody(launcher, backend, slow_
     # the log line on rank 0 names the rank, its node and the factor
     line = re.search(r"WARNING hpcsync\.monitor: hpcsync: straggler: rank (\d+) on (\S+) is ([\d.]+)x slower",
                      res.stdout + res.stderr)
-    assert line and line.groups() == ("3", host, f"{v['factor']:.2f}"), res.stderr[-3000:]
+    # the line rounds the factor to 2 places, the record to 3: 1.3354 is "1.34" there and 1.335 here
+    assert line and line.groups()[:2] == ("3", host) and abs(float(line.group(3)) - v["factor"]) < 0.0051, \
+        res.stderr[-3000:]
     # the record in the report dir, readable later (what a relaunch would read)
     from hpcsync import monitor
 
