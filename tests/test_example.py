@@ -12,6 +12,8 @@ import pytest
 
 from launch import LAUNCHERS, PY, ROOT, clean_env, long_run
 
+pytestmark = pytest.mark.example  # runs beside the rest with the cluster tests (tests/run.sh): the two take as long
+
 EXAMPLE = str(ROOT / "examples" / "train.py")
 
 
