@@ -115,7 +115,7 @@ class Destination:
         to copy whole (:attr:`units`). Returns an error naming node and path, or None."""
         dst = self.dst
         found = journals(dst)
-        self.records = self._load_manifest()
+        self.records = _load_manifest(dst, self.src, self.host)
         self.journal.carried = read_journals(dst, found, self.src, self.records, self.host)
         self.interrupted = bool(found)
         if self.interrupted:
@@ -172,18 +172,6 @@ class Destination:
                 _ensure_link(path, self.entries[i], self.tmp_path(path), self.begin)
         except OSError as exc:
             self.note(f"making link {exc.filename or self.dst}: {exc.strerror}")
-
-    def _load_manifest(self) -> Dict[str, list]:
-        try:
-            with open(os.path.join(self.dst, MANIFEST)) as f:
-                doc = json.load(f)
-            if doc.get("version") == 1 and doc.get("source") == self.src:
-                return doc["files"]
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            log.warning("%s: ignoring unreadable stage manifest in %s: %s", self.host, self.dst, exc)
-        return {}
 
     # - the transfer
 
@@ -327,8 +315,8 @@ class Destination:
             if self.files_written or self.journal.started or self.interrupted or self._stale_records():
                 if self.note(self.journal.start()):  # (the manifest too has a temporary name)
                     return self._where(self.journal.error)  # type: ignore[arg-type]
-                self._write_manifest()
-            self._set_dir_attributes()
+                _write_manifest(self)
+            _set_dir_attributes(self.entries, self.path)
         except OSError as exc:
             return self._where(f"finishing {exc.filename or self.dst}: {exc.strerror}")
         finally:
@@ -338,32 +326,50 @@ class Destination:
     def _stale_records(self) -> bool:
         return len(self.records) + self.more_files != sum(e.kind == FILE for e in self.entries)
 
-    def _write_manifest(self) -> None:
-        current = {e.rel for e in self.entries if e.kind == FILE}
-        mine = json.dumps({rel: rec for rel, rec in self.records.items() if rel in current}, separators=(",", ":"))
-        files = ",".join(part[1:-1] for part in (mine, *self.more) if part != "{}")  # objects joined
-        if self.durable:
-            _syncfs(self.dst)
-        tmp = self.tmp_path(os.path.join(self.dst, MANIFEST))
-        with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
-            f.write(f'{{"version":1,"source":{json.dumps(self.src)},"files":{{{files}}}}}')
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.dst, MANIFEST))
-        for name in journals(self.dst):
-            try:
-                os.unlink(os.path.join(self.dst, name))
-            except FileNotFoundError:
-                pass
 
-    def _set_dir_attributes(self) -> None:
-        for i in range(len(self.entries) - 1, -1, -1):  # children before their parents
-            e = self.entries[i]
-            if e.kind == DIR:
-                path = self.path(i)
-                os.chmod(path, e.mode)
-                os.utime(path, ns=(e.atime_ns, e.mtime_ns))
+def _load_manifest(dst: str, src: str, host: str) -> Dict[str, list]:
+    """The records of the manifest in ``dst``, when it is one of a stage of ``src``."""
+    try:
+        with open(os.path.join(dst, MANIFEST)) as f:
+            doc = json.load(f)
+        if doc.get("version") == 1 and doc.get("source") == src:
+            return doc["files"]
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        log.warning("%s: ignoring unreadable stage manifest in %s: %s", host, dst, exc)
+    return {}
+
+
+def _write_manifest(node: Destination) -> None:
+    """Replace ``node``'s manifest with its records (its own and the other ranks'), then remove
+    the journals."""
+    current = {e.rel for e in node.entries if e.kind == FILE}
+    mine = json.dumps({rel: rec for rel, rec in node.records.items() if rel in current}, separators=(",", ":"))
+    files = ",".join(part[1:-1] for part in (mine, *node.more) if part != "{}")  # objects joined
+    if node.durable:
+        _syncfs(node.dst)
+    tmp = node.tmp_path(os.path.join(node.dst, MANIFEST))
+    with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
+        f.write(f'{{"version":1,"source":{json.dumps(node.src)},"files":{{{files}}}}}')
+        if node.durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(node.dst, MANIFEST))
+    for name in journals(node.dst):
+        try:
+            os.unlink(os.path.join(node.dst, name))
+        except FileNotFoundError:
+            pass
+
+
+def _set_dir_attributes(entries: Sequence[Entry], path: Callable[[int], str]) -> None:
+    """Directories' modes and mtimes, once their files are in."""
+    for i in range(len(entries) - 1, -1, -1):  # children before their parents
+        e = entries[i]
+        if e.kind == DIR:
+            os.chmod(path(i), e.mode)
+            os.utime(path(i), ns=(e.atime_ns, e.mtime_ns))
 
 
 def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
