@@ -457,6 +457,41 @@ def test_full_disk_on_one_node_is_one_error(cluster, tmp_path):
         subprocess.run(["rm", "-rf", str(node_dir(cluster, 0, "dst"))])
 
 
+@pytest.mark.parametrize("where", ["writer", "reader"])
+def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(cluster, where, tmp_path):
+    """An error no check expects, raised amid the broadcast (node 1's writer thread: a write or
+    close answering EIO, as a network filesystem may; the root's reader thread), with the job
+    neither aborting on an exception nor letting one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the
+    error caught): every rank raises the same StageError naming the rank and node, within
+    seconds; no rank is left waiting in a broadcast, no temporary file stays, and whatever is at
+    a final name is complete."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"f{i:02d}.bin").write_bytes(os.urandom(200_000 + i))
+    fault = {"writer": {"rank": 2, "patch": "hpcsync.staging.destination:Destination.write_round", "call": 4,
+                        "error": "EIO"},
+             "reader": {"rank": 0, "patch": "hpcsync.staging.transfer:Reader.fill", "call": 4}}[where]
+    needle = {"writer": f"rank 2: node {cluster.names[1]}: Input/output error",
+              "reader": f"rank 0: node {cluster.names[0]}: RuntimeError: fault injected into Reader.fill"}[where]
+    dst = Path(cluster.node_local, "dst")
+    try:
+        t0 = time.monotonic()
+        res = run(cluster.openmpi([2, 1]), 3, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False,
+                  timeout=60, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_STAGE_OPTS": json.dumps(
+                      {"chunk_bytes": 64 * 1024, "_fault": [fault]})})
+        assert time.monotonic() - t0 < 30
+        _same_error_everywhere(res, 3, needle)
+        for i in range(2):
+            copy = node_dir(cluster, i, "dst")
+            assert no_temporaries(copy), cluster.names[i]
+            for p in copy.glob("f*.bin"):
+                assert p.read_bytes() == (src / p.name).read_bytes(), p
+    finally:
+        for i in range(2):
+            subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
+
+
 def test_killed_mid_stage_across_nodes_then_restaged(cluster, tmp_path):
     src = tmp_path / "src"
     _kill_dataset(src)

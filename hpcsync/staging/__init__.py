@@ -121,7 +121,7 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    chunk_bytes = min(int(chunk_bytes), _bigmpi.INT_MAX - 16 * MAX_PIECES - 8)
+    chunk_bytes = min(int(chunk_bytes), _bigmpi.INT_MAX - 16 * MAX_PIECES - 16)  # a round's count fits an int
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable},
                              StageError, "stage: ranks called it with different arguments (desync), nothing staged: ")
@@ -297,8 +297,14 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
                         bar)
     finally:
         if bar is not None:
-            bar.close()
-    err = err or (reader.error if reader is not None else None) or node.finish()
+            try:
+                bar.close()
+            except Exception as exc:  # (stderr gone) every rank must still reach what follows
+                node.note(unexpected(exc))
+    try:
+        err = err or (reader.error if reader is not None else None) or node.finish()
+    except Exception as exc:  # every leader must still reach the gather below
+        err = f"node {host}: {unexpected(exc)}"
     stats = (host, node.files_written, node.bytes_written)
     every = leaders.gather(stats, root=0) if many else [stats]
     if not is_root:

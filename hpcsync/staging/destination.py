@@ -259,7 +259,10 @@ class Destination:
         self.chmod.pop(idx, None)
         if fd is not None:
             if fd >= 0:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:  # (EIO on a network filesystem) the file is dropped anyway
+                    pass
             try:
                 os.unlink(self.tmp_path(self.path(idx)))
             except OSError:
