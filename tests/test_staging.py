@@ -243,6 +243,23 @@ def test_errors_are_the_same_on_every_rank(tmp_path, mount_tmpfs):
                            "f001.bin", "not readable")
 
 
+def test_an_unexpected_error_on_the_root_before_the_copy_is_one_error_on_every_rank(tmp_path):
+    """One node: the root raises an error no check expects after the ranks agreed that the copy
+    can start and before the ranks share it out (here: while it starts the journal and the
+    links), with HPCSYNC_ABORT_ON_EXCEPTION=0 and the error caught: every rank raises the same
+    StageError naming the root and its node, within seconds."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=10)
+    fault = {"rank": 0, "patch": "hpcsync.staging.destination:Destination.start"}
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stage.py", str(src), str(dst), json.dumps({"_fault": [fault]}), tmp_path=tmp_path,
+              expect_ok=False, timeout=60, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})
+    assert time.monotonic() - t0 < 30
+    _same_error_everywhere(res, 2, f"rank 0: node {os.uname().nodename}: RuntimeError: fault injected into "
+                           "Destination.start")
+    assert no_temporaries(dst) and not (dst / staging.MANIFEST).exists()
+
+
 def test_killed_mid_stage_then_restaged(tmp_path):
     """SIGKILL while a big file is being copied: every file at its final name is complete, and the
     next call copies only what was unfinished."""

@@ -277,16 +277,21 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
             idle_until_all_arrive(helpers)
             helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
-    if node.writes:
-        node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
     union = node.need.copy()
     if many:
         leaders.Allreduce(node.need, union, op=_mpi.MPI().MAX)
     todo = [(i, entries[i].size) for i in np.flatnonzero(union).tolist()]
     total = sum(n for _, n in todo)
-    bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress) if is_root else None
     rounds = 0
     reader = Reader(src, entries) if is_root else None
+    bar = None
+    try:  # an error from here on is this node's: every leader and helper still takes part in the copy
+        if node.writes:
+            node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
+        if is_root:
+            bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress)
+    except Exception as exc:
+        node.note(unexpected(exc))
     try:
         if many:
             rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar)
