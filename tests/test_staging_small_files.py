@@ -454,3 +454,26 @@ def test_journal_lines_old_and_new_are_both_read(tmp_path):
     r = hpcsync.stage(src, dst)
     assert sorted(r.copied) == sorted(set(rels) - set(old) - set(batch))
     assert snapshot(dst) == expected(src) and not (dst / staging.JOURNAL).exists()
+
+
+def test_a_kill_amid_the_rewrite_of_a_resumed_journal_loses_nothing(tmp_path):
+    """A resumed stage rewrites the journal it found, carrying its records over: killed amid
+    that rewrite, before any of it reached the file, the journal still holds every record of
+    the killed stage (the rewrite goes to a temporary file that replaces the journal once
+    written), and the next call still skips those files."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=6)
+    hpcsync.stage(src, dst)
+    records = json.loads((dst / staging.MANIFEST).read_text())["files"]
+    os.unlink(dst / staging.MANIFEST)
+    done = sorted(records)[:4]
+    (dst / staging.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n"
+                                       + json.dumps([[r, records[r]] for r in done]) + "\n")
+    kill = {"rank": 0, "patch": "hpcsync.staging.journal:Journal._flush", "do": "exit"}  # its first flush
+    res = run(None, 1, "stage.py", str(src), str(dst), json.dumps({"_fault": [kill]}), tmp_path=tmp_path,
+              expect_ok=False)
+    assert res.returncode == 9 and res.ranks == [None], res
+    assert journal_records(dst) == set(done)
+    r = hpcsync.stage(src, dst)
+    assert sorted(r.copied) == sorted(set(records) - set(done))
+    assert snapshot(dst) == expected(src) and no_temporaries(dst)

@@ -37,11 +37,11 @@ class Destination:
         self.crcs: Dict[int, int] = {}
         self.failed: Dict[Any, str] = {}
         self.unjournaled: List[Tuple[str, list]] = []
-        self.journal = Journal(dst, journal, src, durable)
+        self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
+        self.journal = Journal(dst, journal, src, durable, self.tmp_path(os.path.join(dst, journal)))
         self.last_journal = time.monotonic()
         self.files_written = self.bytes_written = 0
         self.broken: Optional[str] = None  # first write error: later files are not even tried
-        self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
         self.writes = True  # False: another node's leader writes this very directory (shared dst)
         self.probe: Optional[str] = None
         self.interrupted = False  # journals of a killed stage were found
@@ -120,6 +120,8 @@ class Destination:
         self.interrupted = bool(found)
         if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
+        else:  # a stage killed amid the write of its first journal leaves it under its temporary name
+            _unlink(self.journal.tmp)
         shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
         need_bytes = replaced = largest = 0
         made = set()
@@ -439,6 +441,13 @@ def _remove_temporaries(dst: str, suffix: str) -> None:
                     os.unlink(os.path.join(folder, name))
                 except OSError:
                     pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _syncfs(path: str) -> None:
