@@ -147,12 +147,12 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
                 # it): they learn this error from the broadcast below
                 result, err = None, f"node {socket.gethostname()}: {unexpected(exc)}"
         elif one_node:
-            help_on_one_node(node, src, dst, durable, entries)
+            help_on_one_node(node, src, dst, durable, entries, me)
         idle_until_all_arrive(comm)
         if one_node:  # the root has every rank's error (the others send theirs to it)
             result, err = comm.bcast((result, err), root=root)
-            if err:
-                raise StageError(f"{what}rank {root}: {err}")
+            if err:  # (an error another rank of the node reported names that rank already)
+                raise StageError(what + (err if err.startswith("rank ") else f"rank {root}: {err}"))
         else:
             raise_if_any(comm, err, StageError, what)
             result = comm.bcast(result, root=root)

@@ -316,7 +316,10 @@ class Destination:
                 for more in self.more:
                     self.unjournaled.extend(json.loads(more).items())
                 self.checkpoint()  # what did finish is kept for the next call
-                return self._where(next(iter(self.failed.values())))
+                key, first = next(iter(self.failed.items()))
+                if isinstance(key, tuple) and key[0] == "rank":  # another rank's, named (see transfer._gathered)
+                    return first
+                return self._where(first)
             if self.files_written or self.journal.started or self.interrupted or self._stale_records():
                 if self.note(self.journal.start()):  # (the manifest too has a temporary name)
                     return self._where(self.journal.error)  # type: ignore[arg-type]

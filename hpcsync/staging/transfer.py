@@ -364,8 +364,8 @@ def _gathered(every: List[Any], src: str, entries: List[Entry], ranges: List[Lis
         for i in copied:  # the helper's record replaces what an earlier stage recorded
             node.records.pop(entries[i].rel, None)
         node.add_records(records, len(copied))
-        for k, why in enumerate(failed):
-            node.failed.setdefault((r, k), why)
+        for k, why in enumerate(failed):  # named already (rank and node): see Destination.finish
+            node.failed.setdefault(("rank", r, k), why)
         for k, why in enumerate(unreadable):
             reader.fail((r, k), why)
         reader.read_bytes += read_bytes
@@ -442,9 +442,10 @@ def _source_unchanged(source: str, e: Entry) -> Optional[str]:
         os.close(fd)
 
 
-def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry]) -> None:
-    """A non-root rank's part of :func:`copy_shared`. Its errors travel to the root in the
-    gather, which it reaches whatever fails here (the root waits there)."""
+def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry], rank: int) -> None:
+    """A non-root rank's part of :func:`copy_shared` (``rank``: its rank in the stage's group).
+    Its errors travel to the root in the gather, which it reaches whatever fails here (the root
+    waits there), each naming this rank and node."""
     idle_until_all_arrive(ranks)
     share = ranks.scatter(None, root=0)
     if share is None:
@@ -452,7 +453,7 @@ def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: Lis
     ids, plan, claims, ranges = share
     me = ranks.Get_rank()
     if ids[1] != identity(dst):  # the ranks were grouped by what they see at dst: it changed since
-        why = f"rank {me} of the node no longer sees the directory {dst} that rank 0 of the node writes"
+        why = f"no longer sees the directory {dst} that rank 0 of the node writes"
         done: Tuple[Any, ...] = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
     elif ids[0] != identity(src):  # another source: its share goes to the root
         done = ("unable",)
@@ -460,8 +461,10 @@ def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: Lis
         try:
             done = _help(me, src, dst, durable, entries, plan, claims, ranges)
         except Exception as exc:
-            why = f"rank {me}: {unexpected(exc)}"
+            why = unexpected(exc)
             done = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
+    if done[0] != "unable":
+        done = (*done[:2], [f"rank {rank}: node {socket.gethostname()}: {why}" for why in done[2]], *done[3:])
     idle_until_all_arrive(ranks)
     ranks.gather(done, root=0)
 
