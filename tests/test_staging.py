@@ -226,6 +226,7 @@ def test_errors_are_the_same_on_every_rank(tmp_path, mount_tmpfs):
         return res
 
     _same_error_everywhere(stage(tmp_path / "nope", tmp_path / "d1"), 2, f"node {host}", "nope", "does not exist")
+    assert not (tmp_path / "d1").exists()  # a stage that fails on its source leaves no destination behind
     (tmp_path / "afile").write_text("x")
     _same_error_everywhere(stage(src, tmp_path / "afile"), 2, f"node {host}", "afile")
     ro = mount_tmpfs(tmp_path / "ro", "ro,size=1m")
@@ -239,8 +240,14 @@ def test_errors_are_the_same_on_every_rank(tmp_path, mount_tmpfs):
     os.chmod(src / "d1" / "e1" / "f001.bin", 0)
     unprivileged = Launcher("openmpi", ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
                                         *lau.argv], lau.env)
-    _same_error_everywhere(stage(src, tmp_path / "d4", launcher=unprivileged), 2, f"node {host}",
+    existing = tmp_path / "d4"  # a destination that exists stays untouched
+    existing.mkdir(mode=0o750)
+    (existing / "mine.txt").write_text("not the stage's\n")
+    os.utime(existing, ns=(OLD, OLD))
+    before = snapshot(existing)
+    _same_error_everywhere(stage(src, existing, launcher=unprivileged), 2, f"node {host}",
                            "f001.bin", "not readable")
+    assert snapshot(existing) == before and os.listdir(existing) == ["mine.txt"]
 
 
 def test_an_unexpected_error_on_the_root_before_the_copy_is_one_error_on_every_rank(tmp_path):

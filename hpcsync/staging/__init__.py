@@ -196,14 +196,18 @@ def _split(comm: Any, root: int, dst: str) -> Tuple[Any, Any]:
     return node, (None if leaders == MPI.COMM_NULL else leaders)
 
 
-def _destination(dst: str) -> Optional[Tuple[int, int]]:
-    """The identity of ``dst`` as this rank sees it, made first if it is missing (its errors are
-    the leader's to report)."""
-    try:
-        os.makedirs(dst, exist_ok=True)
-    except OSError:
-        pass
-    return identity(dst)
+def _destination(dst: str) -> Tuple[Optional[Tuple[int, int]], str]:
+    """What ``dst`` is as this rank sees it, made or changed by nothing (a stage that fails on its
+    source leaves no destination behind): its identity, or while it is missing, the identity of
+    its nearest existing ancestor and the path from there (ranks with a ``/tmp`` of their own see
+    different ancestors)."""
+    path, rest = dst, ""
+    while True:
+        ident = identity(path)
+        parent, name = os.path.split(path)
+        if ident is not None or parent == path:
+            return ident, rest
+        path, rest = parent, f"{name}/{rest}" if rest else name
 
 
 def _list_source(node: Any, is_root: bool, src: str, one_node: bool
