@@ -28,11 +28,15 @@ Nothing half-done passes as done:
   nothing;
 - a stage killed half way leaves only temporary names and folders (removed by the next call) and
   files that are complete; the journal, appended at least once a second and before each large file, lets the
-  next call skip what was finished;
+  next call skip what was finished (a resumed stage rewrites it under a temporary name first, so
+  a kill amid that rewrite loses nothing);
 - any error -- a missing or unreadable source, a destination that is not writable or too small on
   one node, a file changing while it is read, a journal that cannot be written, on one node an
-  error of any kind on any rank -- raises the same :class:`~hpcsync.errors.StageError` on every
-  rank, naming the node and the path; no rank is left waiting for another.
+  error of any kind on any rank, across nodes one of any kind on a node leader while the bytes
+  move (in its reader or writer thread too) -- raises the same
+  :class:`~hpcsync.errors.StageError` on every rank, naming the rank, its node and the path; no
+  rank is left waiting for another. A stage that fails on its source leaves nothing behind, not
+  even ``dst``.
 
 Directories get their mode and mtime once their files are in. Symbolic links are copied as links
 (never followed, except a link given as ``src`` itself); sockets, FIFOs and devices are listed in
