@@ -226,6 +226,7 @@ def test_errors_are_the_same_on_every_rank(tmp_path, mount_tmpfs):
         return res
 
     _same_error_everywhere(stage(tmp_path / "nope", tmp_path / "d1"), 2, f"node {host}", "nope", "does not exist")
+    assert not (tmp_path / "d1").exists()  # a stage that fails on its source leaves no destination behind
     (tmp_path / "afile").write_text("x")
     _same_error_everywhere(stage(src, tmp_path / "afile"), 2, f"node {host}", "afile")
     ro = mount_tmpfs(tmp_path / "ro", "ro,size=1m")
@@ -239,8 +240,31 @@ def test_errors_are_the_same_on_every_rank(tmp_path, mount_tmpfs):
     os.chmod(src / "d1" / "e1" / "f001.bin", 0)
     unprivileged = Launcher("openmpi", ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
                                         *lau.argv], lau.env)
-    _same_error_everywhere(stage(src, tmp_path / "d4", launcher=unprivileged), 2, f"node {host}",
+    existing = tmp_path / "d4"  # a destination that exists stays untouched
+    existing.mkdir(mode=0o750)
+    (existing / "mine.txt").write_text("not the stage's\n")
+    os.utime(existing, ns=(OLD, OLD))
+    before = snapshot(existing)
+    _same_error_everywhere(stage(src, existing, launcher=unprivileged), 2, f"node {host}",
                            "f001.bin", "not readable")
+    assert snapshot(existing) == before and os.listdir(existing) == ["mine.txt"]
+
+
+def test_an_unexpected_error_on_the_root_before_the_copy_is_one_error_on_every_rank(tmp_path):
+    """One node: the root raises an error no check expects after the ranks agreed that the copy
+    can start and before the ranks share it out (here: while it starts the journal and the
+    links), with HPCSYNC_ABORT_ON_EXCEPTION=0 and the error caught: every rank raises the same
+    StageError naming the root and its node, within seconds."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=10)
+    fault = {"rank": 0, "patch": "hpcsync.staging.destination:Destination.start"}
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "stage.py", str(src), str(dst), json.dumps({"_fault": [fault]}), tmp_path=tmp_path,
+              expect_ok=False, timeout=60, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})
+    assert time.monotonic() - t0 < 30
+    _same_error_everywhere(res, 2, f"rank 0: node {os.uname().nodename}: RuntimeError: fault injected into "
+                           "Destination.start")
+    assert no_temporaries(dst) and not (dst / staging.MANIFEST).exists()
 
 
 def test_killed_mid_stage_then_restaged(tmp_path):
@@ -455,6 +479,41 @@ def test_full_disk_on_one_node_is_one_error(cluster, tmp_path):
     finally:
         subprocess.run(["umount", "-l", str(full)])
         subprocess.run(["rm", "-rf", str(node_dir(cluster, 0, "dst"))])
+
+
+@pytest.mark.parametrize("where", ["writer", "reader"])
+def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(cluster, where, tmp_path):
+    """An error no check expects, raised amid the broadcast (node 1's writer thread: a write or
+    close answering EIO, as a network filesystem may; the root's reader thread), with the job
+    neither aborting on an exception nor letting one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the
+    error caught): every rank raises the same StageError naming the rank and node, within
+    seconds; no rank is left waiting in a broadcast, no temporary file stays, and whatever is at
+    a final name is complete."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"f{i:02d}.bin").write_bytes(os.urandom(200_000 + i))
+    fault = {"writer": {"rank": 2, "patch": "hpcsync.staging.destination:Destination.write_round", "call": 4,
+                        "error": "EIO"},
+             "reader": {"rank": 0, "patch": "hpcsync.staging.transfer:Reader.fill", "call": 4}}[where]
+    needle = {"writer": f"rank 2: node {cluster.names[1]}: Input/output error",
+              "reader": f"rank 0: node {cluster.names[0]}: RuntimeError: fault injected into Reader.fill"}[where]
+    dst = Path(cluster.node_local, "dst")
+    try:
+        t0 = time.monotonic()
+        res = run(cluster.openmpi([2, 1]), 3, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False,
+                  timeout=60, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_STAGE_OPTS": json.dumps(
+                      {"chunk_bytes": 64 * 1024, "_fault": [fault]})})
+        assert time.monotonic() - t0 < 30
+        _same_error_everywhere(res, 3, needle)
+        for i in range(2):
+            copy = node_dir(cluster, i, "dst")
+            assert no_temporaries(copy), cluster.names[i]
+            for p in copy.glob("f*.bin"):
+                assert p.read_bytes() == (src / p.name).read_bytes(), p
+    finally:
+        for i in range(2):
+            subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
 
 
 def test_killed_mid_stage_across_nodes_then_restaged(cluster, tmp_path):

@@ -225,30 +225,34 @@ def test_unreadable_file_in_a_helpers_share_fails_on_every_rank(tmp_path):
     res = run(unprivileged, 3, "stage.py", str(src), str(tmp_path / "dst"), tmp_path=tmp_path, expect_ok=False,
               timeout=120)
     _same_error_everywhere(res, 3, "zz_last.bin", "not readable")
-    assert not [p for p in (tmp_path / "dst").rglob("*") if p.is_file()]
+    assert not (tmp_path / "dst").exists()  # not even created
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_journal_that_cannot_be_written_is_one_error_on_every_rank(rank, tmp_path):
     """One rank's journal cannot be written (a directory holds its path): every rank raises the
-    same StageError naming it, within seconds, when the job neither aborts on an exception nor
-    lets one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the error caught): no rank is left waiting.
-    The root starts its journal before any copy; rank 1 writes its own once it has copied a
-    block, before its byte range of a file over SPLIT_BYTES."""
+    same StageError naming that rank, its node and its journal, within seconds, when the job
+    neither aborts on an exception nor lets one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the error
+    caught): no rank is left waiting. The root starts its journal before any copy; rank 1 writes
+    its own once it has copied a block, before its byte range of a file over SPLIT_BYTES (here
+    the root claims no block, as a root slowed by other jobs may not: rank 1 copies them all)."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     for i in range(40):  # files only: no link for the stage to replace while it prepares
         (src / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
         (src / f"d{i % 4}" / f"f{i:02d}").write_bytes(os.urandom(2000 + i))
+    opts = {}
     if rank:
         with open(src / "split.bin", "wb") as f:  # sparse: made at once
             f.truncate(staging.SPLIT_BYTES + 1)
+        opts["_fault"] = [{"rank": 0, "patch": "hpcsync.staging.transfer:copy_blocks", "do": "return", "value": []}]
     journal = staging.JOURNAL + (f".{rank}" if rank else "")
     (dst / journal).mkdir(parents=True)
     t0 = time.monotonic()
-    res = run(openmpi(), 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False, timeout=60,
-              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})
+    res = run(openmpi(), 2, "stage.py", str(src), str(dst), json.dumps(opts), tmp_path=tmp_path, expect_ok=False,
+              timeout=60, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})
     assert time.monotonic() - t0 < 30
-    _same_error_everywhere(res, 2, f"{dst / journal}: Is a directory")
+    _same_error_everywhere(res, 2, f"rank {rank}: node {os.uname().nodename}: cannot write the stage journal "
+                           f"{dst / journal}: Is a directory")
     assert no_temporaries(dst)
 
 
@@ -454,3 +458,26 @@ def test_journal_lines_old_and_new_are_both_read(tmp_path):
     r = hpcsync.stage(src, dst)
     assert sorted(r.copied) == sorted(set(rels) - set(old) - set(batch))
     assert snapshot(dst) == expected(src) and not (dst / staging.JOURNAL).exists()
+
+
+def test_a_kill_amid_the_rewrite_of_a_resumed_journal_loses_nothing(tmp_path):
+    """A resumed stage rewrites the journal it found, carrying its records over: killed amid
+    that rewrite, before any of it reached the file, the journal still holds every record of
+    the killed stage (the rewrite goes to a temporary file that replaces the journal once
+    written), and the next call still skips those files."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(src, files=6)
+    hpcsync.stage(src, dst)
+    records = json.loads((dst / staging.MANIFEST).read_text())["files"]
+    os.unlink(dst / staging.MANIFEST)
+    done = sorted(records)[:4]
+    (dst / staging.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n"
+                                       + json.dumps([[r, records[r]] for r in done]) + "\n")
+    kill = {"rank": 0, "patch": "hpcsync.staging.journal:Journal._flush", "do": "exit"}  # its first flush
+    res = run(None, 1, "stage.py", str(src), str(dst), json.dumps({"_fault": [kill]}), tmp_path=tmp_path,
+              expect_ok=False)
+    assert res.returncode == 9 and res.ranks == [None], res
+    assert journal_records(dst) == set(done)
+    r = hpcsync.stage(src, dst)
+    assert sorted(r.copied) == sorted(set(records) - set(done))
+    assert snapshot(dst) == expected(src) and no_temporaries(dst)

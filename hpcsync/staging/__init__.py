@@ -28,11 +28,15 @@ Nothing half-done passes as done:
   nothing;
 - a stage killed half way leaves only temporary names and folders (removed by the next call) and
   files that are complete; the journal, appended at least once a second and before each large file, lets the
-  next call skip what was finished;
+  next call skip what was finished (a resumed stage rewrites it under a temporary name first, so
+  a kill amid that rewrite loses nothing);
 - any error -- a missing or unreadable source, a destination that is not writable or too small on
   one node, a file changing while it is read, a journal that cannot be written, on one node an
-  error of any kind on any rank -- raises the same :class:`~hpcsync.errors.StageError` on every
-  rank, naming the node and the path; no rank is left waiting for another.
+  error of any kind on any rank, across nodes one of any kind on a node leader while the bytes
+  move (in its reader or writer thread too) -- raises the same
+  :class:`~hpcsync.errors.StageError` on every rank, naming the rank, its node and the path; no
+  rank is left waiting for another. A stage that fails on its source leaves nothing behind, not
+  even ``dst``.
 
 Directories get their mode and mtime once their files are in. Symbolic links are copied as links
 (never followed, except a link given as ``src`` itself); sockets, FIFOs and devices are listed in
@@ -121,7 +125,7 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    chunk_bytes = min(int(chunk_bytes), _bigmpi.INT_MAX - 16 * MAX_PIECES - 8)
+    chunk_bytes = min(int(chunk_bytes), _bigmpi.INT_MAX - 16 * MAX_PIECES - 16)  # a round's count fits an int
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable},
                              StageError, "stage: ranks called it with different arguments (desync), nothing staged: ")
@@ -147,12 +151,12 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
                 # it): they learn this error from the broadcast below
                 result, err = None, f"node {socket.gethostname()}: {unexpected(exc)}"
         elif one_node:
-            help_on_one_node(node, src, dst, durable, entries)
+            help_on_one_node(node, src, dst, durable, entries, me)
         idle_until_all_arrive(comm)
         if one_node:  # the root has every rank's error (the others send theirs to it)
             result, err = comm.bcast((result, err), root=root)
-            if err:
-                raise StageError(f"{what}rank {root}: {err}")
+            if err:  # (an error another rank of the node reported names that rank already)
+                raise StageError(what + (err if err.startswith("rank ") else f"rank {root}: {err}"))
         else:
             raise_if_any(comm, err, StageError, what)
             result = comm.bcast(result, root=root)
@@ -196,14 +200,18 @@ def _split(comm: Any, root: int, dst: str) -> Tuple[Any, Any]:
     return node, (None if leaders == MPI.COMM_NULL else leaders)
 
 
-def _destination(dst: str) -> Optional[Tuple[int, int]]:
-    """The identity of ``dst`` as this rank sees it, made first if it is missing (its errors are
-    the leader's to report)."""
-    try:
-        os.makedirs(dst, exist_ok=True)
-    except OSError:
-        pass
-    return identity(dst)
+def _destination(dst: str) -> Tuple[Optional[Tuple[int, int]], str]:
+    """What ``dst`` is as this rank sees it, made or changed by nothing (a stage that fails on its
+    source leaves no destination behind): its identity, or while it is missing, the identity of
+    its nearest existing ancestor and the path from there (ranks with a ``/tmp`` of their own see
+    different ancestors)."""
+    path, rest = dst, ""
+    while True:
+        ident = identity(path)
+        parent, name = os.path.split(path)
+        if ident is not None or parent == path:
+            return ident, rest
+        path, rest = parent, f"{name}/{rest}" if rest else name
 
 
 def _list_source(node: Any, is_root: bool, src: str, one_node: bool
@@ -277,16 +285,21 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
             idle_until_all_arrive(helpers)
             helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
-    if node.writes:
-        node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
     union = node.need.copy()
     if many:
         leaders.Allreduce(node.need, union, op=_mpi.MPI().MAX)
     todo = [(i, entries[i].size) for i in np.flatnonzero(union).tolist()]
     total = sum(n for _, n in todo)
-    bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress) if is_root else None
     rounds = 0
     reader = Reader(src, entries) if is_root else None
+    bar = None
+    try:  # an error from here on is this node's: every leader and helper still takes part in the copy
+        if node.writes:
+            node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
+        if is_root:
+            bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress)
+    except Exception as exc:
+        node.note(unexpected(exc))
     try:
         if many:
             rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar)
@@ -297,8 +310,14 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
                         bar)
     finally:
         if bar is not None:
-            bar.close()
-    err = err or (reader.error if reader is not None else None) or node.finish()
+            try:
+                bar.close()
+            except Exception as exc:  # (stderr gone) every rank must still reach what follows
+                node.note(unexpected(exc))
+    try:
+        err = err or (reader.error if reader is not None else None) or node.finish()
+    except Exception as exc:  # every leader must still reach the gather below
+        err = f"node {host}: {unexpected(exc)}"
     stats = (host, node.files_written, node.bytes_written)
     every = leaders.gather(stats, root=0) if many else [stats]
     if not is_root:

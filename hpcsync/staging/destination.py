@@ -37,11 +37,11 @@ class Destination:
         self.crcs: Dict[int, int] = {}
         self.failed: Dict[Any, str] = {}
         self.unjournaled: List[Tuple[str, list]] = []
-        self.journal = Journal(dst, journal, src, durable)
+        self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
+        self.journal = Journal(dst, journal, src, durable, self.tmp_path(os.path.join(dst, journal)))
         self.last_journal = time.monotonic()
         self.files_written = self.bytes_written = 0
         self.broken: Optional[str] = None  # first write error: later files are not even tried
-        self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
         self.writes = True  # False: another node's leader writes this very directory (shared dst)
         self.probe: Optional[str] = None
         self.interrupted = False  # journals of a killed stage were found
@@ -115,11 +115,13 @@ class Destination:
         to copy whole (:attr:`units`). Returns an error naming node and path, or None."""
         dst = self.dst
         found = journals(dst)
-        self.records = self._load_manifest()
+        self.records = _load_manifest(dst, self.src, self.host)
         self.journal.carried = read_journals(dst, found, self.src, self.records, self.host)
         self.interrupted = bool(found)
         if self.interrupted:
             _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
+        else:  # a stage killed amid the write of its first journal leaves it under its temporary name
+            _unlink(self.journal.tmp)
         shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
         need_bytes = replaced = largest = 0
         made = set()
@@ -172,18 +174,6 @@ class Destination:
                 _ensure_link(path, self.entries[i], self.tmp_path(path), self.begin)
         except OSError as exc:
             self.note(f"making link {exc.filename or self.dst}: {exc.strerror}")
-
-    def _load_manifest(self) -> Dict[str, list]:
-        try:
-            with open(os.path.join(self.dst, MANIFEST)) as f:
-                doc = json.load(f)
-            if doc.get("version") == 1 and doc.get("source") == self.src:
-                return doc["files"]
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            log.warning("%s: ignoring unreadable stage manifest in %s: %s", self.host, self.dst, exc)
-        return {}
 
     # - the transfer
 
@@ -271,7 +261,10 @@ class Destination:
         self.chmod.pop(idx, None)
         if fd is not None:
             if fd >= 0:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:  # (EIO on a network filesystem) the file is dropped anyway
+                    pass
             try:
                 os.unlink(self.tmp_path(self.path(idx)))
             except OSError:
@@ -323,12 +316,15 @@ class Destination:
                 for more in self.more:
                     self.unjournaled.extend(json.loads(more).items())
                 self.checkpoint()  # what did finish is kept for the next call
-                return self._where(next(iter(self.failed.values())))
+                key, first = next(iter(self.failed.items()))
+                if isinstance(key, tuple) and key[0] == "rank":  # another rank's, named (see transfer._gathered)
+                    return first
+                return self._where(first)
             if self.files_written or self.journal.started or self.interrupted or self._stale_records():
                 if self.note(self.journal.start()):  # (the manifest too has a temporary name)
                     return self._where(self.journal.error)  # type: ignore[arg-type]
-                self._write_manifest()
-            self._set_dir_attributes()
+                _write_manifest(self)
+            _set_dir_attributes(self.entries, self.path)
         except OSError as exc:
             return self._where(f"finishing {exc.filename or self.dst}: {exc.strerror}")
         finally:
@@ -338,32 +334,50 @@ class Destination:
     def _stale_records(self) -> bool:
         return len(self.records) + self.more_files != sum(e.kind == FILE for e in self.entries)
 
-    def _write_manifest(self) -> None:
-        current = {e.rel for e in self.entries if e.kind == FILE}
-        mine = json.dumps({rel: rec for rel, rec in self.records.items() if rel in current}, separators=(",", ":"))
-        files = ",".join(part[1:-1] for part in (mine, *self.more) if part != "{}")  # objects joined
-        if self.durable:
-            _syncfs(self.dst)
-        tmp = self.tmp_path(os.path.join(self.dst, MANIFEST))
-        with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
-            f.write(f'{{"version":1,"source":{json.dumps(self.src)},"files":{{{files}}}}}')
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.dst, MANIFEST))
-        for name in journals(self.dst):
-            try:
-                os.unlink(os.path.join(self.dst, name))
-            except FileNotFoundError:
-                pass
 
-    def _set_dir_attributes(self) -> None:
-        for i in range(len(self.entries) - 1, -1, -1):  # children before their parents
-            e = self.entries[i]
-            if e.kind == DIR:
-                path = self.path(i)
-                os.chmod(path, e.mode)
-                os.utime(path, ns=(e.atime_ns, e.mtime_ns))
+def _load_manifest(dst: str, src: str, host: str) -> Dict[str, list]:
+    """The records of the manifest in ``dst``, when it is one of a stage of ``src``."""
+    try:
+        with open(os.path.join(dst, MANIFEST)) as f:
+            doc = json.load(f)
+        if doc.get("version") == 1 and doc.get("source") == src:
+            return doc["files"]
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        log.warning("%s: ignoring unreadable stage manifest in %s: %s", host, dst, exc)
+    return {}
+
+
+def _write_manifest(node: Destination) -> None:
+    """Replace ``node``'s manifest with its records (its own and the other ranks'), then remove
+    the journals."""
+    current = {e.rel for e in node.entries if e.kind == FILE}
+    mine = json.dumps({rel: rec for rel, rec in node.records.items() if rel in current}, separators=(",", ":"))
+    files = ",".join(part[1:-1] for part in (mine, *node.more) if part != "{}")  # objects joined
+    if node.durable:
+        _syncfs(node.dst)
+    tmp = node.tmp_path(os.path.join(node.dst, MANIFEST))
+    with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
+        f.write(f'{{"version":1,"source":{json.dumps(node.src)},"files":{{{files}}}}}')
+        if node.durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(node.dst, MANIFEST))
+    for name in journals(node.dst):
+        try:
+            os.unlink(os.path.join(node.dst, name))
+        except FileNotFoundError:
+            pass
+
+
+def _set_dir_attributes(entries: Sequence[Entry], path: Callable[[int], str]) -> None:
+    """Directories' modes and mtimes, once their files are in."""
+    for i in range(len(entries) - 1, -1, -1):  # children before their parents
+        e = entries[i]
+        if e.kind == DIR:
+            os.chmod(path(i), e.mode)
+            os.utime(path(i), ns=(e.atime_ns, e.mtime_ns))
 
 
 def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
@@ -430,6 +444,13 @@ def _remove_temporaries(dst: str, suffix: str) -> None:
                     os.unlink(os.path.join(folder, name))
                 except OSError:
                     pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _syncfs(path: str) -> None:

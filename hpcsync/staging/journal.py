@@ -3,7 +3,8 @@
 One file per rank that copies (the node leader's :data:`JOURNAL`, ``JOURNAL.<rank>`` for the
 other ranks of a one-node job): a first line naming the source, then one line per checkpoint,
 ``[[rel, record], ...]``. A journal that exists means a stage was killed here (a stage that ends
-removes them), so the next call removes the temporary names it left.
+removes them), so the next call removes the temporary names it left, and rewrites the journal
+(under a temporary name that replaces it once written) carrying the killed stage's records.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ class Journal:
     a file) is this rank's error, returned, never raised: the stage then ends with it on every
     rank, and the journal is not written again."""
 
-    def __init__(self, dst: str, name: str, src: str, durable: bool) -> None:
+    def __init__(self, dst: str, name: str, src: str, durable: bool, tmp: str) -> None:
         self.path, self.src, self.durable = os.path.join(dst, name), src, durable
+        self.tmp = tmp  # where it is written first (beside it: a hidden temporary name)
         self.file: Optional[Any] = None
         self.error: Optional[str] = None
         self.carried: Dict[str, list] = {}  # a killed stage's records, which this journal replaces
@@ -63,17 +65,24 @@ class Journal:
 
     def start(self) -> Optional[str]:
         """Create the journal (its first line names the source; its second carries
-        :attr:`carried`, so a stage killed twice still skips what the first run finished)."""
+        :attr:`carried`, so a stage killed twice still skips what the first run finished). It is
+        written under :attr:`tmp`, then renamed over the journal it replaces: a kill amid the
+        write leaves that journal whole, never truncated."""
         if self.file is None and self.error is None:
             try:
-                self.file = open(self.path, "w")
+                self.file = open(self.tmp, "w")
                 self.file.write(json.dumps({"source": self.src}) + "\n")
                 if self.carried:
                     self.file.write(json.dumps(list(self.carried.items()), separators=(",", ":")) + "\n")
-                    self.carried = {}
                 self._flush(self.durable)
+                os.replace(self.tmp, self.path)  # the open file is the journal from here on
+                self.carried = {}
             except OSError as exc:
                 self._failed(exc)
+                try:
+                    os.unlink(self.tmp)
+                except OSError:
+                    pass
         return self.error
 
     def append(self, done: List[Tuple[str, list]]) -> Optional[str]:

@@ -26,51 +26,134 @@ SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte r
 
 
 def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reader: Optional["Reader"],
-               node: "Destination", bar: Optional[Progress]) -> int:
-    """The pipelined transfer among node leaders; returns the number of broadcast rounds."""
+              node: "Destination", bar: Optional[Progress]) -> int:
+    """The pipelined transfer among node leaders; returns the number of broadcast rounds.
+
+    Nothing raised on a leader, here or in its threads, leaves another waiting in a broadcast: an
+    error of a writer thread is its node's (:meth:`Destination.note`; the leader still takes part
+    in every round), one of the root's reader thread or of its own loop ends the transfer for all
+    (:meth:`Reader.stop`: one more round goes out, flagged as the last). Either reaches every rank
+    as the stage's error."""
     MPI = _mpi.MPI()
     plan = list(chunks(todo, chunk_bytes))
     if not plan:
         return 0
-    cap = max(trailer_at(p) + 16 * len(p) for p in plan)
-    bufs: List[Any] = [None] * 3
-    reads: Dict[int, Future] = {}
-    writes: Dict[int, Future] = {}
-    read_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-read") if reader is not None else None
-    write_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-write")
-
-    def buffer(k: int) -> Any:
-        if k >= 3:
-            writes[k - 3].result()  # the round that last used this buffer is written
-        if bufs[k % 3] is None:
-            bufs[k % 3] = np.empty(cap, dtype=np.uint8)  # no zero-fill: every byte sent is written first
-        return bufs[k % 3]
-
-    def start_read(k: int) -> None:
-        if read_pool is not None and k < len(plan):
-            buf = buffer(k)
-            reads[k] = read_pool.submit(reader.fill, plan[k], buf)  # type: ignore[union-attr]
-
+    pipe = _Pipeline(plan, reader, node)
     try:
-        start_read(0)
         for k, pieces in enumerate(plan):
-            if read_pool is not None:
-                buf = reads.pop(k).result()
-                start_read(k + 1)  # read the next round while this one travels
-            else:
-                buf = buffer(k)
-            n = trailer_at(pieces) + 16 * len(pieces)
+            buf, n = pipe.take(k), round_bytes(pieces)
             leaders.Bcast([buf, n, MPI.BYTE], root=0)
-            writes[k] = write_pool.submit(node.write_round, pieces, buf, reader is None)
+            if _flag(buf, n)[0]:  # the root stopped: nothing more comes
+                pipe.stopped()
+                return k + 1
+            pipe.write(k, buf)
             if bar is not None:
-                bar.update(sum(p[2] for p in pieces))
-        for f in writes.values():
-            f.result()
+                try:
+                    bar.update(sum(p[2] for p in pieces))
+                except Exception as exc:  # (stderr gone): an error like any other, the next round is the last
+                    reader.stop(unexpected(exc))  # type: ignore[union-attr]
+                    bar = None
     finally:
-        if read_pool is not None:
-            read_pool.shutdown(wait=True)
-        write_pool.shutdown(wait=True)
+        pipe.close()
     return len(plan)
+
+
+def round_bytes(pieces: Sequence[Piece]) -> int:
+    """The bytes of a broadcast round: the data, a CRC and a flag per piece, the round's flag (1:
+    the root stopped, this round is the last and carries nothing)."""
+    return trailer_at(pieces) + 16 * len(pieces) + 8
+
+
+def _flag(buf: Any, n: int) -> Any:
+    return np.frombuffer(buf, dtype=np.int64, count=1, offset=n - 8)
+
+
+class _Pipeline:
+    """A leader's three round buffers, its writer thread and, on the root, its reader thread.
+    Nothing here raises: an error is the node's (the writer's) or stops the root's reader."""
+
+    def __init__(self, plan: List[List[Piece]], reader: Optional["Reader"], node: "Destination") -> None:
+        self.plan, self.reader, self.node = plan, reader, node
+        self.cap = max(round_bytes(p) for p in plan)
+        self.bufs: List[Any] = [None] * 3
+        self.reads: Dict[int, Future] = {}
+        self.writes: Dict[int, Future] = {}
+        self.read_pool = None if reader is None else ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-read")
+        self.write_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-write")
+
+    def buffer(self, k: int) -> Any:
+        """Round ``k``'s buffer, once the round that last used it is written."""
+        if k - 3 in self.writes:
+            self.writes.pop(k - 3).result()
+        if self.bufs[k % 3] is None:
+            self.bufs[k % 3] = np.empty(self.cap, dtype=np.uint8)  # no zero-fill: every byte sent is written first
+        return self.bufs[k % 3]
+
+    def take(self, k: int) -> Any:
+        """Round ``k`` to broadcast: on the root, read from the source (the next round is read while
+        this one travels), or flagged as the last once the reader stopped."""
+        reader = self.reader
+        if reader is None:
+            return self.buffer(k)
+        try:
+            if reader.stopped is None:
+                if k == 0:
+                    self._read(0)
+                buf = self.reads.pop(k).result()
+                if reader.stopped is None:
+                    self._read(k + 1)
+                    return buf
+        except Exception as exc:
+            reader.stop(unexpected(exc))
+        self.drain()
+        buf = self.buffer(k)
+        _flag(buf, round_bytes(self.plan[k]))[0] = 1
+        return buf
+
+    def _read(self, k: int) -> None:
+        if k < len(self.plan):
+            self.reads[k] = self.read_pool.submit(self._fill, self.plan[k], self.buffer(k))  # type: ignore[union-attr]
+
+    def _fill(self, pieces: List[Piece], buf: Any) -> Any:
+        try:
+            self.reader.fill(pieces, buf)  # type: ignore[union-attr]
+        except Exception as exc:
+            self.reader.stop(unexpected(exc))  # type: ignore[union-attr]
+        _flag(buf, round_bytes(pieces))[0] = 0
+        return buf
+
+    def write(self, k: int, buf: Any) -> None:
+        try:
+            self.writes[k] = self.write_pool.submit(self._write, self.plan[k], buf)
+        except Exception as exc:
+            self.node.note(unexpected(exc))
+
+    def _write(self, pieces: List[Piece], buf: Any) -> None:
+        try:
+            self.node.write_round(pieces, buf, self.reader is None)
+        except Exception as exc:
+            self.node.note(unexpected(exc))
+
+    def drain(self) -> None:
+        """Wait for the reads and writes under way (none raises)."""
+        for f in [*self.reads.values(), *self.writes.values()]:
+            f.result()
+        self.reads.clear()
+        self.writes.clear()
+
+    def stopped(self) -> None:
+        """The root stopped the transfer (its error is the stage's): drop the files begun."""
+        self.drain()
+        for idx in list(self.node.fds):
+            self.node.fail(idx, None)
+
+    def close(self) -> None:
+        self.drain()
+        if self.reader is not None:
+            self.reader.close()
+        if self.read_pool is not None:
+            self.read_pool.shutdown(wait=True)
+        self.write_pool.shutdown(wait=True)
 
 
 def copy_blocks(plan: List[Tuple[int, List[int]]], src: str, entries: List[Entry], node: "Destination",
@@ -281,8 +364,8 @@ def _gathered(every: List[Any], src: str, entries: List[Entry], ranges: List[Lis
         for i in copied:  # the helper's record replaces what an earlier stage recorded
             node.records.pop(entries[i].rel, None)
         node.add_records(records, len(copied))
-        for k, why in enumerate(failed):
-            node.failed.setdefault((r, k), why)
+        for k, why in enumerate(failed):  # named already (rank and node): see Destination.finish
+            node.failed.setdefault(("rank", r, k), why)
         for k, why in enumerate(unreadable):
             reader.fail((r, k), why)
         reader.read_bytes += read_bytes
@@ -359,9 +442,10 @@ def _source_unchanged(source: str, e: Entry) -> Optional[str]:
         os.close(fd)
 
 
-def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry]) -> None:
-    """A non-root rank's part of :func:`copy_shared`. Its errors travel to the root in the
-    gather, which it reaches whatever fails here (the root waits there)."""
+def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry], rank: int) -> None:
+    """A non-root rank's part of :func:`copy_shared` (``rank``: its rank in the stage's group).
+    Its errors travel to the root in the gather, which it reaches whatever fails here (the root
+    waits there), each naming this rank and node."""
     idle_until_all_arrive(ranks)
     share = ranks.scatter(None, root=0)
     if share is None:
@@ -369,7 +453,7 @@ def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: Lis
     ids, plan, claims, ranges = share
     me = ranks.Get_rank()
     if ids[1] != identity(dst):  # the ranks were grouped by what they see at dst: it changed since
-        why = f"rank {me} of the node no longer sees the directory {dst} that rank 0 of the node writes"
+        why = f"no longer sees the directory {dst} that rank 0 of the node writes"
         done: Tuple[Any, ...] = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
     elif ids[0] != identity(src):  # another source: its share goes to the root
         done = ("unable",)
@@ -377,8 +461,10 @@ def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: Lis
         try:
             done = _help(me, src, dst, durable, entries, plan, claims, ranges)
         except Exception as exc:
-            why = f"rank {me}: {unexpected(exc)}"
+            why = unexpected(exc)
             done = ([], "{}", [why], [], 0, 0, _all_failed(entries, ranges, why))
+    if done[0] != "unable":
+        done = (*done[:2], [f"rank {rank}: node {socket.gethostname()}: {why}" for why in done[2]], *done[3:])
     idle_until_all_arrive(ranks)
     ranks.gather(done, root=0)
 
@@ -409,6 +495,7 @@ class Reader:
         self.fd, self.crc = -1, 0
         self.read_bytes = 0
         self.failed: Dict[Any, str] = {}
+        self.stopped: Optional[str] = None
 
     @property
     def error(self) -> Optional[str]:
@@ -420,6 +507,20 @@ class Reader:
 
     def fail(self, idx: Any, why: str) -> None:
         self.failed.setdefault(idx, why)
+
+    def stop(self, why: str) -> None:
+        """An error that no file explains: nothing more is read, the transfer ends (see broadcast)."""
+        self.stopped = self.stopped or why
+        self.fail(("stop",), why)
+
+    def close(self) -> None:
+        """Close the file that a stop left open (no read is under way)."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
 
     def fill(self, pieces: Sequence[Piece], buf: Any) -> Any:
         trailer = np.frombuffer(buf, dtype=np.int64, count=2 * len(pieces), offset=trailer_at(pieces))

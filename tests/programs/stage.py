@@ -1,7 +1,14 @@
 """hpcsync.stage(SRC, DST, **options) on every rank; report the result or the error.
 
 Options: JSON in argv[3] or in $HPCSYNC_TEST_STAGE_OPTS (what crosses a namespace node's shell).
+``_fault``: a list of faults, each ``{"rank": R, "patch": "module:Name.attr", "call": N, "do": D}``:
+on rank R, call N (from 1) of that function raises (``"raise"``: ``OSError(EIO)`` with
+``"error": "EIO"``, else ``RuntimeError``), ends the process as a kill would (``"exit"``), or
+returns ``"value"`` without running it (``"return"``).
 """
+import errno
+import importlib
+import itertools
 import json
 import os
 import socket
@@ -19,6 +26,35 @@ if rank == 1 and "_rank1" in opts:  # a rank that diverges
     opts.update(opts["_rank1"])
 opts.pop("_rank1", None)
 src, dst = opts.pop("src", src), opts.pop("dst", dst)
+
+
+def inject(fault: dict) -> None:
+    module, _, qualname = fault["patch"].partition(":")
+    owner = importlib.import_module(module)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    real, calls = getattr(owner, name), itertools.count(1)
+
+    def patched(*args, **kwargs):
+        if next(calls) != fault.get("call", 1):
+            return real(*args, **kwargs)
+        do = fault.get("do", "raise")
+        if do == "exit":
+            os._exit(9)
+        if do == "return":
+            return fault.get("value")
+        if fault.get("error") == "EIO":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        raise RuntimeError(f"fault injected into {qualname}")
+
+    setattr(owner, name, patched)
+
+
+for fault in opts.pop("_fault", []):
+    if fault["rank"] == rank:
+        inject(fault)
+
 out = {"rank": rank, "world_size": size, "hostname": socket.gethostname(),
        "local_rank": comm.get_local_rank(), "node_rank": hpcsync.topology().node_rank}
 try:
