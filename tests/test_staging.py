@@ -481,12 +481,13 @@ def test_full_disk_on_one_node_is_one_error(cluster, tmp_path):
         subprocess.run(["rm", "-rf", str(node_dir(cluster, 0, "dst"))])
 
 
-@pytest.mark.parametrize("where", ["writer", "reader"])
+@pytest.mark.parametrize("where", ["writer", "root-writer", "reader"])
 def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(cluster, where, tmp_path):
     """An error no check expects, raised amid the broadcast (node 1's writer thread: a write or
     close answering EIO, as a network filesystem may; the root's reader thread), with the job
     neither aborting on an exception nor letting one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the
-    error caught): every rank raises the same StageError naming the rank and node, within
+    error caught; the root's writer too, which takes each piece's checksum from the round
+    without computing it; its third round is the middle of the first file): every rank raises the same StageError naming the rank and node, within
     seconds; no rank is left waiting in a broadcast, no temporary file stays, and whatever is at
     a final name is complete."""
     src = tmp_path / "src"
@@ -495,8 +496,11 @@ def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(clust
         (src / f"f{i:02d}.bin").write_bytes(os.urandom(200_000 + i))
     fault = {"writer": {"rank": 2, "patch": "hpcsync.staging.destination:Destination.write_round", "call": 4,
                         "error": "EIO"},
+             "root-writer": {"rank": 0, "patch": "hpcsync.staging.destination:Destination.write_round", "call": 3,
+                             "error": "EIO"},
              "reader": {"rank": 0, "patch": "hpcsync.staging.transfer:Reader.fill", "call": 4}}[where]
     needle = {"writer": f"rank 2: node {cluster.names[1]}: Input/output error",
+              "root-writer": f"rank 0: node {cluster.names[0]}: Input/output error",
               "reader": f"rank 0: node {cluster.names[0]}: RuntimeError: fault injected into Reader.fill"}[where]
     dst = Path(cluster.node_local, "dst")
     try:

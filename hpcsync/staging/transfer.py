@@ -126,13 +126,22 @@ class _Pipeline:
         try:
             self.writes[k] = self.write_pool.submit(self._write, self.plan[k], buf)
         except Exception as exc:
-            self.node.note(unexpected(exc))
+            self.drain()
+            self._broken(exc)
 
     def _write(self, pieces: List[Piece], buf: Any) -> None:
         try:
             self.node.write_round(pieces, buf, self.reader is None)
         except Exception as exc:
-            self.node.note(unexpected(exc))
+            self._broken(exc)
+
+    def _broken(self, exc: Exception) -> None:
+        """A round not written whole: the node's error, and every file begun is dropped -- its
+        later pieces would complete it around a hole (the root, which takes each checksum from
+        the round, would not see it)."""
+        self.node.note(unexpected(exc))
+        for idx in list(self.node.fds):
+            self.node.fail(idx, None)
 
     def drain(self) -> None:
         """Wait for the reads and writes under way (none raises)."""
