@@ -481,10 +481,11 @@ def test_full_disk_on_one_node_is_one_error(cluster, tmp_path):
         subprocess.run(["rm", "-rf", str(node_dir(cluster, 0, "dst"))])
 
 
-@pytest.mark.parametrize("where", ["writer", "root-writer", "reader"])
+@pytest.mark.parametrize("where", ["writer", "root-writer", "reader", "buffers"])
 def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(cluster, where, tmp_path):
     """An error no check expects, raised amid the broadcast (node 1's writer thread: a write or
-    close answering EIO, as a network filesystem may; the root's reader thread), with the job
+    close answering EIO, as a network filesystem may; the root's reader thread; node 1's buffers,
+    which it cannot allocate), with the job
     neither aborting on an exception nor letting one escape (HPCSYNC_ABORT_ON_EXCEPTION=0, the
     error caught; the root's writer too, which takes each piece's checksum from the round
     without computing it; its third round is the middle of the first file): every rank raises the same StageError naming the rank and node, within
@@ -498,10 +499,12 @@ def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(clust
                         "error": "EIO"},
              "root-writer": {"rank": 0, "patch": "hpcsync.staging.destination:Destination.write_round", "call": 3,
                              "error": "EIO"},
-             "reader": {"rank": 0, "patch": "hpcsync.staging.transfer:Reader.fill", "call": 4}}[where]
+             "reader": {"rank": 0, "patch": "hpcsync.staging.transfer:Reader.fill", "call": 4},
+             "buffers": {"rank": 2, "patch": "hpcsync.staging.transfer:_Pipeline.buffer", "call": 1}}[where]
     needle = {"writer": f"rank 2: node {cluster.names[1]}: Input/output error",
               "root-writer": f"rank 0: node {cluster.names[0]}: Input/output error",
-              "reader": f"rank 0: node {cluster.names[0]}: RuntimeError: fault injected into Reader.fill"}[where]
+              "reader": f"rank 0: node {cluster.names[0]}: RuntimeError: fault injected into Reader.fill",
+              "buffers": f"rank 2: node {cluster.names[1]}: cannot allocate the broadcast's buffers"}[where]
     dst = Path(cluster.node_local, "dst")
     try:
         t0 = time.monotonic()

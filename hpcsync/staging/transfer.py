@@ -40,6 +40,8 @@ def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reade
         return 0
     pipe = _Pipeline(plan, reader, node)
     try:
+        if not leaders.allreduce(pipe.allocate(), op=MPI.LAND):  # a leader without them: none starts
+            return 0
         for k, pieces in enumerate(plan):
             buf, n = pipe.take(k), round_bytes(pieces)
             leaders.Bcast([buf, n, MPI.BYTE], root=0)
@@ -80,6 +82,17 @@ class _Pipeline:
         self.writes: Dict[int, Future] = {}
         self.read_pool = None if reader is None else ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-read")
         self.write_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-write")
+
+    def allocate(self) -> bool:
+        """The round buffers, made before the first round (False: this node's error, noted)."""
+        try:
+            for k in range(min(3, len(self.plan))):
+                self.buffer(k)
+            return True
+        except Exception as exc:  # MemoryError: up to three times chunk_bytes
+            self.node.note(f"cannot allocate the broadcast's buffers ({min(3, len(self.plan))} x {self.cap} bytes): "
+                           f"{unexpected(exc)}")
+            return False
 
     def buffer(self, k: int) -> Any:
         """Round ``k``'s buffer, once the round that last used it is written."""
