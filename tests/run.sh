@@ -9,19 +9,33 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash jobs/setup_env.sh --full
 .venv/bin/ruff check .   # the lint configured in pyproject.toml
-pytest() { .venv/bin/python -m pytest tests -ra "$@"; }
-passed() { [ "$1" = 0 ] || [ "$1" = 5 ]; }   # 5: the arguments selected none of these tests
-for arg in "$@"; do   # a mark expression of the caller's own: one plain run of it
-  case "$arg" in -m|-m*) exec .venv/bin/python -m pytest tests -ra "$@" ;; esac
+for arg in "$@"; do   # options that one run must own (a selection, a folder, a report, the cache): one plain run
+  case "$arg" in
+    -m|-m*|--basetemp*|--junit*|--lf|--ff|--sw|--last-failed|--failed-first|--stepwise*|--cache-clear)
+      exec .venv/bin/python -m pytest tests -ra "$@" ;;
+  esac
 done
+pytest() { .venv/bin/python -m pytest tests -ra "$@"; }
 cluster_log=$(mktemp)
-trap 'rm -f "$cluster_log"' EXIT
-pytest -p no:cacheprovider -m "(cluster or example) and not alone" "$@" >"$cluster_log" 2>&1 &
+cluster_pid=
+stop_cluster() {   # on Ctrl-C or TERM: the background run tears down its Slurm and nodes, then says what it saw
+  if [ -n "$cluster_pid" ]; then kill -INT "$cluster_pid" 2>/dev/null || true; wait "$cluster_pid" || true; cat "$cluster_log"; fi
+  rm -f "$cluster_log"
+}
+trap 'stop_cluster; exit 130' INT TERM
+# (a background job ignores SIGINT; --default-signal gives pytest back its KeyboardInterrupt)
+env --default-signal=INT .venv/bin/python -m pytest tests -ra -p no:cacheprovider \
+  -m "(cluster or example) and not alone" "$@" >"$cluster_log" 2>&1 &
 cluster_pid=$!
 rest=0 cluster=0 alone=0
 pytest -m "not cluster and not example and not alone" "$@" || rest=$?
 wait "$cluster_pid" || cluster=$?
+cluster_pid=
 echo "---- beside them, the tests that build namespace nodes or use Slurm, and the example trainings:"
 cat "$cluster_log"
+rm -f "$cluster_log"
 pytest -m alone "$@" || alone=$?
-for rc in "$rest" "$cluster" "$alone"; do passed "$rc" || exit "$rc"; done
+[ "$rest$cluster$alone" = 555 ] && exit 5   # the arguments selected no test at all
+for rc in "$rest" "$cluster" "$alone"; do
+  [ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"   # 5: none of this run's tests was selected
+done

@@ -180,6 +180,7 @@ def test_two_jobs_on_one_root_is_a_clear_error(tmp_path):
     assert ckpt_op(tmp_path, "load", root).ranks[0]["loaded"]["v"] == "first"
 
 
+@pytest.mark.alone  # bounds of wall time
 @pytest.mark.parametrize("launcher,mode", [("openmpi", "save"), ("mpich", "requeue")])
 def test_a_rank_failing_inside_a_collective_call_ends_the_others_within_the_timeout(launcher, mode, tmp_path):
     """HPCSYNC_ABORT_ON_EXCEPTION=0 and rank 0 alone raises inside Checkpoints.save / requeue():

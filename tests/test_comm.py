@@ -84,6 +84,7 @@ def test_ranks_disagreeing_on_the_root_raise_everywhere(launcher, tmp_path):
             assert d[name].startswith("ValueError: ranks disagree on the root") and "rank(s) [0, 2] say root 0" in d[name]
 
 
+@pytest.mark.alone  # a bound of wall time
 @pytest.mark.parametrize("wait_all", [False, True])
 def test_monitored_barrier_names_missing_ranks(wait_all, tmp_path):
     """torch allows monitored_barrier on gloo only; ours works over MPI with any backend."""

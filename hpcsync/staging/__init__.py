@@ -35,7 +35,7 @@ Nothing half-done passes as done:
   error of any kind on any rank, across nodes one of any kind on a node leader while the bytes
   move (in its reader or writer thread too) -- raises the same
   :class:`~hpcsync.errors.StageError` on every rank, naming the rank, its node and the path; no
-  rank is left waiting for another. A stage that fails on its source leaves nothing behind, not
+  rank is left waiting for another. A source that cannot be listed leaves nothing behind, not
   even ``dst``.
 
 Directories get their mode and mtime once their files are in. Symbolic links are copied as links
