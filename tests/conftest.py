@@ -32,7 +32,8 @@ _builds_nodes.seen = {}
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = getattr(item, "module", None)  # (a doctest or a plugin's item has none)
-        if (module is not None and _builds_nodes(module)) or item.get_closest_marker("slurm") or "slurm" in item.fixturenames:
+        if (module is not None and _builds_nodes(module)) or item.get_closest_marker("slurm") \
+                or "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
 
 

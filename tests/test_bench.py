@@ -7,7 +7,7 @@ import pytest
 
 from launch import PY, ROOT, clean_env
 
-pytestmark = pytest.mark.alone  # benchmarks: their runs are timed
+pytestmark = pytest.mark.heavy  # long jobs, checked for sane figures, not for their speed (tests/run.sh)
 
 
 def run_quick(tmp_path, script, *args, timeout=900):
@@ -143,6 +143,7 @@ def test_recovery_benchmark_quick(tmp_path):
     assert "background stall / synchronous stall" in stdout
 
 
+@pytest.mark.alone  # a ratio of two timings
 def test_logs_benchmark_quick(tmp_path):
     """bench_logs --quick: a record's cost in the three places, each measured and above the floor."""
     _, data, stdout = run_quick(tmp_path, "bench_logs.py", "--shared", str(tmp_path / "logs"), timeout=120)

@@ -12,7 +12,7 @@ import pytest
 
 from launch import LAUNCHERS, PY, ROOT, clean_env, long_run
 
-pytestmark = pytest.mark.example  # runs beside the rest with the cluster tests (tests/run.sh): the two take as long
+pytestmark = pytest.mark.heavy  # long jobs, checked for what they write, not for their speed (tests/run.sh)
 
 EXAMPLE = str(ROOT / "examples" / "train.py")
 

@@ -201,8 +201,8 @@ def _split(comm: Any, root: int, dst: str) -> Tuple[Any, Any]:
 
 
 def _destination(dst: str) -> Tuple[Optional[Tuple[int, int]], str]:
-    """What ``dst`` is as this rank sees it, made or changed by nothing (a stage that fails on its
-    source leaves no destination behind): its identity, or while it is missing, the identity of
+    """What ``dst`` is as this rank sees it, made or changed by nothing (a source that cannot be
+    listed leaves no destination behind): its identity, or while it is missing, the identity of
     its nearest existing ancestor and the path from there (ranks with a ``/tmp`` of their own see
     different ancestors)."""
     path, rest = dst, ""
