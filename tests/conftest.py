@@ -1,8 +1,10 @@
 """Shared fixtures, and the marks `tests/run.sh` runs the suite by. Most tests wait on jobs
-(timeouts, schedulers, launchers), so two pytest runs go side by side: the tests marked
+(timeouts, schedulers, launchers), so two pytest runs go side by side: one with the tests marked
 ``cluster`` -- every test of a module that builds namespace nodes or a Slurm of its own, and every
-test of the shared Slurm: machine-global names, so one at a time -- and all the others. The tests
-marked ``alone`` measure time or speed: they run afterwards, with nothing beside them."""
+test of the shared Slurm: machine-global names, so one at a time -- and those marked ``heavy``;
+the other with all the rest. The tests marked ``alone`` measure time: they run afterwards, with
+nothing beside them."""
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -17,22 +19,17 @@ import slurm_cluster  # noqa: E402
 _MACHINE_WORDS = ("netns", "slurm_cluster")  # what a module that builds nodes or its own Slurm says
 
 
-def _builds_nodes(module) -> bool:
-    """Whether a test module builds namespace nodes or a Slurm of its own (read from its source once)."""
-    found = _builds_nodes.seen.get(module.__name__)
-    if found is None:
-        text = Path(module.__file__).read_text()
-        found = _builds_nodes.seen[module.__name__] = any(w in text for w in _MACHINE_WORDS)
-    return found
-
-
-_builds_nodes.seen = {}
+@functools.lru_cache(maxsize=None)
+def _builds_nodes(path: str) -> bool:
+    """Whether the test module at ``path`` builds namespace nodes or a Slurm of its own."""
+    text = Path(path).read_text()
+    return any(w in text for w in _MACHINE_WORDS)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = getattr(item, "module", None)  # (a doctest or a plugin's item has none)
-        if (module is not None and _builds_nodes(module)) or item.get_closest_marker("slurm") \
+        if (module is not None and _builds_nodes(module.__file__)) or item.get_closest_marker("slurm") \
                 or "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
 
