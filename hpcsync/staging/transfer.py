@@ -153,8 +153,7 @@ class _Pipeline:
         later pieces would complete it around a hole (the root, which takes each checksum from
         the round, would not see it)."""
         self.node.note(unexpected(exc))
-        for idx in list(self.node.fds):
-            self.node.fail(idx, None)
+        self._drop_begun()
 
     def drain(self) -> None:
         """Wait for the reads and writes under way (none raises)."""
@@ -166,6 +165,9 @@ class _Pipeline:
     def stopped(self) -> None:
         """The root stopped the transfer (its error is the stage's): drop the files begun."""
         self.drain()
+        self._drop_begun()
+
+    def _drop_begun(self) -> None:
         for idx in list(self.node.fds):
             self.node.fail(idx, None)
 
