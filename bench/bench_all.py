@@ -4,8 +4,8 @@ and the HDF5 writer.
 
     python bench/bench_all.py [--ranks 2 4] [--quick] [--before bench/results/all.json]
 
-Runs bench_backend.py (Open MPI with DDP, then MPICH without), bench_filesync.py (1 GB, best of
-2) and bench_h5.py (1 GB, best of 3) one after another for each rank count (--quick: their quick
+Runs bench_backend.py (Open MPI with DDP, then MPICH without DDP but with its floors, --anchors),
+bench_filesync.py (1 GB, best of 2) and bench_h5.py (1 GB, best of 3) one after another for each rank count (--quick: their quick
 modes, 2 ranks), prints one summary table of the headline ratios, each beside its target, and
 writes ``bench/results/all.json`` (the scripts' own JSON files hold every row). ``--before``: an
 earlier run's ``all.json``, printed beside each ratio; the DDP rows' target becomes "no worse
@@ -46,7 +46,7 @@ def main() -> None:
         be = run("bench_backend.py", out.with_name(f"all-backend-{n}.json"),
                  *(["--quick"] if q else ["--ranks", str(n)]))["results"][0]
         mpich = run("bench_backend.py", out.with_name(f"all-backend-mpich-{n}.json"), "--mpi", "mpich",
-                    "--parts", "no-ddp", *(["--quick", "--sizes", "4096", "1048576"] if q else
+                    "--parts", "no-ddp", "--anchors", *(["--quick", "--sizes", "4096", "1048576"] if q else
                                            ["--ranks", str(n), "--sizes", "4096", "1048576", "16777216", "67108864",
                                             "268435456"]))["results"][0]
         fs = run("bench_filesync.py", out.with_name(f"all-filesync-{n}.json"),

@@ -13,8 +13,10 @@ rank count; at the end one table of the backend's targets over all of them (:dat
 jobs, interleaved with this one ("before" and "after" in one run). ``--anchors``: two more raw
 mpi4py rows per collective, on the torch tensors' own memory ("raw on torch") and that call after a
 16-byte ``Allreduce`` on a second communicator ("raw + agreement": the floor of any design that
-agrees on each call before making it, as hpcsync does), so that what hpcsync's own code costs
-is told apart from what the memory and the agreement cost. Prints tables, writes
+agrees on each call before making it, as hpcsync does), and the same call through torch's
+``dist.*`` into the thinnest Python backend, without and with the agreement
+(:mod:`floors`), so that what hpcsync's own code costs is told apart from what the memory,
+torch's dispatch and the agreement cost. Prints tables, writes
 ``bench/results/backend.json`` and ``bench/results/backend.png``.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import floors
 from common import mpirun_env, save_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,29 +41,6 @@ REPEATS = 3  # hpcsync, gloo, mpi4py measured in turn this many times; each keep
 # time) for these collectives at these sizes and up; and the 4 KiB all_reduce's time, times raw.
 TARGETS = ((("all_reduce", "all_gather", "broadcast"), 1 << 20, 0.9),)
 SMALL_TARGET = 3.0
-
-
-def _noop_backend() -> None:
-    """A ProcessGroup that does nothing: what torch's dispatcher + a Python backend cost per call."""
-    import torch.distributed as dist
-
-    class Done(dist.Work):
-        def wait(self, timeout=None):
-            return True
-
-        def is_completed(self):
-            return True
-
-    class Noop(dist.ProcessGroup):
-        def allreduce(self, tensors, opts=None):
-            return Done()
-
-        def getBackendName(self):
-            return "noop"
-
-    if "noop" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("noop", lambda o, _b=None: Noop(o.group_rank, o.group_size),
-                                      extended_api=True, devices=["cpu"])
 
 
 def _load_baseline(path: str) -> None:
@@ -122,12 +102,20 @@ def worker(quick: bool, parts: str) -> None:
     anchors = bool(os.environ.get("BENCH_ANCHORS"))
     agree_comm, agree_buf = comm.Dup(), np.zeros(2, dtype=np.int64)
 
+    def agree():
+        """The agreement hpcsync makes before each call: one 16-byte MAX Allreduce."""
+        agree_comm.Allreduce(MPI.IN_PLACE, agree_buf, op=MPI.MAX)
+
     def agreed(call):
-        """``call`` after the agreement hpcsync makes before each call: one 16-byte MAX Allreduce."""
         def run():
-            agree_comm.Allreduce(MPI.IN_PLACE, agree_buf, op=MPI.MAX)
+            agree()
             call()
         return run
+
+    floors.register()
+    if anchors:  # the thinnest Python backends through torch's dispatch: without, then with the agreement
+        thin, thin_agreed = (dist.new_group(list(range(W)), backend="thin") for _ in range(2))
+        thin_agreed.agree = agree
 
     rows = []
     ddp_only = parts == "ddp"
@@ -196,9 +184,16 @@ def worker(quick: bool, parts: str) -> None:
                          "all_gather": lambda: comm.Allgather(gt_in, gt_out),
                          "broadcast": lambda: comm.Bcast(xt, root=0),
                          "reduce_scatter": lambda: comm.Reduce_scatter_block(rst_in, rst_out)}
+            floors.Thin.calls = raw_torch
+            through = {"all_reduce": lambda g: dist.all_reduce(x, group=g),
+                       "all_gather": lambda g: all_gather(g_out, g_in, group=g),
+                       "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
+                       "reduce_scatter": lambda g: reduce_scatter(rs_out, rs_in, group=g)}
             for op, call in raw_torch.items():
                 impls[op]["raw on torch"] = call
                 impls[op]["raw + agreement"] = agreed(call)
+                impls[op]["thin backend"] = lambda f=through[op]: f(thin)
+                impls[op]["thin + agreement"] = lambda f=through[op]: f(thin_agreed)
         if base is not None:
             impls["all_reduce"]["baseline"] = lambda: dist.all_reduce(x, group=base)
             impls["all_gather"]["baseline"] = lambda: all_gather(g_out, g_in, group=base)
@@ -220,7 +215,8 @@ def worker(quick: bool, parts: str) -> None:
             if R == 0:
                 print(f"  {op:15s} {nbytes:>10d} B  " + "  ".join(
                     f"{k}={v * 1e6:9.1f}us" for k, v in row.items()
-                    if k in ("hpcsync", "baseline", "gloo", "mpi4py", "raw on torch", "raw + agreement", "np.add")
+                    if k in ("hpcsync", "baseline", "gloo", "mpi4py", "raw on torch", "raw + agreement",
+                             "thin + agreement", "np.add")
                     and v),
                     flush=True)
 
@@ -270,7 +266,6 @@ def worker(quick: bool, parts: str) -> None:
     checks = {}
     if not (ddp_only or coll_only):
         x4k, x4n = torch.ones(1024), np.ones(1024, dtype=np.float32)
-        _noop_backend()
         noop = dist.new_group(list(range(W)), backend="noop")
         calls = {"no-op ProcessGroup (floor)": lambda: dist.all_reduce(x4k, group=noop)}
         for mode, var in (("check off", ("HPCSYNC_DESYNC_CHECK", "0")), ("default", None),
@@ -288,6 +283,9 @@ def worker(quick: bool, parts: str) -> None:
             x4t = x4k.numpy()
             calls["raw on torch"] = lambda: comm.Allreduce(MPI.IN_PLACE, x4t)
             calls["raw + agreement"] = agreed(lambda: comm.Allreduce(MPI.IN_PLACE, x4t))
+            floors.Thin.calls = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, x4t)}
+            calls["thin backend"] = lambda: dist.all_reduce(x4k, group=thin)
+            calls["thin + agreement"] = lambda: dist.all_reduce(x4k, group=thin_agreed)
         for _ in range(1 if quick else rounds):
             for mode, fn in calls.items():
                 t = timed(fn, 4096 * 20)
@@ -330,7 +328,8 @@ def fmt_time(s):
 
 def targets(results):
     """One row per target and run: (MPI, ranks, measure, goal, figure, baseline's figure or None, met,
-    the figure against raw on torch's memory or None, the figure against raw + agreement or None)."""
+    the figure against raw on torch's memory, against raw + agreement, and what the thinnest
+    agree-first backend reaches on the same measure; None where not measured)."""
     rows = []
     for res in results:
         lib, W = res.get("mpi", "openmpi"), res["world_size"]
@@ -341,14 +340,16 @@ def targets(results):
                     fig = r["mpi4py"] / r["hpcsync"]
                     rows.append((lib, W, f"{r['op']} {human(r['bytes'])}, × raw speed", f"≥ {goal}", fig, was,
                                  fig >= goal, ratio_of(r.get("raw on torch"), r["hpcsync"]),
-                                 ratio_of(r.get("raw + agreement"), r["hpcsync"])))
+                                 ratio_of(r.get("raw + agreement"), r["hpcsync"]),
+                                 ratio_of(r["mpi4py"], r.get("thin + agreement"))))
         c = res.get("checks") or {}
         if c.get("default") and c.get("mpi4py (raw)"):
             raw = c["mpi4py (raw)"]
             was = c["default (baseline)"] / raw if c.get("default (baseline)") else None
             fig = c["default"] / raw
             rows.append((lib, W, "all_reduce 4 KiB, time × raw", f"≤ {SMALL_TARGET}", fig, was, fig <= SMALL_TARGET,
-                         ratio_of(c["default"], c.get("raw on torch")), ratio_of(c["default"], c.get("raw + agreement"))))
+                         ratio_of(c["default"], c.get("raw on torch")), ratio_of(c["default"], c.get("raw + agreement")),
+                         ratio_of(c.get("thin + agreement"), raw)))
     return rows
 
 
@@ -386,17 +387,20 @@ def report(results, out_json, out_png):
         anchored = any(r[7] is not None for r in rows)
         lines.append("\n### Targets\n")
         lines.append("| MPI | ranks | measure | goal | figure |" + (" baseline |" if base else "") + " met |"
-                     + (" same against raw on torch | against raw + agreement |" if anchored else ""))
-        lines.append("|---|---|---|---|---|" + ("---|" if base else "") + "---|" + ("---|---|" if anchored else ""))
-        for lib, W, what, goal, fig, was, met, torch_fig, agreed_fig in rows:
+                     + (" same against raw on torch | against raw + agreement | thinnest agree-first backend |"
+                        if anchored else ""))
+        lines.append("|---|---|---|---|---|" + ("---|" if base else "") + "---|" + ("---|---|---|" if anchored else ""))
+        for lib, W, what, goal, fig, was, met, torch_fig, agreed_fig, thin_fig in rows:
             lines.append(f"| {lib} | {W} | {what} | {goal} | {fig:.2f} |"
                          + ((f" {was:.2f} |" if was is not None else " - |") if base else "")
                          + f" {'yes' if met else 'no'} |"
-                         + (f" {ratio(torch_fig, 1)} | {ratio(agreed_fig, 1)} |" if anchored else ""))
+                         + (f" {ratio(torch_fig, 1)} | {ratio(agreed_fig, 1)} | {ratio(thin_fig, 1)} |"
+                            if anchored else ""))
     print("\n".join(lines))
     save_json(out_json, "results", results, targets=[dict(zip(("mpi", "ranks", "measure", "goal", "figure",
                                                                 "baseline", "met", "against raw on torch",
-                                                                "against raw + agreement"), r)) for r in rows])
+                                                                "against raw + agreement", "thin + agreement"), r))
+                                                   for r in rows])
     try:
         plot(results, out_png)
     except ImportError:

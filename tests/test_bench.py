@@ -77,6 +77,11 @@ def test_all_benchmarks_summary_quick(tmp_path):
     mpich = json.loads(out.with_name("all-backend-mpich-2.json").read_text())["results"][0]
     assert mpich["mpi"] == "mpich" and "MPICH" in mpich["mpi_library"] and not mpich["ddp"]
     assert {r["bytes"] for r in mpich["collectives"]} == {4096, 1 << 20}
+    floors = ("raw on torch", "raw + agreement", "thin backend", "thin + agreement")  # its run has the anchors
+    assert all(r[k] > 0 for r in mpich["collectives"] for k in floors), mpich["collectives"]
+    assert all(mpich["checks"][k] > 0 for k in floors), mpich["checks"]
+    targets = json.loads(out.with_name("all-backend-mpich-2.json").read_text())["targets"]
+    assert len(targets) == 4 and all(t["thin + agreement"] > 0 for t in targets), targets
     measures = {r["measure"] for r in rows}
     assert {"Open MPI: 4 KiB all_reduce, times raw", "MPICH: 4 KiB all_reduce, times raw"} <= measures
     assert {"sync_file hpcsync-copy vs cat", "HDF5 parallel vs gather fallback"} <= measures
