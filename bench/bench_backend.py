@@ -10,13 +10,14 @@ reduce_scatter: the input). Time per call = the slowest rank's mean over the ite
 Then DDP training steps of an MLP and a small CNN on each backend. One job per MPI library and
 rank count; at the end one table of the backend's targets over all of them (:data:`TARGETS`).
 ``--baseline DIR``: a checkout of another commit whose backend runs as a second group in the same
-jobs, interleaved with this one ("before" and "after" in one run). ``--anchors``: two more raw
-mpi4py rows per collective, on the torch tensors' own memory ("raw on torch") and that call after a
-16-byte ``Allreduce`` on a second communicator ("raw + agreement": the floor of any design that
-agrees on each call before making it, as hpcsync does), and the same call through torch's
-``dist.*`` into the thinnest Python backend, without and with the agreement
-(:mod:`floors`), so that what hpcsync's own code costs is told apart from what the memory,
-torch's dispatch and the agreement cost. Prints tables, writes
+jobs, interleaved with this one ("before" and "after" in one run). ``--anchors``: more rows per
+collective that tell what hpcsync's own code costs from what the memory, torch's dispatch and
+the agreement cost: raw mpi4py on the torch tensors' own memory ("raw on torch"); that call after
+the 16-byte ``Allreduce`` hpcsync makes before each call ("raw + agreement": the floor of any
+design that agrees first); that call with the same reduction started non-blocking before it and
+waited for after it ("raw + agreement beside"); and that call through torch's ``dist.*`` into the
+thinnest Python backend (:mod:`floors`), without and with the agreement ("thin backend",
+"thin + agreement"). Prints tables, writes
 ``bench/results/backend.json`` and ``bench/results/backend.png``.
 """
 from __future__ import annotations
@@ -112,6 +113,14 @@ def worker(quick: bool, parts: str) -> None:
             call()
         return run
 
+    def beside(call):
+        """``call`` with the agreement beside it instead: started non-blocking first, waited for after."""
+        def run():
+            req = agree_comm.Iallreduce(MPI.IN_PLACE, agree_buf, op=MPI.MAX)
+            call()
+            req.Wait()
+        return run
+
     floors.register()
     if anchors:  # the thinnest Python backends through torch's dispatch: without, then with the agreement
         thin, thin_agreed = (dist.new_group(list(range(W)), backend="thin") for _ in range(2))
@@ -192,6 +201,7 @@ def worker(quick: bool, parts: str) -> None:
             for op, call in raw_torch.items():
                 impls[op]["raw on torch"] = call
                 impls[op]["raw + agreement"] = agreed(call)
+                impls[op]["raw + agreement beside"] = beside(call)
                 impls[op]["thin backend"] = lambda f=through[op]: f(thin)
                 impls[op]["thin + agreement"] = lambda f=through[op]: f(thin_agreed)
         if base is not None:
@@ -216,7 +226,7 @@ def worker(quick: bool, parts: str) -> None:
                 print(f"  {op:15s} {nbytes:>10d} B  " + "  ".join(
                     f"{k}={v * 1e6:9.1f}us" for k, v in row.items()
                     if k in ("hpcsync", "baseline", "gloo", "mpi4py", "raw on torch", "raw + agreement",
-                             "thin + agreement", "np.add")
+                             "raw + agreement beside", "thin + agreement", "np.add")
                     and v),
                     flush=True)
 
@@ -283,6 +293,7 @@ def worker(quick: bool, parts: str) -> None:
             x4t = x4k.numpy()
             calls["raw on torch"] = lambda: comm.Allreduce(MPI.IN_PLACE, x4t)
             calls["raw + agreement"] = agreed(lambda: comm.Allreduce(MPI.IN_PLACE, x4t))
+            calls["raw + agreement beside"] = beside(lambda: comm.Allreduce(MPI.IN_PLACE, x4t))
             floors.Thin.calls = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, x4t)}
             calls["thin backend"] = lambda: dist.all_reduce(x4k, group=thin)
             calls["thin + agreement"] = lambda: dist.all_reduce(x4k, group=thin_agreed)
