@@ -523,6 +523,34 @@ def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(clust
             subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
 
 
+@pytest.mark.parametrize("where, nodes, rank, needle", [
+    ("scan", [1, 2], 0, "rank 0: node {n0}: RuntimeError: fault injected into scan"),
+    ("walk_names", [2, 1], 0, "rank 0: node {n0}: RuntimeError: fault injected into walk_names"),
+    ("stat_names", [2, 1], 1, "rank 0: node {n0}: RuntimeError: fault injected into stat_names (on rank 1)"),
+    ("assemble", [2, 1], 0, "rank 0: node {n0}: RuntimeError: fault injected into assemble (on rank 0)"),
+    ("stat_names", None, 1, "rank 0: node {n0}: RuntimeError: fault injected into stat_names (on rank 1)"),
+    ("assemble", None, 1, "rank 0: node {n0}: RuntimeError: fault injected into assemble (on rank 1)"),
+], ids=["scan", "walk", "stat", "assemble", "stat-one-node", "assemble-one-node"])
+def test_an_unexpected_error_in_the_listing_is_one_error_on_every_rank(cluster, tmp_path, where, nodes, rank, needle):
+    """An error no check expects while the source is listed (on the root alone, or on a rank that
+    lists a share of it, across nodes or on one; ``nodes`` None: one node), with the job neither
+    aborting on an exception nor letting one escape: every rank raises the same StageError naming
+    the node and the rank where it happened, within seconds, and no destination is made."""
+    src = tmp_path / "src"
+    make_tree(src, files=20)
+    dst = Path(cluster.node_local if nodes else tmp_path, "dst")
+    env = {"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_STAGE_OPTS": json.dumps(
+        {"_fault": [{"rank": rank, "patch": f"hpcsync.staging:{where}"}]})}
+    t0 = time.monotonic()
+    res = run(cluster.openmpi(nodes) if nodes else openmpi(), 3 if nodes else 2, "stage.py", str(src), str(dst),
+              tmp_path=tmp_path, expect_ok=False, timeout=60, env=env)
+    assert time.monotonic() - t0 < 30
+    _same_error_everywhere(res, len(res.ranks), needle.format(n0=cluster.names[0] if nodes else os.uname().nodename))
+    assert len(res.ranks) == (3 if nodes else 2)
+    for d in ([node_dir(cluster, i, "dst") for i in range(2)] if nodes else [dst]):
+        assert not d.exists(), d
+
+
 def test_killed_mid_stage_across_nodes_then_restaged(cluster, tmp_path):
     src = tmp_path / "src"
     _kill_dataset(src)

@@ -133,7 +133,7 @@ or an mpi4py communicator (default: the world; ``comm`` is its older name).
     node, leaders = _split(comm, root, dst)
     try:
         one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
-        entries, ignored, err = _list_source(node, me == root, src, one_node)
+        entries, ignored, err = _list_source(node, me == root, src, one_node, me)
         if one_node:  # every rank has the listing's error already
             if err:
                 raise StageError(f"{what}rank {root}: node {socket.gethostname()}: {err}")
@@ -214,16 +214,17 @@ def _destination(dst: str) -> Tuple[Optional[Tuple[int, int]], str]:
         path, rest = parent, f"{name}/{rest}" if rest else name
 
 
-def _list_source(node: Any, is_root: bool, src: str, one_node: bool
+def _list_source(node: Any, is_root: bool, src: str, one_node: bool, me: int
                  ) -> Tuple[List[Entry], List[str], Optional[str]]:
     """The source's listing, made on the root's node: the root walks the names, every rank there
     takes a share of the ``stat`` calls (a tree of small files costs system calls; a rank that
     does not see the very source leaves its share to the root). Returns ``(entries, ignored,
     error)`` on the root, and on every rank of a one-node job (which all copy), where the error
-    too is every rank's."""
+    too is every rank's. An error no check expects becomes the listing's error: every rank still
+    reaches each exchange (``me``, this rank in the stage's group, names where it happened)."""
     if node.Get_size() == 1 or (not one_node and node.bcast(is_root, root=0) is not True):  # not the root's node
-        return scan(src) if is_root else ([], [], None)
-    names, dirs, err = walk_names(src) if is_root else ([], bytearray(), None)
+        return _guarded(scan, src, ([], [])) if is_root else ([], [], None)
+    names, dirs, err = _guarded(walk_names, src, ([], bytearray())) if is_root else ([], bytearray(), None)
     idle_until_all_arrive(node)  # the others wait for the walk without spinning a core
     plan = node.bcast((names, dirs, identity(src)) if is_root and err is None else err, root=0)
     if not isinstance(plan, tuple):  # the walk failed
@@ -232,10 +233,12 @@ def _list_source(node: Any, is_root: bool, src: str, one_node: bool
     n = node.Get_size()
 
     def share(r: int) -> Any:
-        return stat_names(src, names, dirs, len(names) * r // n, len(names) * (r + 1) // n)
+        try:
+            return stat_names(src, names, dirs, len(names) * r // n, len(names) * (r + 1) // n)
+        except Exception as exc:
+            return [], f"{unexpected(exc)} (on rank {me})"
 
-    me = node.Get_rank()
-    part = share(me) if is_root or identity(src) == ident else None
+    part = share(node.Get_rank()) if is_root or identity(src) == ident else None
     idle_until_all_arrive(node)
     parts = node.allgather(part) if one_node else node.gather(part, root=0)
     if parts is None:
@@ -248,8 +251,23 @@ def _list_source(node: Any, is_root: bool, src: str, one_node: bool
         if p[1] is not None:
             return [], [], p[1]
         stats += p[0]
-    entries, ignored = assemble(names, stats)
-    return entries, ignored, None
+    try:
+        entries, ignored = assemble(names, stats)
+        err = None
+    except Exception as exc:
+        entries, ignored, err = [], [], f"{unexpected(exc)} (on rank {me})"
+    if one_node:  # each rank assembled its own: one's error is every rank's
+        err = next((e for e in node.allgather(err) if e), None)
+    return entries, ignored, err
+
+
+def _guarded(listing: Any, src: str, nothing: Tuple[Any, Any]) -> Tuple[Any, ...]:
+    """``listing(src)``, whose last item is its error; an error no check expects becomes that
+    error, after ``nothing``."""
+    try:
+        return listing(src)
+    except Exception as exc:
+        return (*nothing, unexpected(exc))
 
 
 def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
