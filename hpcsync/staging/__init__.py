@@ -32,8 +32,8 @@ Nothing half-done passes as done:
   a kill amid that rewrite loses nothing);
 - any error -- a missing or unreadable source, a destination that is not writable or too small on
   one node, a file changing while it is read, a journal that cannot be written, on one node an
-  error of any kind on any rank, across nodes one of any kind on a node leader while the bytes
-  move (in its reader or writer thread too) -- raises the same
+  error of any kind on any rank, across nodes one of any kind while the source is listed or on a
+  node leader while the bytes move (in its reader or writer thread too) -- raises the same
   :class:`~hpcsync.errors.StageError` on every rank, naming the rank, its node and the path; no
   rank is left waiting for another. A source that cannot be listed leaves nothing behind, not
   even ``dst``.
