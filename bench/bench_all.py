@@ -4,9 +4,10 @@ and the HDF5 writer.
 
     python bench/bench_all.py [--ranks 2 4] [--quick] [--before bench/results/all.json]
 
-Runs bench_backend.py (Open MPI with DDP, then MPICH without DDP but with its floors, --anchors),
-bench_filesync.py (1 GB, best of 2) and bench_h5.py (1 GB, best of 3) one after another for each rank count (--quick: their quick
-modes, 2 ranks), prints one summary table of the headline ratios, each beside its target, and
+Runs bench_backend.py (Open MPI with DDP, then MPICH without DDP but with its floors,
+``--anchors``), bench_filesync.py (1 GB, best of 2) and bench_h5.py (1 GB, best of 3) one after
+another for each rank count (--quick: their quick modes, 2 ranks), prints one summary table of
+the headline ratios, each beside its target, and
 writes ``bench/results/all.json`` (the scripts' own JSON files hold every row). ``--before``: an
 earlier run's ``all.json``, printed beside each ratio; the DDP rows' target becomes "no worse
 than before" (ratio ≤ 1.05 × before: these machines are noisy).

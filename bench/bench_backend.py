@@ -17,7 +17,8 @@ the 16-byte ``Allreduce`` hpcsync makes before each call ("raw + agreement": the
 design that agrees first); that call with the same reduction started non-blocking before it and
 waited for after it ("raw + agreement beside"); and that call through torch's ``dist.*`` into the
 thinnest Python backend (:mod:`floors`), without and with the agreement ("thin backend",
-"thin + agreement"). Prints tables, writes
+"thin + agreement"). The last four make the MPI call hpcsync makes with this MPI (the
+non-blocking form then ``Wait`` where hpcsync takes it). Prints tables, writes
 ``bench/results/backend.json`` and ``bench/results/backend.png``.
 """
 from __future__ import annotations
@@ -122,6 +123,9 @@ def worker(quick: bool, parts: str) -> None:
         return run
 
     floors.register()
+    from hpcsync.backend.engine import _nonblocking_fast
+
+    hpcsync_nb = _nonblocking_fast()  # the MPI calls hpcsync makes non-blocking (then Wait) with this MPI
     if anchors:  # the thinnest Python backends through torch's dispatch: without, then with the agreement
         thin, thin_agreed = (dist.new_group(list(range(W)), backend="thin") for _ in range(2))
         thin_agreed.agree = agree
@@ -187,19 +191,25 @@ def worker(quick: bool, parts: str) -> None:
         if os.environ.get("BENCH_NO_GLOO"):
             for fns in impls.values():
                 del fns["gloo"]
-        if anchors:  # raw on torch's own memory, then the same after the agreement
+        if anchors:  # raw on torch's own memory; the floors make the very MPI call hpcsync makes
             xt, gt_in, gt_out, rst_in, rst_out = x.numpy(), g_in.numpy(), g_out.numpy(), rs_in.numpy(), rs_out.numpy()
             raw_torch = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, xt),
                          "all_gather": lambda: comm.Allgather(gt_in, gt_out),
                          "broadcast": lambda: comm.Bcast(xt, root=0),
                          "reduce_scatter": lambda: comm.Reduce_scatter_block(rst_in, rst_out)}
-            floors.Thin.calls = raw_torch
+            nonblocking = {"all_gather": ("Allgather", lambda: comm.Iallgather(gt_in, gt_out).Wait()),
+                           "broadcast": ("Bcast", lambda: comm.Ibcast(xt, root=0).Wait()),
+                           "reduce_scatter": ("Reduce_scatter_block",
+                                              lambda: comm.Ireduce_scatter_block(rst_in, rst_out).Wait())}
+            as_hpcsync = {op: nonblocking[op][1] if op in nonblocking and nonblocking[op][0] in hpcsync_nb else call
+                          for op, call in raw_torch.items()}
+            floors.Thin.calls = as_hpcsync
             through = {"all_reduce": lambda g: dist.all_reduce(x, group=g),
                        "all_gather": lambda g: all_gather(g_out, g_in, group=g),
                        "broadcast": lambda g: dist.broadcast(x, src=0, group=g),
                        "reduce_scatter": lambda g: reduce_scatter(rs_out, rs_in, group=g)}
-            for op, call in raw_torch.items():
-                impls[op]["raw on torch"] = call
+            for op, call in as_hpcsync.items():
+                impls[op]["raw on torch"] = raw_torch[op]
                 impls[op]["raw + agreement"] = agreed(call)
                 impls[op]["raw + agreement beside"] = beside(call)
                 impls[op]["thin backend"] = lambda f=through[op]: f(thin)
@@ -226,7 +236,7 @@ def worker(quick: bool, parts: str) -> None:
                 print(f"  {op:15s} {nbytes:>10d} B  " + "  ".join(
                     f"{k}={v * 1e6:9.1f}us" for k, v in row.items()
                     if k in ("hpcsync", "baseline", "gloo", "mpi4py", "raw on torch", "raw + agreement",
-                             "raw + agreement beside", "thin + agreement", "np.add")
+                             "raw + agreement beside", "thin backend", "thin + agreement", "np.add")
                     and v),
                     flush=True)
 

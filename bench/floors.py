@@ -3,8 +3,8 @@
 - ``noop``: a ProcessGroup whose operations do nothing: what torch's ``dist.*`` functions and
   its dispatch into a Python backend cost per call.
 - ``thin``: the thinnest backend that moves data: each operation is one raw mpi4py call, bound
-  once to the benchmark's own buffers (:data:`Thin.calls`), after the 16-byte agreement when the
-  group's ``agree`` is set. Against it, what hpcsync's own code costs per call is told apart from
+  once to the benchmark's own buffers (:data:`Thin.calls`: the call hpcsync makes), after the
+  16-byte agreement when the group's ``agree`` is set. Against it, what hpcsync's own code costs per call is told apart from
   what torch's dispatch and the agreement cost, in the same job and with the same memory.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 
 class _Done(dist.Work):
+    """A Work that is already done: the least a backend can return."""
+
     def wait(self, timeout: Any = None) -> bool:
         return True
 
@@ -23,6 +25,8 @@ class _Done(dist.Work):
 
 
 class Noop(dist.ProcessGroup):
+    """all_reduce that does nothing: torch's ``dist.*`` and its dispatch into Python, alone."""
+
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         return _Done()
 

@@ -77,7 +77,8 @@ def test_all_benchmarks_summary_quick(tmp_path):
     mpich = json.loads(out.with_name("all-backend-mpich-2.json").read_text())["results"][0]
     assert mpich["mpi"] == "mpich" and "MPICH" in mpich["mpi_library"] and not mpich["ddp"]
     assert {r["bytes"] for r in mpich["collectives"]} == {4096, 1 << 20}
-    floors = ("raw on torch", "raw + agreement", "raw + agreement beside", "thin backend", "thin + agreement")  # its run has the anchors
+    # its run has the anchors
+    floors = ("raw on torch", "raw + agreement", "raw + agreement beside", "thin backend", "thin + agreement")
     assert all(r[k] > 0 for r in mpich["collectives"] for k in floors), mpich["collectives"]
     assert all(mpich["checks"][k] > 0 for k in floors), mpich["checks"]
     targets = json.loads(out.with_name("all-backend-mpich-2.json").read_text())["targets"]
