@@ -41,7 +41,7 @@ class Job:
 
     def ready(self):
         assert self.proc.poll() is None, f"{self.name} ended early:\n{self.log.read_text()[-3000:]}"
-        return len(list(self.out.glob("ready*"))) == 2
+        return len(list(self.out.glob("ready[0-9]"))) == 2
 
     def break_node(self, failure):
         c = self.cluster
@@ -50,7 +50,7 @@ class Job:
         elif failure == "kill":
             c.kill_node(1)
         else:
-            for f in self.out.glob("ready*"):
+            for f in self.out.glob("ready[0-9]"):
                 pid, host = f.read_text().split()
                 if host == c.names[1]:
                     os.kill(int(pid), signal.SIGSTOP)
@@ -74,7 +74,7 @@ def test_lost_node_ends_the_job(failure, tmp_path):
             assert time.monotonic() - t0 < 150, {j.name: j.log.read_text()[-2000:] for j in jobs}
             time.sleep(0.1)
         for j in jobs:
-            hosts = sorted(f.read_text().split()[1] for f in j.out.glob("ready*"))
+            hosts = sorted(f.read_text().split()[1] for f in j.out.glob("ready[0-9]"))
             assert hosts == sorted(j.cluster.names), (j.name, hosts)
             j.break_node(failure)
         ended = {}

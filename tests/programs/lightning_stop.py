@@ -12,6 +12,7 @@ import atexit
 import logging
 import os
 import sys
+import time
 
 import lightning as L
 import torch
@@ -32,6 +33,7 @@ class Regressor(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def training_step(self, batch, _):
+        time.sleep(0.02)  # 480 steps last 10 s at least: the signal, sent 1 s in, finds training running
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -44,8 +46,10 @@ class Regressor(L.LightningModule):
             seen["stopped_at"] = self.trainer.global_step
 
     def on_train_start(self):
-        with open(os.path.join(root, f"pid{self.global_rank}"), "w") as f:
+        path = os.path.join(root, f"pid{self.global_rank}")
+        with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
 
     def on_train_epoch_end(self):
         seen["epochs"] += 1

@@ -23,8 +23,9 @@ out = os.environ["HPCSYNC_TEST_OUT"]
 t = torch.ones(16)
 for _ in range(3):
     dist.all_reduce(t)
-with open(os.path.join(out, f"ready{topo.rank}"), "w") as f:
+with open(os.path.join(out, f"ready{topo.rank}.tmp"), "w") as f:  # renamed whole: a test reads it at once
     f.write(f"{os.getpid()} {socket.gethostname()}\n")
+os.replace(os.path.join(out, f"ready{topo.rank}.tmp"), os.path.join(out, f"ready{topo.rank}"))
 end = time.monotonic() + seconds
 steps = 0
 while time.monotonic() < end:
