@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .buffers import _CHUNK_ELEMS, _fast_types, _mpi_type, _spans_overlap
+from ..watchdog import OpRecord
 from .desync import DTYPE_NAMES, FP_MASK, SEQ_MIX, hot_vector
-from .work import DoneWork, ran
+from .work import WAITED, DoneWork
 
 _monotonic, _now = time.monotonic, time.time
 _refcount = sys.getrefcount
@@ -36,13 +37,15 @@ _CACHE_MAX = 256  # prepared calls kept per group (buffers come and go: the olde
 class Prepared(NamedTuple):
     """One operation on given buffers, ready to run: the bound MPI call, whether it returns a
     request, the hash of its description without the sequence number, that description, and the
-    dtype's name for the flight record."""
+    operation's name, dtype's name and root for the flight record."""
 
     call: Callable[[], Any]
     request: bool
     rest: int
     row: Tuple[int, ...]
+    op: str
     dtype_name: str
+    root: int
 
 
 class HotPath:
@@ -61,7 +64,7 @@ class HotPath:
         """``args``: the MPI call's, positional (mpi4py parses those faster than keywords)."""
         fn, request = self._calls.get(name) or self._bind(name)
         row = hot_vector(0, op, dtype, count, root, redop)[1:]
-        prepared = Prepared(partial(fn, *args), request, hash(row), row, DTYPE_NAMES[dtype])
+        prepared = Prepared(partial(fn, *args), request, hash(row), row, op, DTYPE_NAMES[dtype], root)
         if len(self._prepared) >= _CACHE_MAX:
             self._prepared.clear()
         self._prepared[key] = prepared
@@ -84,7 +87,7 @@ class HotPath:
             mtype, mop, item, kind = fast
             buf = [self._address(key[1], n * item), n, mtype]
             p = self._prepare(key, "Allreduce", (self._in_place, buf, mop), "all_reduce", dtype, n, -1, kind)
-        return self._hot_run(p, "all_reduce", t, -1, tensors)
+        return self._hot_run(p, t, tensors)
 
     def _hot_broadcast(self, t: torch.Tensor, root: int, tensors: List[torch.Tensor]) -> Optional[DoneWork]:
         if not (t.is_cpu and t.is_contiguous()):  # sparse COO: not contiguous
@@ -101,7 +104,7 @@ class HotPath:
                 return None  # the general path refuses it on every rank
             buf = [self._address(key[1], n * t.element_size()), n, mtype]
             p = self._prepare(key, "Bcast", (buf, root), "broadcast", dtype, n, root, -1)
-        return self._hot_run(p, "broadcast", t, root, tensors)
+        return self._hot_run(p, t, tensors)
 
     def _hot_allgather(self, output: torch.Tensor, input: torch.Tensor) -> Optional[DoneWork]:
         """``all_gather_single``: the input into this rank's slot of the output (in place when it
@@ -127,7 +130,7 @@ class HotPath:
             else:
                 return None
             p = self._prepare(key, "Allgather", (send, out), "all_gather", dtype, n, -1, -1)
-        return self._hot_run(p, "all_gather", input, -1, [output])
+        return self._hot_run(p, input, [output])
 
     def _hot_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Any) -> Optional[DoneWork]:
         if not (input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()):
@@ -146,19 +149,23 @@ class HotPath:
             send = [self._address(i0, total * item), mtype]
             recv = [self._address(o0, n * item), n, mtype]
             p = self._prepare(key, "Reduce_scatter_block", (send, recv, mop), "reduce_scatter", dtype, n, -1, kind)
-        return self._hot_run(p, "reduce_scatter", input, -1, [output])
+        return self._hot_run(p, input, [output])
 
     # -- one call --------------------------------------------------------------------------
-    def _hot_run(self, p: Prepared, op: str, t: torch.Tensor, root: int, outputs: List[torch.Tensor]) -> DoneWork:
+    def _hot_run(self, p: Prepared, t: torch.Tensor, outputs: List[torch.Tensor]) -> DoneWork:
         """Flight record, deadline, fingerprint agreed before the data call, the call: what
-        :meth:`~.engine.GroupEngine._execute` does in the watched mode, for a prepared call."""
+        :meth:`~.engine.GroupEngine._execute` does in the watched mode, for a prepared call.
+        :meth:`~hpcsync.watchdog.GroupLog.start` and :func:`~.work.ran` are written out here: at
+        4 KiB a function call costs as much as what these do."""
         if self._broken:
             raise dist.DistBackendError(self._broken)
         if self._closed:
             raise RuntimeError("hpcsync backend: process group was shut down")
         with self._issue:  # see GroupEngine.__init__
-            rec = self._log.start(op, p.dtype_name, t.shape, root)
-            seq = rec.seq
+            log = self._log
+            seq = log.seq = log.seq + 1
+            rec = OpRecord(seq, p.op, p.dtype_name, t.shape, p.root, _now())
+            log.ops.append(rec)
             self._rec = rec
             self._current = (rec, _monotonic() + self._timeout_s, True)
             try:
@@ -178,13 +185,12 @@ class HotPath:
                 if rec.error is None:
                     rec.error = f"{type(exc).__name__}: {exc}"
                 return DoneWork(outputs, exc)
-            rec.finished = ran(rec, _now())
-        return self._finished(outputs)
-
-    def _finished(self, outputs: List[torch.Tensor]) -> DoneWork:
-        """The Work of a call that succeeded. torch's blocking API waits on it and drops it, so
-        the previous one is reused when nobody else holds it (its reference count says so): a
-        fresh torch ``Work`` costs more than the rest of this path's Python."""
+            now = _now()
+            WAITED[0] += now - rec.started
+            rec.finished = now
+        # torch's blocking API waits on the Work and drops it, so the previous one is reused when
+        # nobody else holds it (its reference count says so): a fresh torch Work costs more than
+        # the rest of this path's Python
         w = self._done
         if w is not None and _refcount(w) == self._done_refs:
             w._outputs = outputs
