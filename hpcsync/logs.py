@@ -8,9 +8,9 @@ own handlers stay as they are, and hpcsync adds two handlers to the root logger:
   written to the log folder directly (line by line: what a rank logged before it died is there);
 - the console (stderr): rank 0's records at the level asked for, and WARNING and above from every
   rank, marked with the rank and node. Those go through rank 0 over MPI, which prints a line that
-  many ranks logged alike within a second once, with their ranks (``[ranks 0-63 on n0-n3]``),
-  not once per rank. Without MPI, or below ``MPI_THREAD_MULTIPLE``, every rank prints its own
-  warnings, marked.
+  many ranks logged alike (each within a second of the last, for 5 s at most) once, with their
+  ranks (``[ranks 0-63 on n0-n3]``), not once per rank. Without MPI, or below
+  ``MPI_THREAD_MULTIPLE``, every rank prints its own warnings, marked.
 
 ``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``; it needs a
 log folder): rank 0's still reaches stdout, the other ranks' only their files. A record logged
@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 from . import _mpi, jobend, nodemap, settings
 
 FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(message)s"
-WINDOW_S = 1.0  # alike warnings from several ranks within this are printed once
+WINDOW_S = 1.0  # alike warnings from several ranks, each within this of the last, are printed once
+HOLD_S = 5.0  # ... but none is held longer than this after its first rank's
 POLL_S = 0.1
 
 _state: Dict[str, Any] = {}
@@ -117,15 +118,17 @@ class _Collector:
 
     def __init__(self, comm: Any) -> None:
         self.comm, self.lock = comm, threading.Lock()
-        self.pending: Dict[Tuple[int, str, str], Tuple[float, List[int]]] = {}
+        self.pending: Dict[Tuple[int, str, str], List[Any]] = {}  # line -> [first, last arrival, ranks]
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="hpcsync-logs", daemon=True)
         self.thread.start()
 
     def add(self, level: int, name: str, text: str, rank: int) -> None:
+        now = time.monotonic()
         with self.lock:
-            first, ranks = self.pending.setdefault((level, name, text), (time.monotonic(), []))
-            ranks.append(rank)
+            entry = self.pending.setdefault((level, name, text), [now, now, []])
+            entry[1] = now
+            entry[2].append(rank)
 
     def _drain(self) -> None:
         MPI = _mpi.MPI()
@@ -136,10 +139,13 @@ class _Collector:
             self.add(*msg.recv())
 
     def flush(self, older_than: float = WINDOW_S) -> None:
+        """Print each line no rank has logged for ``older_than`` seconds (or held ``HOLD_S``): a
+        window that slides with each arrival, so ranks a loaded node slows still join their line."""
         now = time.monotonic()
         with self.lock:
-            due = sorted((v[0], k) for k, v in self.pending.items() if now - v[0] >= older_than)
-            lines = [(k, sorted(set(self.pending.pop(k)[1]))) for _, k in due]
+            due = sorted((v[0], k) for k, v in self.pending.items()
+                         if now - v[1] >= older_than or now - v[0] >= max(HOLD_S, older_than))
+            lines = [(k, sorted(set(self.pending.pop(k)[2]))) for _, k in due]
         for (level, name, text), ranks in lines:
             _write(_line(level, name, text, ranks))
 

@@ -2,10 +2,12 @@
 and every rank's warnings once on the console), one report for the first failure, and a stalled
 gloo collective reported like the hpcsync backend's (which ranks never entered it, their nodes
 and lines)."""
+import logging
 import os
 import re
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -168,3 +170,30 @@ def test_the_report_names_the_earliest_raise_whoever_won_the_claim():
     block = digest.format_block(rep, "rank 0's own traceback")
     assert "uncaught exception on rank 2 (?), the first to fail, at step 40" in block and "ValueError: bad batch" in block
     assert "rank 0's own traceback" not in block
+
+
+def test_alike_warnings_of_ranks_a_loaded_node_slows_are_one_line(monkeypatch):
+    """Rank 0's collector, fed by hand: three ranks log one warning 0.6 s apart (1.2 s from first
+    to last, as on an oversubscribed node): one line naming all three once none came for a
+    second; a line still arriving is held 5 s at most."""
+    from hpcsync import logs
+
+    lines = []
+    monkeypatch.setattr(logs, "_write", lines.append)
+    monkeypatch.setattr(logs, "_line", lambda level, name, text, ranks: (text, ranks))
+    c = logs._Collector.__new__(logs._Collector)  # no MPI thread: add and flush only
+    c.lock, c.pending = threading.Lock(), {}
+    for rank in range(3):
+        c.add(logging.WARNING, "app", "alike", rank)
+        time.sleep(0.6)
+        c.flush()
+        assert lines == [], "printed while ranks were still arriving"
+    time.sleep(0.5)
+    c.flush()
+    assert lines == [("alike", [0, 1, 2])]
+    t0 = time.monotonic()
+    while not lines[1:]:
+        c.add(logging.WARNING, "app", "again", 0)
+        c.flush()
+        time.sleep(0.1)
+    assert lines[1] == ("again", [0]) and 4.9 < time.monotonic() - t0 < 6.0
