@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
 import time
 from typing import Any, Iterator, List, Optional
@@ -126,6 +127,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint-sync", action="store_true", help="write the periodic checkpoints before going on")
     p.add_argument("--seed", type=int, help="seed of the initial weights (default: a random one, shared)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--step-time", type=float, default=0.0, metavar="SECONDS",
+                   help="make each step last at least this long: a slow model, to try the preemption stop by hand")
     return p.parse_args()
 
 
@@ -192,6 +195,7 @@ def main() -> None:
                 elif first == 0:
                     total, count = 0.0, 0
                 for step, (x, y) in enumerate(batches, start=first):
+                    began = time.monotonic()
                     opt.zero_grad()
                     loss = loss_fn(ddp(x), y)
                     loss.backward()
@@ -200,6 +204,7 @@ def main() -> None:
                     row = [rank, epoch, step, f"{loss.item():.6f}"]
                     writer.writerow(row)
                     total, count = total + loss.item() * len(y), count + len(y)
+                    time.sleep(max(0.0, args.step_time - (time.monotonic() - began)))
                     if guard is None:
                         continue
                     rows.append(row)
@@ -258,8 +263,10 @@ def main() -> None:
               f"val accuracy {accuracy:.3f}, {train_time:.1f}s; outputs in {args.out}/ "
               f"(metrics.csv, predictions.h5, model.pt, summary.json)", flush=True)
     if guard is not None:  # open until here: a late signal (training is done) is recorded, not fatal
-        guard.close()
         ckpts.close()  # a periodic checkpoint still being written
+        for warning in (signal.SIGUSR1, signal.SIGUSR2):  # done: from here on a warning has nothing to stop
+            signal.signal(warning, signal.SIG_IGN)  # (close() leaves a handler that is no longer its own)
+        guard.close()
     hpcsync.shutdown()
 
 

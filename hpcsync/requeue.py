@@ -149,6 +149,14 @@ def _decide(cap: int, env: Mapping[str, str], scontrol: Optional[str], ending: O
                    f"most {cap}); it resumes from the checkpoint when it starts again", job)
 
 
+def requeue_job(max_restarts: Optional[int] = None, ending: Optional[str] = None) -> Requeue:
+    """Not collective: decide and act as :func:`requeue`'s rank 0 does (the cap, a job being ended,
+    one Slurm already requeued) and return the outcome; the caller reports its ``message``. For a
+    process beside the ranks, e.g. ``hpcsync run`` when the warning signal killed them first."""
+    cap = restart_cap() if max_restarts is None else max_restarts
+    return _decide(cap, os.environ, shutil.which("scontrol"), ending)
+
+
 def _has_real_handler(logger: logging.Logger) -> bool:
     """Whether a record from ``logger`` reaches a handler other than the library's NullHandler."""
     current: Optional[logging.Logger] = logger
@@ -175,7 +183,7 @@ def requeue(max_restarts: Optional[int] = None, group: Any = None, ending: Optio
     ending = next((e for e in endings if e), None)
     result = None
     if ctl.Get_rank() == 0:
-        result = _decide(cap, os.environ, shutil.which("scontrol"), ending)
+        result = requeue_job(cap, ending)
         level = logging.INFO if result.exit_code == EXIT_REQUEUED else logging.ERROR
         if result.exit_code >= EXIT_ENDING_BASE:
             level = logging.WARNING

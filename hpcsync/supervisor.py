@@ -14,6 +14,14 @@ from the program's latest checkpoint, no human involved.
   start lands elsewhere. Bad nodes are kept in the state folder and printed at every start.
 - **Under mpirun** (``--hosts`` or ``--hostfile``) the same over a list of hosts, with Open MPI's
   ``mpirun`` or MPICH's ``mpiexec``; without a spare the run ends with the list of attempts.
+- **Ranks killed by the job's warning signal** (SIGUSR1 or SIGUSR2 before the program's
+  preemption guard was installed, or after it was closed), or a warning that came between two
+  attempts, blame no node: the signal went to every task on purpose (a node the launcher names
+  as well joins the bad list, left out from the next start on). Under Slurm the job is requeued
+  as the guard would have done (:func:`hpcsync.requeue.requeue_job`: ``HPCSYNC_MAX_RESTARTS``,
+  never a job being ended), and resumes from the latest checkpoint; elsewhere the run ends with
+  the step's exit code (128 + the signal between attempts). A program that finished should ignore
+  the warning before it closes its guard (the example does), or it is requeued and resumes.
 - **The program's own exception is not retried** (the same code at the same step fails again):
   one message with the rank and node that raised, and the program's exit code
   (``--retry-exceptions`` retries it too). A step that ends without any record blaming a node --
@@ -58,24 +66,33 @@ def say(text: str) -> None:
 
 # -- what the launcher said ---------------------------------------------------------------------
 _SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (.+)$")
-_SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for \S+ failed on node) (\S+?)[:\s]")
+_SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for \S+ failed on node) (\S+?)(?:[:\s]|$)")
 _OMPI_SIGNAL = re.compile(r"process rank \d+ with PID \d+ on node (\S+) exited on signal (\d+)")
 _OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
 _HYDRA_AT = re.compile(r"RUNNING AT (\S+)")
 _HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)")
 _NOT_A_DEATH = ("Terminated", "Exited with exit code")
+# the warning signals a job is sent on purpose, on every task (Slurm's --signal, scancel --signal):
+# a rank they killed (its program had no handler yet, or no longer) says nothing about its node
+_WARNINGS = {int(signal.SIGUSR1): "SIGUSR1", int(signal.SIGUSR2): "SIGUSR2"}
+_WARNING_WORDS = {"User defined signal 1": "SIGUSR1", "User defined signal 2": "SIGUSR2"}
 # srun ending the step: every death it reports from here on is its own doing, not a cause
 _SRUN_ENDING = ("_step_signal: Terminating", "Job step aborted", "CANCELLED AT", "Force Terminated")
 
 
 class LauncherWords:
-    """The nodes a launcher's output says lost ranks to a signal or dropped out, read line by line."""
+    """The nodes a launcher's output says lost ranks to a signal or dropped out, read line by line;
+    ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node blamed)."""
 
     def __init__(self) -> None:
         self.nodes: List[str] = []
         self.lines: List[str] = []
+        self.warning: Optional[str] = None
         self._hydra_at: Optional[str] = None
         self._srun_ending = False
+
+    def _warn(self, name: str) -> None:
+        self.warning = self.warning or name  # the first one the launcher reports
 
     def _blame(self, node: str, line: str) -> None:
         node = node.rstrip(".,:")
@@ -87,6 +104,9 @@ class LauncherWords:
         if any(w in line for w in _SRUN_ENDING):
             self._srun_ending = True
         m = _SRUN_TASK.search(line)
+        if m and m.group(2).strip() in _WARNING_WORDS:
+            self._warn(_WARNING_WORDS[m.group(2).strip()])
+            return
         if m and not self._srun_ending and not m.group(2).startswith(_NOT_A_DEATH):
             self._blame(m.group(1), line)
             return
@@ -95,6 +115,9 @@ class LauncherWords:
             self._blame(m.group(1), line)
             return
         m = _OMPI_SIGNAL.search(line)
+        if m and int(m.group(2)) in _WARNINGS:
+            self._warn(_WARNINGS[int(m.group(2))])
+            return
         if m and int(m.group(2)) != signal.SIGTERM:
             self._blame(m.group(1), line)
             return
@@ -102,7 +125,9 @@ class LauncherWords:
         if m:
             self._hydra_at = m.group(1)
         m = _HYDRA_SIGNAL.search(line)
-        if m and self._hydra_at and int(m.group(1)) != signal.SIGTERM:
+        if m and int(m.group(1)) in _WARNINGS:
+            self._warn(_WARNINGS[int(m.group(1))])
+        elif m and self._hydra_at and int(m.group(1)) != signal.SIGTERM:
             self._blame(self._hydra_at, line)
 
 
@@ -110,7 +135,9 @@ class LauncherWords:
 @dataclass
 class Verdict:
     """Why a step ended: ``action`` is ``done`` (exit with the step's code), ``relaunch`` (without
-    ``blamed``) or ``stop-program`` (the program's own error: not retried)."""
+    ``blamed``), ``stop-program`` (the program's own error: not retried) or ``requeue`` (the job's
+    warning signal killed ranks before the program could act on it: requeue the job, without
+    ``blamed`` if the launcher named a node too)."""
 
     action: str
     cause: str
@@ -133,7 +160,9 @@ def _blamed(records: Sequence[Dict[str, Any]], majority: bool) -> List[str]:
 
 def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
           here: Optional[str] = None) -> Verdict:
-    """The records first (hpcsync saw the failure from inside), the launcher's words second.
+    """The records first (hpcsync saw the failure from inside), the launcher's words second; but
+    ranks the job's warning signal killed decide before any record blaming a node (the survivors
+    report the dead ranks' nodes, which are healthy).
 
     A node cut off from the others reports them silent, as they report it: when ranks on ``here``
     (the supervisor's own node, alive by definition, beside the launcher) wrote records, theirs decide."""
@@ -146,6 +175,12 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
         first = program[0]
         who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
         return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
+    if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
+        # a node the launcher itself names (a node failure, another death) is still left out
+        blamed_too = f"; the launcher also blamed {', '.join(words.nodes)}" if words.nodes else "; no node is blamed"
+        return Verdict("requeue", f"killed by {words.warning}", list(words.nodes),
+                       f"ranks were killed by {words.warning}, the job's warning signal, before the program "
+                       f"handled it (no preemption guard yet, or no longer){blamed_too}")
     ours = [r for r in records if r.get("reporter", {}).get("node") == here]
     blamed = _blamed(ours or records, majority=not ours)
     if blamed:
@@ -303,6 +338,7 @@ class Supervisor:
         self.width = len(hosts) - spares
         self._child: Optional[subprocess.Popen] = None
         self._signalled = False
+        self._warning: Optional[int] = None  # a USR1 / USR2 that came while no step ran
 
     # signals: forwarded to the launcher (and so to the ranks)
     def _forward(self, signum: int, _frame: Any) -> None:
@@ -312,8 +348,11 @@ class Supervisor:
         if child is not None and child.poll() is None:
             try:
                 child.send_signal(signum)
+                return
             except OSError:
                 pass
+        if signum in _WARNINGS:  # no step to forward it to: kept for the run loop
+            self._warning = signum
 
     def _step(self, attempt: Attempt) -> Tuple[int, LauncherWords]:
         folder = os.path.join(self.state.folder, f"attempt-{attempt.number}")
@@ -324,6 +363,9 @@ class Supervisor:
         words, lock = LauncherWords(), threading.Lock()
         self._child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+        if self._warning is not None:  # it came while the step was starting: passed on now
+            warning, self._warning = self._warning, None
+            self._forward(warning, None)
         pumps = [threading.Thread(target=_pump, args=(s, o, words, lock), daemon=True)
                  for s, o in ((self._child.stdout, sys.stdout), (self._child.stderr, sys.stderr))]
         for t in pumps:
@@ -373,6 +415,10 @@ class Supervisor:
             if self._signalled:  # a TERM / INT that came between two attempts ends the run too
                 say("signalled between attempts: not relaunched")
                 return EXIT_SIGNALLED
+            if self._warning is not None:  # the next step's guard would never see it
+                name = _WARNINGS[self._warning]
+                say(f"{name}, the job's warning signal, came between two attempts")
+                return self._warned(128 + self._warning, name)
             if len(self.hosts) < self.width:
                 return self._no_spare()
             previous = self.state.attempts[-1] if self.state.attempts and self.state.attempts[-1].failed else None
@@ -391,6 +437,12 @@ class Supervisor:
             if verdict.action == "done":
                 say(f"{attempt.line()}" + (f": {verdict.detail}" if verdict.detail else ""))
                 return rc
+            if verdict.action == "requeue":
+                say(f"{attempt.line()}: {verdict.detail}")
+                if verdict.blamed:  # the next start leaves them out (a spare, or the job moves elsewhere)
+                    self._mark_bad(verdict.blamed)
+                    self.state.save()
+                return self._warned(rc, verdict.cause)
             if verdict.action == "stop-program":
                 code = next((r["exit_code"] for r in records if r.get("program_error") and r.get("exit_code")), rc)
                 say(f"the program failed: {verdict.detail}; not relaunched (the same code fails again at the "
@@ -400,14 +452,19 @@ class Supervisor:
             if self.state.restarts() >= self.max_restarts:
                 return self._give_up()
             attempt.failed = True
-            verdict.blamed = [self._host_name(n) for n in verdict.blamed]
-            for node in verdict.blamed:
-                if node not in self.state.bad_nodes:
-                    self.state.bad_nodes.append(node)
+            verdict.blamed = self._mark_bad(verdict.blamed)
             self.hosts = [h for h in self.hosts if h not in verdict.blamed]
             self.state.save()
             if verdict.blamed:
                 say(f"leaving out {', '.join(verdict.blamed)}; healthy nodes: {', '.join(self.hosts) or 'none'}")
+
+    def _mark_bad(self, nodes: Sequence[str]) -> List[str]:
+        """Add ``nodes`` (by the launcher's names) to the bad list, once each; their launcher names."""
+        names = [self._host_name(n) for n in nodes]
+        for node in names:
+            if node not in self.state.bad_nodes:
+                self.state.bad_nodes.append(node)
+        return names
 
     def _host_name(self, node: str) -> str:
         """The launcher's name of ``node`` (a record says what the node's hostname is: maybe the
@@ -416,6 +473,18 @@ class Supervisor:
             return node
         short = node.split(".")[0]
         return next((h for h in self.hosts if h.split(".")[0] == short), node)
+
+    def _warned(self, rc: int, cause: str) -> int:
+        """What the program's guard would have done with the warning: under Slurm, requeue the job
+        (:func:`hpcsync.requeue.requeue_job`: ``HPCSYNC_MAX_RESTARTS``, never a job being ended; it
+        resumes from the latest checkpoint); elsewhere (``--hosts``), end with ``rc``."""
+        if self.slurm_job is None:
+            say(f"{cause}: not run by Slurm, nothing to requeue; not relaunched. Exit code {rc}")
+            return rc
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends a requeued job's batch script with it
+        outcome = requeue.requeue_job(ending="SIGTERM" if self._signalled else None)
+        say(outcome.message)
+        return outcome.exit_code
 
     def _give_up(self) -> int:
         lines = "\n".join(f"  {a.line()}" for a in self.state.attempts)

@@ -291,8 +291,12 @@ class Cluster:
                 self.slurm_env = env
                 return env
             time.sleep(0.2)
-        logs = "".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(d.glob("*.log")))
-        raise RuntimeError(f"Slurm nodes not idle after {timeout}s: {states!r}\n{logs}")
+        raise RuntimeError(f"Slurm nodes not idle after {timeout}s: {states!r}\n{self.slurm_logs()}")
+
+    def slurm_logs(self, tail: int = 1500) -> str:
+        """The last ``tail`` characters of each Slurm daemon's log (slurmctld, each slurmd)."""
+        return "".join(f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}"
+                       for f in sorted(self.slurm_dir.glob("*.log")))
 
     def _daemon(self, node: int, *cmd: str) -> None:
         name = self.names[node]

@@ -27,8 +27,12 @@ def config(d: Path, controller: Tuple[str, str], nodes: Sequence[Tuple[str, str]
     """slurm.conf for ``nodes`` = [(name, address), ...], every daemon's files under ``d``.
 
     Per-node files carry ``%n`` (the node name), so several slurmd on one machine do not collide;
-    ``ports`` (slurmctld's, slurmd's) let two test clusters run side by side on one machine.
+    ``ports`` (slurmctld's, slurmd's) let two test clusters run side by side on one machine. Each
+    cluster numbers its jobs from its own FirstJobId (the time in milliseconds, mod 5e7): the
+    job scripts name their folders after the job id (runs/slurm-<id>), which a second cluster
+    numbering from 1 would hand out again, into a folder an earlier job left.
     """
+    first_job_id = 1000 + int(time.time() * 1000) % 50_000_000
     mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
     node_lines = "".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN\n"
                          for n, a in nodes)
@@ -58,6 +62,7 @@ SlurmdLogFile={d}/slurmd.%n.log
 SlurmctldPort={ports[0]}
 SlurmdPort={ports[1]}
 MinJobAge=300
+FirstJobId={first_job_id}
 KillWait=5
 InactiveLimit=0
 {node_lines}PartitionName=debug Nodes={",".join(n for n, _ in nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
@@ -155,33 +160,41 @@ def jobs(job_id: str, env: dict, on=lambda *argv: list(argv)) -> list:
     return [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in out.splitlines() if line.strip()]
 
 
-def wait_for(what: str, check, timeout: float = 120, every: float = 0.2):
-    """Poll ``check()`` until it returns something true; TimeoutError naming ``what`` past ``timeout``."""
+def wait_for(what: str, check, timeout: float = 120, every: float = 0.2, explain=None):
+    """Poll ``check()`` until it returns something true; TimeoutError naming ``what`` past
+    ``timeout``, with ``explain()``'s text (what the job and Slurm said) when given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(every)
-    raise TimeoutError(f"waited {timeout:g}s for {what}")
+    raise TimeoutError(f"waited {timeout:g}s for {what}" + (f"\n{explain()}" if explain else ""))
 
 
 def start_requeued_now(job_id: str, env: dict, restarts: int, on=lambda *argv: list(argv),
-                       timeout: float = 120) -> None:
+                       timeout: float = 120, log=None) -> None:
     """Wait until the job is back in the queue after its ``restarts``-th requeue, then start it at
     once: Slurm holds a requeued job about two minutes (its BeginTime) before it may run again.
 
     Back in the queue means squeue no longer says COMPLETING (scontrol says PENDING a little
     earlier), and then 2 s more: slurmd compares the new start's credential with the revoked one
     of the run before in whole seconds, and refuses a start within the same second ("Job
-    credential revoked": the job then ends FAILED)."""
+    credential revoked": the job then ends FAILED). Past ``timeout`` the error gives the job's
+    state as Slurm has it and the end of its output ``log`` (a path), when given."""
     def requeued():
         info = jobs(job_id, env, on)[0]
         state = subprocess.run(on("squeue", "-h", "-j", job_id, "-o", "%T"), env=env, capture_output=True,
                                text=True).stdout.strip()
         return state == "PENDING" and info["JobState"] == "PENDING" and info.get("Restarts") == str(restarts)
 
-    wait_for(f"job {job_id} to be requeued (restart {restarts})", requeued, timeout)
+    def explain():
+        fields = subprocess.run(on("scontrol", "show", "job", "-o", job_id), env=env, capture_output=True,
+                                text=True).stdout.strip()
+        tail = Path(log).read_text(errors="replace")[-4000:] if log is not None and Path(log).exists() else ""
+        return f"scontrol: {fields}" + (f"\nthe end of {log}:\n{tail}" if log is not None else "")
+
+    wait_for(f"job {job_id} to be requeued (restart {restarts})", requeued, timeout, explain=explain)
     time.sleep(2)
     subprocess.run(on("scontrol", "update", f"JobId={job_id}", "StartTime=now"), env=env, check=True,
                    capture_output=True)

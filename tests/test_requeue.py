@@ -17,7 +17,9 @@ from launch import PROGRAMS, PY, ROOT, VENV_BIN, clean_env
 
 pytestmark = pytest.mark.slurm
 
-TRAIN = "--epochs 150 --samples 1200 --seed 11 --backend hpcsync"  # ~2 s of training: room for the signal
+# 480 steps of at least 50 ms: 24 s of training at the least, however fast the machine, against the
+# seconds a signal takes to arrive on a loaded one (150 unpaced epochs ran in 0.9 s and missed it)
+TRAIN = "--epochs 60 --samples 1200 --seed 11 --backend hpcsync --step-time 0.05"
 OPENMPI = {"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader"}
 MPIRUN = {**OPENMPI, "MPIRUN": "mpirun.openmpi", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
@@ -39,7 +41,8 @@ def signal_while_training(env, job, log, runs_before, batch=False):
     def training():  # the guard is installed before the program says "training on"
         return read(log).count("training on ") > runs_before
 
-    slurm_cluster.wait_for(f"job {job} to train ({log.name})", training, timeout=180)
+    slurm_cluster.wait_for(f"job {job} to train ({log.name})", training, timeout=180,
+                           explain=lambda: f"the end of {log}:\n{read(log)[-4000:]}")
     subprocess.run(["scancel", *(["--batch"] if batch else []), "--signal=USR1", job], env=env, check=True)
 
 
@@ -55,7 +58,7 @@ def array_job(slurm, tmp):
     job = submit(env, "slurm_pmix.sbatch", tmp / "array-%A_%a.out", "--array=0-1")
     log1 = tmp / f"array-{job}_1.out"
     signal_while_training(env, f"{job}_1", log1, 0)
-    slurm_cluster.start_requeued_now(f"{job}_1", env, 1)
+    slurm_cluster.start_requeued_now(f"{job}_1", env, 1, log=log1)
     tasks = {int(t["ArrayTaskId"]): t for t in finish(env, job)}
     return {"job": job, "tasks": tasks, "logs": [read(tmp / f"array-{job}_{i}.out") for i in (0, 1)]}
 
@@ -66,7 +69,7 @@ def capped_job(slurm, tmp):
     log = tmp / "capped.out"
     job = submit(env, "slurm_mpirun.sbatch", log)
     signal_while_training(env, job, log, 0, batch=True)
-    slurm_cluster.start_requeued_now(job, env, 1)
+    slurm_cluster.start_requeued_now(job, env, 1, log=log)
     signal_while_training(env, job, log, 1, batch=True)
     return {"job": job, "info": finish(env, job)[0], "log": read(log)}
 
@@ -97,7 +100,7 @@ def lightning_job(slurm, tmp):
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
     signal_while_training(env, job, log, 0)
-    slurm_cluster.start_requeued_now(job, env, 1)
+    slurm_cluster.start_requeued_now(job, env, 1, log=log)
     return {"job": job, "info": finish(env, job)[0], "log": read(log), "starts": read(root / "starts.txt"),
             "root": root}
 
@@ -123,39 +126,70 @@ def requeued_by_slurm_job(slurm, tmp):
     job = submit(env, "slurm_pmix.sbatch", log)
     slurm_cluster.wait_for(f"job {job} to train", lambda: "training on " in read(log), timeout=180)
     subprocess.run(["scontrol", "requeue", job], env=env, check=True)
-    slurm_cluster.start_requeued_now(job, env, 1)
+    slurm_cluster.start_requeued_now(job, env, 1, log=log)
     return {"job": job, "info": finish(env, job)[0], "log": read(log)}
 
 
 def shared_root_array(slurm, tmp):
-    """An array of 2 given one CHECKPOINT_DIR: the task that comes second must be refused."""
+    """An array of 2 given one CHECKPOINT_DIR, each task training far longer than the test waits:
+    the task that claims the root first still runs when the other starts, which must be refused.
+    (The node's 16 CPUs are not enough for every job of this module at once, so the second task
+    may start only when another job ends.) The first is cancelled once the second has failed."""
     root = tmp / "one-root"
-    env = clean_env({**slurm, **OPENMPI, "PYTHON": PY, "TRAIN_ARGS": TRAIN, "CHECKPOINT_DIR": str(root)})
+    env = clean_env({**slurm, **OPENMPI, "PYTHON": PY, "CHECKPOINT_DIR": str(root),
+                     "TRAIN_ARGS": "--epochs 1000000 --samples 1200 --seed 11 --backend hpcsync --step-time 0.05"})
     job = submit(env, "slurm_pmix.sbatch", tmp / "shared-%A_%a.out", "--array=0-1")
+    logs = [tmp / f"shared-{job}_{i}.out" for i in (0, 1)]
+
+    def states():  # by task; the tasks still pending together share one record ("0-1"): left out
+        return {int(t["ArrayTaskId"]): t["JobState"] for t in slurm_cluster.jobs(job, env)
+                if t.get("ArrayTaskId", "").isdigit()}
+
+    def one_failed():
+        now = states()
+        return now if "FAILED" in now.values() else None
+
+    try:
+        now = slurm_cluster.wait_for(f"a task of array {job} to fail", one_failed, timeout=300,
+                                     explain=lambda: f"{states()}\n" + "\n".join(read(p)[-2000:] for p in logs))
+    finally:
+        subprocess.run(["scancel", job], env=env)
     tasks = {int(t["ArrayTaskId"]): t for t in finish(env, job)}
-    return {"job": job, "tasks": tasks, "logs": [read(tmp / f"shared-{job}_{i}.out") for i in (0, 1)]}
+    return {"job": job, "tasks": tasks, "when_refused": now, "logs": [read(p) for p in logs]}
 
 
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
+    """Every job of the module, side by side. Whatever happens, the runs/slurm-<id> folders the job
+    scripts made go at the end, and a failure here cancels what still runs (the cluster serves the
+    next modules)."""
     tmp = tmp_path_factory.mktemp("requeue")
-    c = no_scontrol_job(slurm, tmp)  # submitted first: the others wait on it below, in threads
-    with ThreadPoolExecutor(6) as pool:
-        futures = {"array": pool.submit(array_job, slurm, tmp), "capped": pool.submit(capped_job, slurm, tmp),
-                   "lightning": pool.submit(lightning_job, slurm, tmp),
-                   "cancelled": pool.submit(cancelled_job, slurm, tmp),
-                   "by_slurm": pool.submit(requeued_by_slurm_job, slurm, tmp),
-                   "shared_root": pool.submit(shared_root_array, slurm, tmp)}
-        env = clean_env(slurm)
-        signal_while_training(env, c["job"], c["log"], 0)
-        c.update(info=finish(env, c["job"])[0], log=read(c["log"]))
-        results = {name: f.result() for name, f in futures.items()}
-    results["no_scontrol"] = c
-    yield results
-    for r in [*results["array"]["tasks"].values(), *results["shared_root"]["tasks"].values()]:
-        subprocess.run(["rm", "-rf", str(ROOT / "runs" / f"slurm-{r['JobId']}")])
-    for name in ("capped", "no_scontrol", "cancelled", "by_slurm"):
-        subprocess.run(["rm", "-rf", str(ROOT / "runs" / f"slurm-{results[name]['job']}")])
+    runs = ROOT / "runs"
+    before = set(os.listdir(runs)) if runs.exists() else set()
+    env = clean_env(slurm)
+    done = False
+    try:
+        c = no_scontrol_job(slurm, tmp)  # submitted first: the others wait on it below, in threads
+        with ThreadPoolExecutor(6) as pool:
+            futures = {"array": pool.submit(array_job, slurm, tmp), "capped": pool.submit(capped_job, slurm, tmp),
+                       "lightning": pool.submit(lightning_job, slurm, tmp),
+                       "cancelled": pool.submit(cancelled_job, slurm, tmp),
+                       "by_slurm": pool.submit(requeued_by_slurm_job, slurm, tmp),
+                       "shared_root": pool.submit(shared_root_array, slurm, tmp)}
+            signal_while_training(env, c["job"], c["log"], 0)
+            c.update(info=finish(env, c["job"])[0], log=read(c["log"]))
+            results = {name: f.result() for name, f in futures.items()}
+        results["no_scontrol"] = c
+        done = True
+        yield results
+    finally:
+        if not done:  # and gone from the queue before their folders go (KillWait: up to 5 s)
+            subprocess.run(["scancel", "--user=root"], env=env)
+            slurm_cluster.wait_for("the module's jobs to leave the queue", lambda: not subprocess.run(
+                ["squeue", "-h", "--user=root"], env=env, capture_output=True, text=True).stdout.strip(), 120)
+        for name in (set(os.listdir(runs)) if runs.exists() else set()) - before:
+            if name.startswith("slurm-"):
+                subprocess.run(["rm", "-rf", str(runs / name)])
 
 
 def stop_steps(log, sig="SIGUSR1"):
@@ -237,8 +271,11 @@ def test_a_job_slurm_requeued_itself_is_said_so_and_resumes(jobs):
 
 def test_two_array_tasks_on_one_checkpoint_root_one_is_refused(jobs):
     j = jobs["shared_root"]
-    states = sorted(t["JobState"] for t in j["tasks"].values())
-    assert states == ["COMPLETED", "FAILED"], (j["tasks"], j["logs"])
-    failed = next(i for i, t in j["tasks"].items() if t["JobState"] == "FAILED")
-    other = j["tasks"][1 - failed]["JobId"]
-    assert f"is in use by Slurm job {other}, which is still running" in j["logs"][failed], j["logs"][failed]
+    refused = next(i for i, state in j["when_refused"].items() if state == "FAILED")
+    other = 1 - refused
+    assert j["when_refused"][other] == "RUNNING", (j["when_refused"], j["logs"])
+    assert j["tasks"][refused]["JobState"] == "FAILED", (j["tasks"], j["logs"])
+    assert j["tasks"][other]["JobState"] == "CANCELLED", (j["tasks"], j["logs"])  # ended by the test, not refused
+    owner = j["tasks"][other]["JobId"]
+    assert f"is in use by Slurm job {owner}, which is still running" in j["logs"][refused], j["logs"][refused]
+    assert "training on " not in j["logs"][refused], j["logs"][refused]

@@ -125,3 +125,35 @@ def test_failing_job_ends_failed(slurm, tmp_path):
     assert info["JobState"] == "FAILED", info
     assert info["ExitCode"] != "0:0"
     assert "deliberate failure on rank 1" in log
+
+
+def test_warning_before_the_guard_requeues_the_job_and_blames_no_node(slurm, tmp_path):
+    """`scancel --signal=USR1` while the program under `hpcsync run` has no preemption guard yet
+    (still importing, say): the signal kills every rank. That says nothing about the node: the job
+    is requeued as it is (no ExcNodeList), as the guard would have done, not requeued without the node."""
+    script = tmp_path / "warned.sbatch"
+    program = "import time; print('rank' + ' up', flush=True); time.sleep(300)"  # 'rank up' only once it runs
+    script.write_text(f"#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+                      f"{PY} -m hpcsync run --state-dir {tmp_path / 'state'} -- {PY} -c \"{program}\"\n")
+    env = clean_env(slurm)
+    log = tmp_path / "warned.out"
+    jid = subprocess.run(["sbatch", "--parsable", "--ntasks-per-node=2", f"--output={log}", str(script)], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    text = lambda: log.read_text(errors="replace") if log.exists() else ""  # noqa: E731
+    try:
+        slurm_cluster.wait_for(f"job {jid} to start its program", lambda: text().count("rank up") == 2, 120,
+                               explain=text)
+        subprocess.run(["scancel", "--signal=USR1", jid], env=env, check=True)
+
+        def requeued():  # Slurm's state, and the supervisor's words once scontrol answered it
+            info = slurm_cluster.jobs(jid, env)[0]
+            said = f"requeued Slurm job {jid} (restart 1" in text()
+            return info if info["JobState"] == "PENDING" and info.get("Restarts") == "1" and said else None
+
+        info = slurm_cluster.wait_for(f"job {jid} to be requeued", requeued, 120,
+                                      explain=lambda: f"{slurm_cluster.jobs(jid, env)[0]}\n{text()}")
+        assert info["ExcNodeList"] == "(null)", f"{info}\n{text()}"
+        assert "killed by SIGUSR1" in text() and "no node is blamed" in text(), text()
+        assert f"requeued Slurm job {jid} (restart 1 of at most 8)" in text() and "leaving out" not in text(), text()
+    finally:
+        subprocess.run(["scancel", jid], env=env)

@@ -102,7 +102,7 @@ def test_sbatch_two_nodes_signalled_requeued_resumed(cluster, tmp_path):
     comes back and ends with the weights of an uninterrupted run, bit for bit."""
     import torch
 
-    train = "--epochs 150 --samples 1200 --seed 11 --backend hpcsync"
+    train = "--epochs 40 --samples 1200 --seed 11 --backend hpcsync --step-time 0.03"  # 18 s at the least
     env = clean_env({**cluster.srun([1, 1]).env, "PYTHON": PY, "TRAIN_ARGS": train})
     on = lambda *argv: cluster.on_node(0, *argv)  # noqa: E731
     log = tmp_path / "job.out"

@@ -45,6 +45,71 @@ def test_launcher_words_blame_the_node_whose_ranks_died():
     assert hydra.nodes == ["n3"]
 
 
+def test_ranks_killed_by_the_warning_signal_blame_no_node_and_requeue():
+    """SIGUSR1/SIGUSR2 go to every task on purpose (--signal, scancel --signal): a rank they killed,
+    its program not yet (or no longer) handling them, is a requeue of the job, not a bad node."""
+    srun = supervisor.LauncherWords()
+    for line in ("srun: error: n0: task 0: User defined signal 1", "srun: launch/slurm: _step_signal: Terminating "
+                 "StepId=7.0", "srun: error: n1: task 1: User defined signal 1"):
+        srun.feed(line)
+    ompi = supervisor.LauncherWords()
+    ompi.feed("mpirun noticed that process rank 1 with PID 4242 on node n7 exited on signal 10 (User defined signal 1).")
+    hydra = supervisor.LauncherWords()
+    for line in ("=   RANK 1 PID 12 RUNNING AT n3", "=   KILLED BY SIGNAL: 12 (User defined signal 2)"):
+        hydra.feed(line)
+    assert [(w.nodes, w.warning) for w in (srun, ompi, hydra)] == [([], "SIGUSR1"), ([], "SIGUSR1"), ([], "SIGUSR2")]
+    peer = {"cause": "hang", "program_error": False, "blame_nodes": ["n0"], "detail": "all_reduce #5",
+            "reporter": {"rank": 1, "node": "n1"}, "time": 2.0}  # a survivor's report of the killed rank
+    v = supervisor.judge(138, [peer], srun, False)
+    assert (v.action, v.cause, v.blamed) == ("requeue", "killed by SIGUSR1", []) and "no node is blamed" in v.detail
+    assert supervisor.judge(143, [], srun, True).action == "done"  # the supervisor itself was ended: no requeue
+    raised = {**peer, "cause": "exception", "program_error": True, "detail": "ValueError: bad"}
+    assert supervisor.judge(1, [raised], srun, False).action == "stop-program"
+    failed = supervisor.LauncherWords()  # a node the launcher names is left out all the same
+    for line in ("srun: error: Node failure on n2", "srun: error: n0: task 0: User defined signal 1"):
+        failed.feed(line)
+    assert (supervisor.judge(138, [], failed, False).action, failed.nodes) == ("requeue", ["n2"])
+
+
+def test_a_warning_between_attempts_is_not_lost(tmp_path, monkeypatch):
+    """A USR1 that reached the supervisor while no step ran: the next step's guard would never see
+    it, so the run acts on it itself -- under Slurm a requeue; outside Slurm it ends (128 + 10)."""
+    marker = tmp_path / "launched"
+
+    class Touch(supervisor.Launcher):
+        def command(self, nodes, per_node, program):
+            return ["touch", str(marker)]
+
+    exe = tmp_path / "scontrol"  # a running job that accepts its requeue
+    exe.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n"
+                   "[ \"$1\" = show ] && echo 'JobId=7 JobState=RUNNING Restarts=0'\nexit 0\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("HPCSYNC_MAX_RESTARTS", raising=False)
+    class Warned(supervisor.Launcher):  # the launcher's words: a node failure, and a rank the warning killed
+        def command(self, nodes, per_node, program):
+            return ["sh", "-c", "echo 'srun: error: Node failure on n1' >&2; "
+                                "echo 'srun: error: n0: task 0: User defined signal 1' >&2; exit 138"]
+
+    try:
+        for job, code in (("7", 0), (None, 128 + signal.SIGUSR1)):
+            sup = supervisor.Supervisor(Touch("touch", []), ["n0"], 1, 0, 3, str(tmp_path / f"state-{job}"),
+                                        ["prog"], slurm_job=job)
+            sup._forward(signal.SIGUSR1, None)  # no step running: kept, not dropped
+            assert sup.run() == code and not marker.exists()
+        assert (tmp_path / "calls").read_text().splitlines() == ["show job -o 7", "requeue 7"]
+        sup = supervisor.Supervisor(Warned("sh", []), ["n0", "n1"], 1, 0, 3, str(tmp_path / "state-warned"),
+                                    ["prog"], slurm_job="7")
+        assert sup.run() == 0 and sup.state.bad_nodes == ["n1"]  # requeued; n1 left out from the next start on
+        assert (tmp_path / "calls").read_text().splitlines()[2:] == ["show job -o 7", "requeue 7"]
+    finally:
+        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+
+
 def test_judge_never_relaunches_the_programs_own_exception():
     raised = {"cause": "exception", "program_error": True, "blame_nodes": [], "detail": "ValueError: bad",
               "reporter": {"rank": 3, "node": "n1"}, "time": 1.0}

@@ -54,14 +54,23 @@ def test_sbatch_survives_a_failed_node(cluster, tmp_path, failure, nodes, spares
             assert queued.strip(), f"the job ended before its first checkpoint:\n{log.read_text()[-3000:]}"
             return any(ckpt.glob("step-*"))
 
-        slurm_cluster.wait_for("the first periodic checkpoint", checkpointed, 240)
+        def explain():  # what the job, Slurm and the job's processes said, for a wait that timed out
+            ask = lambda *argv: subprocess.run(on(*argv), env=env, capture_output=True, text=True).stdout  # noqa: E731
+            ps = [line for line in ask("ps", "-eo", "pid,ppid,etimes,stat,args", "--sort=pid").splitlines()
+                  if any(word in line for word in ("srun", "slurmstepd", "train.py"))]
+            return "\n".join([f"--- job log\n{log.read_text(errors='replace')[-4000:]}",
+                               f"--- squeue -s\n{ask('squeue', '-s')}", "--- the job's processes", *ps,
+                               cluster.slurm_logs(2500)])
+
+        slurm_cluster.wait_for("the first periodic checkpoint", checkpointed, 240, explain=explain)
         break_node(cluster, failure)
         if spares == 0:  # requeued without node 1: start it at once instead of Slurm's two minutes
             slurm_cluster.start_requeued_now(jid, env, 1, on=on, timeout=180)
         if failure == "link":
             # the batch script ends once the relaunched step completes; the job itself stays
             # COMPLETING until Slurm hears from node 1 (SlurmdTimeout marks it down): Slurm's own time
-            slurm_cluster.wait_for("the relaunched step", lambda: "attempt 2 on" in log.read_text(), 240)
+            slurm_cluster.wait_for("the relaunched step", lambda: "attempt 2 on" in log.read_text(), 240,
+                                   explain=explain)
             info = slurm_cluster.jobs(jid, env, on)[0]
             assert info["JobState"] in ("COMPLETING", "COMPLETED"), info
         else:

@@ -4,8 +4,9 @@
 
 ``HOST=IFACE``: the ranks on node HOST export ``GLOO_SOCKET_IFNAME=IFACE`` themselves before
 init (a user's per-node setting). ``fault``: rank 0 alone fails in the proof of every pair of
-nodes -- ``raise``: an exception before its first exchange; ``emfile``: its open-files limit is
-lowered to what it holds, so each ``socket()`` of the connection test fails with EMFILE.
+nodes -- ``raise``: an exception before its first exchange; ``emfile``: its open-files limit is set a
+little above the descriptors it holds and every free one but one is taken, so the connection
+test's sockets fail with EMFILE.
 ``timeout``: init's (default 40 s). Each rank reports the interface its backend was given, the
 master address, an all_reduce and an all_to_all across every pair, or the error and how long it took.
 """
@@ -30,6 +31,7 @@ for spec in sys.argv[2:]:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
 topo = topology()
 if topo.rank == 0 and options.get("fault"):
+    import errno
     import resource
 
     import hpcsync.interfaces as ifs
@@ -40,11 +42,24 @@ if topo.rank == 0 and options.get("fault"):
         raise RuntimeError("injected on rank 0")
 
     def reach_without_files(*args, **kwargs):
+        # Every descriptor below the limit is taken, then one is given back (for the selector): a
+        # count of /proc/self/fd is not enough: a descriptor numbered above the count, or one that
+        # another thread (the acceptor) holds for a moment while counting, leaves room for more sockets.
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+        fillers = []
         try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 8, hard))
+            try:
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as exc:
+                if exc.errno != errno.EMFILE:
+                    raise
+            os.close(fillers.pop())
             return real_reach(*args, **kwargs)
         finally:
+            for fd in fillers:
+                os.close(fd)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     if options["fault"] == "raise":
