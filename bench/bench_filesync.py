@@ -70,7 +70,8 @@ def worker(method: str, folder: str, total: int) -> None:
         hpcsync.init(backend="gloo", timeout=600)
     else:
         import hpcsync
-        from hpcsync import _torchcomm, filesync  # noqa: F401  imports are not part of the merge
+        from hpcsync.core import torchcomm  # noqa: F401
+        from hpcsync.data import filesync  # noqa: F401  imports are not part of the merge
 
         hpcsync.topology()
     if rank == 0:

@@ -1,5 +1,19 @@
 """hpcsync: MPI-first helpers for PyTorch training on clusters.
 
+The package is five rooms and the backend, each importing only the ones before it
+(``tests/test_layout.py`` holds them to it; docs/architecture.md draws it):
+
+- :mod:`hpcsync.core`: settings, errors, lazy MPI, who is who (launchers, topology, node map),
+  bounded collectives, the comm helpers, the job's end.
+- :mod:`hpcsync.observe`: seeing a job: logs, flight recorder, hang reports, failure records and
+  digest, straggler monitor, progress.
+- :mod:`hpcsync.backend` and :mod:`hpcsync.data`: the socket-free torch.distributed backend;
+  moving data (file sync and its transports, HDF5, stage-in).
+- :mod:`hpcsync.start`: starting a job: ``init()``, the master address, interfaces, the store,
+  ``hpcsync doctor``.
+- :mod:`hpcsync.resilience`: keeping a job alive: preemption, requeue, checkpoints, ``hpcsync
+  run``, Lightning.
+
 Importing hpcsync initialises nothing: MPI starts on the first call that needs it, and torch,
 mpi4py and h5py are imported only by the features that use them. The one thing an import does is
 ask torch for huge pages (below), because that must happen before torch's first CPU allocation.
@@ -14,7 +28,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from . import settings  # noqa: E402  (no dependencies: the table of HPCSYNC_* variables)
+from .core import settings  # noqa: E402  (no dependencies: the table of HPCSYNC_* variables)
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -25,52 +39,67 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 if settings.flag("HPCSYNC_HUGEPAGES"):
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-# public name -> module that defines it (resolved lazily, PEP 562)
+# public name -> the module that defines it (resolved lazily, PEP 562)
 _EXPORTS = {
-    "Topology": "topology",
-    "local_comm": "topology",
-    "init": "bootstrap",
-    "shutdown": "bootstrap",
-    "is_initialized": "bootstrap",
-    "master_address": "bootstrap",
-    "install_abort_hook": "bootstrap",
-    "setup_logging": "logs",
-    "get_world_size": "comm",
-    "get_rank": "comm",
-    "get_local_rank": "comm",
-    "get_local_size": "comm",
-    "is_main_process": "comm",
-    "synchronize": "comm",
-    "all_gather": "comm",
-    "gather": "comm",
-    "broadcast_object": "comm",
-    "shared_random_seed": "comm",
-    "reduce_dict": "comm",
-    "monitored_barrier": "comm",
-    "sync_file": "filesync",
-    "SyncedFile": "filesync",
-    "stage": "staging",
-    "PreemptionGuard": "preemption",
-    "Requeue": "requeue",
-    "Checkpoints": "checkpoint",
-    "StepMonitor": "monitor",
-    "StageResult": "staging",
-    "HpcsyncError": "errors",
-    "LaunchError": "errors",
-    "AddressError": "errors",
-    "SyncError": "errors",
-    "StageError": "errors",
-    "CheckpointError": "errors",
-    "CollectiveTimeout": "errors",
-    "MissingDependencyError": "errors",
+    "Topology": "core.topology",
+    "topology": "core.topology",
+    "local_comm": "core.topology",
+    "init": "start.bootstrap",
+    "shutdown": "start.bootstrap",
+    "is_initialized": "start.bootstrap",
+    "master_address": "start.bootstrap",
+    "install_abort_hook": "start.bootstrap",
+    "setup_logging": "observe.logs",
+    "get_world_size": "core.comm",
+    "get_rank": "core.comm",
+    "get_local_rank": "core.comm",
+    "get_local_size": "core.comm",
+    "is_main_process": "core.comm",
+    "synchronize": "core.comm",
+    "all_gather": "core.comm",
+    "gather": "core.comm",
+    "broadcast_object": "core.comm",
+    "shared_random_seed": "core.comm",
+    "reduce_dict": "core.comm",
+    "monitored_barrier": "core.comm",
+    "sync_file": "data.filesync",
+    "SyncedFile": "data.filesync",
+    "stage": "data.staging",
+    "StageResult": "data.staging",
+    "preemption": "resilience.preemption",
+    "PreemptionGuard": "resilience.preemption",
+    "requeue": "resilience.requeue",
+    "Requeue": "resilience.requeue",
+    "Checkpoints": "resilience.checkpoint",
+    "monitor": "observe.monitor",
+    "StepMonitor": "observe.monitor",
+    "HpcsyncError": "core.errors",
+    "LaunchError": "core.errors",
+    "AddressError": "core.errors",
+    "SyncError": "core.errors",
+    "StageError": "core.errors",
+    "CheckpointError": "core.errors",
+    "CollectiveTimeout": "core.errors",
+    "MissingDependencyError": "core.errors",
 }
 
-# submodules reachable as attributes (``hpcsync.filesync.part_path``), imported on first use
-_SUBMODULES = ("backend", "bootstrap", "bounded", "checkpoint", "cli", "comm", "doctor", "digest", "environments", "errors", "failure", "filesync", "flight",
-               "h5", "jobend", "lightning", "logs", "network", "nodemap", "staging", "store",
-               "watchdog")
+# modules reachable as attributes (``from hpcsync import comm``, ``hpcsync.h5.write_rows``), imported
+# on first use: the packages, and each module by the name it had before the packages (the four
+# whose name is now a function above, topology, preemption, requeue and monitor, by their path)
+_MODULES = {
+    "core": "core", "observe": "observe", "backend": "backend", "data": "data", "start": "start",
+    "resilience": "resilience", "cli": "cli",
+    "comm": "core.comm", "bounded": "core.bounded", "environments": "core.environments", "errors": "core.errors",
+    "jobend": "core.jobend", "nodemap": "core.nodemap",
+    "digest": "observe.digest", "failure": "observe.failure", "flight": "observe.flight", "logs": "observe.logs",
+    "progress": "observe.progress", "watchdog": "observe.watchdog",
+    "filesync": "data.filesync", "h5": "data.h5", "staging": "data.staging",
+    "bootstrap": "start.bootstrap", "doctor": "start.doctor", "interfaces": "start.interfaces",
+    "network": "start.network", "store": "start.store",
+    "checkpoint": "resilience.checkpoint", "lightning": "resilience.lightning", "supervisor": "resilience.supervisor",
+}
 
-__all__ = sorted([*_EXPORTS, "monitor", "preemption", "requeue", "topology"]) + ["__version__"]
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def _register_backend_if_torch_loaded() -> None:
@@ -84,17 +113,11 @@ def _register_backend_if_torch_loaded() -> None:
 
 _register_backend_if_torch_loaded()
 
-# ``topology``, ``preemption``, ``requeue`` and ``monitor`` each name a submodule and its main
-# function: the name is the module, callable as that function (``hpcsync.requeue()`` is
-# ``hpcsync.requeue.requeue()``), bound eagerly (the modules are light: no MPI, no torch).
-from . import monitor, preemption, requeue, topology  # noqa: E402, F401
-from .preemption import PreemptionGuard  # noqa: E402, F401
-from .topology import Topology, local_comm  # noqa: E402, F401
-
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+    module = _MODULES.get(name)
+    if module is not None:
+        return importlib.import_module(f".{module}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hpcsync' has no attribute {name!r}")
@@ -104,4 +127,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list:
-    return __all__ + list(_SUBMODULES)
+    return __all__ + list(_MODULES)

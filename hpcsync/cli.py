@@ -25,9 +25,9 @@ def _torch_backends() -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .bootstrap import master_address
-    from .comm import gather
-    from .topology import topology
+    from .start.bootstrap import master_address
+    from .core.comm import gather
+    from .core.topology import topology
 
     topo = topology()
     choice = master_address(topo)
@@ -46,8 +46,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge part files left by a job that died before syncing; parts split across ranks in order."""
-    from .comm import get_rank, get_world_size
-    from .filesync import merge_parts
+    from .core.comm import get_rank, get_world_size
+    from .data.filesync import merge_parts
 
     size, rank = get_world_size(), get_rank()
     per, extra = divmod(len(args.parts), size)
@@ -64,11 +64,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     """Copy SRC to DST on every node (one read of the source); a summary from rank 0."""
-    from .staging import stage
+    from .data.staging import stage
 
     r = stage(args.src, args.dst, chunk_bytes=args.chunk_mib * 2**20, durable=args.durable,
               progress=False if args.no_progress else None)
-    from .comm import get_rank
+    from .core.comm import get_rank
 
     if get_rank() == 0:
         print(f"staged {r.source} to {r.destination} on {r.nodes} node(s): {r.files} file(s), {r.bytes} bytes; "
@@ -79,7 +79,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import run
+    from .start.doctor import run
 
     return run(connect=not args.no_connect)
 
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check MPI, launcher, addresses, torch, GPUs, HDF5; non-zero exit on problems")
     doctor.add_argument("--no-connect", action="store_true", help="skip the TCP reachability test to rank 0")
     doctor.set_defaults(func=cmd_doctor)
-    from . import supervisor
+    from .resilience import supervisor
 
     supervisor.add_parser(sub)
     return parser
@@ -120,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    from .errors import HpcsyncError
+    from .core.errors import HpcsyncError
 
     try:
         return int(args.func(args) or 0)

@@ -50,9 +50,9 @@ fi
 # mpich wheel puts MPICH's mpi.h into $VENV/include, which setuptools adds to every compile of a
 # venv: Open MPI's include dir goes first (CFLAGS precede it), else h5py passes 32-bit MPICH
 # handles to Open MPI and segfaults in H5Pset_fapl_mpio. The check is a real mpio open
-# (hpcsync.h5.mpi_abi_mismatch), not just h5py.get_config().mpi, so a broken build is rebuilt.
+# (hpcsync.data.h5.mpi_abi_mismatch), not just h5py.get_config().mpi, so a broken build is rebuilt.
 h5py_ok() {
-  MPI4PY_MPIABI=openmpi "$PY" -c "import h5py, sys; from hpcsync.h5 import mpi_abi_mismatch as m
+  MPI4PY_MPIABI=openmpi "$PY" -c "import h5py, sys; from hpcsync.data.h5 import mpi_abi_mismatch as m
 sys.exit(0 if h5py.get_config().mpi and not m() else 1)" 2>/dev/null
 }
 if [ "$full" = 1 ] && ! h5py_ok; then

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hpcsync import requeue
+from hpcsync.resilience import requeue
 from launch import LAUNCHERS, PROGRAMS, PY, clean_env, openmpi, run
 
 

@@ -85,7 +85,7 @@ def test_lost_node_check_reads_the_launcher_settings():
     """In process: mpirun's default oob keepalive (~8 min) and srun without kill-on-bad-exit warn."""
     from types import SimpleNamespace
 
-    from hpcsync.doctor import KEEPALIVE_FLAGS, OK, WARN, _lost_node_check
+    from hpcsync.start.doctor import KEEPALIVE_FLAGS, OK, WARN, _lost_node_check
 
     def check(launcher, nodes, env):
         out = []

@@ -1,9 +1,9 @@
 """Launcher environments and Slurm spec parsing, on real variable sets each launcher exports."""
 import pytest
 
-from hpcsync.environments import detect_environment, expand_hostlist, parse_tasks_per_node
-from hpcsync.errors import LaunchError
-from hpcsync.topology import from_environment
+from hpcsync.core.environments import detect_environment, expand_hostlist, parse_tasks_per_node
+from hpcsync.core.errors import LaunchError
+from hpcsync.core.topology import from_environment
 
 
 def test_hostlist():

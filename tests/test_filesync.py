@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from hpcsync.filesync import part_path
+from hpcsync.data.filesync import part_path
 from launch import LAUNCHERS, PY, clean_env, mpich, openmpi, run
 
 

@@ -63,7 +63,7 @@ def test_abi_probe_catches_a_crashing_h5py(tmp_path):
         "class _C:\n    mpi = True\n"
         "def get_config():\n    return _C()\n"
         "def File(*a, **k):\n    os.kill(os.getpid(), signal.SIGSEGV)\n")
-    code = ("import hpcsync.h5 as h; r = h.mpi_abi_mismatch(); print(r); "
+    code = ("import hpcsync.data.h5 as h; r = h.mpi_abi_mismatch(); print(r); "
             "assert r == h.mpi_abi_mismatch()")  # second call: from the cache
     env = clean_env({"PYTHONPATH": str(tmp_path / "fake"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
                      "MPI4PY_MPIABI": "openmpi"})

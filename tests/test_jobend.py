@@ -13,7 +13,7 @@ def test_launcher_is_found_among_the_ancestors(tmp_path):
     """A rank started (through a shell) by a process named mpirun finds it; a plain process does not."""
     mpirun = tmp_path / "mpirun"
     os.symlink(shutil.which("sh"), mpirun)  # /proc/PID/comm is the name it was executed as
-    probe = f"{sys.executable} -c 'from hpcsync.jobend import launcher_pid; print(launcher_pid())'"
+    probe = f"{sys.executable} -c 'from hpcsync.core.jobend import launcher_pid; print(launcher_pid())'"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([str(mpirun), "-c", f"sh -c \"{probe}\"; true"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -48,7 +48,7 @@ def test_watcher_leaves_a_finished_launcher_alone(tmp_path):
 
 _STUCK_ABORT = """
 import os, re, time, types
-from hpcsync import _mpi, jobend
+from hpcsync.core import jobend, mpi as _mpi
 
 class World:  # an MPI_Abort that never returns and holds the GIL (mpi4py's Abort does not release it)
     def Get_rank(self):

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle between hpcsync's modules (module-level or deferred)."""
+"""The package's shape: rooms by concern that import one way, no import cycle between modules
+(module-level or deferred), small modules, one table of settings."""
 import ast
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def test_no_import_cycle():
     graph = imports()
     missing = {m: sorted(d for d in deps if not _exists(d)) for m, deps in graph.items()}
     assert not any(missing.values()), {m: d for m, d in missing.items() if d}  # also deferred imports
-    assert "hpcsync.watchdog" in graph and "hpcsync.jobend" in graph["hpcsync.watchdog"]
+    assert "hpcsync.observe.watchdog" in graph and "hpcsync.core.jobend" in graph["hpcsync.observe.watchdog"]
     state, stack = {}, []
 
     def visit(m):
@@ -63,6 +64,38 @@ def test_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+# Each package may import only the packages of the levels below its own (and itself); backend and
+# data share a level and import neither the other. The top: the command line and the public API.
+LEVELS = [["core"], ["observe"], ["backend", "data"], ["start"], ["resilience"], ["cli", "__main__", ""]]
+
+
+def _room(module: str) -> str:
+    """hpcsync.<room>[...] -> room ("" for hpcsync itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_packages_import_one_way():
+    """Every module sits in a room (a package by concern, or the top), and imports only rooms below
+    its own: the core nothing of hpcsync, the observers the core, backend and data those two (not
+    each other), starting a job all of them, keeping it alive everything but the command line."""
+    level = {room: i for i, rooms in enumerate(LEVELS) for room in rooms}
+    graph = imports()
+    loose = sorted(m for m in graph if _room(m) not in level)
+    assert not loose, f"modules outside every room: {loose}"
+    wrong = []
+    for module, deps in graph.items():
+        mine = _room(module)
+        for dep in deps:
+            theirs = _room(dep)
+            if theirs != mine and level[theirs] >= level[mine] and level[mine] < len(LEVELS) - 1:
+                wrong.append(f"{module} -> {dep}")
+    assert not wrong, "imports against the direction core < observe < backend, data < start < resilience < cli:\n" + \
+        "\n".join(sorted(wrong))
+    top = sorted(p.name for p in PKG.iterdir() if p.suffix == ".py")
+    assert top == ["__init__.py", "__main__.py", "cli.py"], top  # nothing loose at the top
 
 
 def test_every_setting_in_one_table():

@@ -48,7 +48,7 @@ def test_a_slowed_rank_is_named_and_jitter_names_nobody(launcher, backend, slow_
     assert line and line.groups()[:2] == ("3", host) and abs(float(line.group(3)) - v["factor"]) < 0.0051, \
         res.stderr[-3000:]
     # the record in the report dir, readable later (what a relaunch would read)
-    from hpcsync import monitor
+    from hpcsync.observe import monitor
 
     records = monitor.read(str(reports))
     assert len(records) == 1 and re.search(rf"-r3-s{v['step']}-t\d+\.json$", records[0]["path"])
@@ -105,7 +105,7 @@ def test_verdicts_from_the_windows_figures(tmp_path, monkeypatch):
     made under half the steps (it closed) is not judged."""
     import numpy as np
 
-    from hpcsync import monitor
+    from hpcsync.observe import monitor
 
     monkeypatch.setenv("HPCSYNC_REPORT_DIR", str(tmp_path))
     judge = monitor.Judge(1.2, (3, 5), 50, ranks=[0, 1, 2, 3], hosts=["n0", "n0", "n1", "n1"])
@@ -155,4 +155,4 @@ def test_one_process_times_its_steps_and_rejects_bad_settings(monkeypatch):
     with pytest.raises(ValueError, match="HPCSYNC_STRAGGLER_WINDOWS"):
         hpcsync.monitor()
     with pytest.raises(ValueError, match="HPCSYNC_STRAGGLER_WINDOWS='3'"):
-        hpcsync.settings.validate()
+        hpcsync.core.settings.validate()

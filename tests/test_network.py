@@ -1,8 +1,8 @@
 """Master-address choice on synthetic clusters (pure logic), and on this machine."""
 import pytest
 
-from hpcsync.errors import AddressError
-from hpcsync.network import (Interface, NodeInterfaces, choose_master, hostname_addresses, kernel_route_source,
+from hpcsync.core.errors import AddressError
+from hpcsync.start.network import (Interface, NodeInterfaces, choose_master, hostname_addresses, kernel_route_source,
                              local_interfaces, master_candidates)
 
 
@@ -193,7 +193,7 @@ def test_connect_proof_survives_a_small_accept_queue():
 # -- each node's own interface (hpcsync.interfaces), on synthetic nodes -------------------------
 
 def test_interface_specs_follow_nccls_rules():
-    from hpcsync.network import ifname_matches
+    from hpcsync.start.network import ifname_matches
 
     assert ifname_matches("eth", "eth1") and ifname_matches("eth,ib", "ib0") and not ifname_matches("eth", "ib0")
     assert ifname_matches("=eth0", "eth0") and not ifname_matches("=eth0", "eth01")
@@ -209,7 +209,7 @@ SPLIT = {  # the kernel of each node: the source address of its route to the mas
 
 
 def link_of(host, env=None, backend="gloo"):
-    from hpcsync.interfaces import own_link
+    from hpcsync.start.interfaces import own_link
 
     ifaces, src = SPLIT[host]
     return own_link("10.93.0.10", backend, tuple(Interface(*i) for i in ifaces), route=lambda _dest: src,
@@ -236,7 +236,7 @@ def test_the_users_interface_variables_win_and_fail_clearly():
 def test_gloo_takes_exact_names_and_nccl_gets_an_exact_spec():
     """gloo reads GLOO_SOCKET_IFNAME as exact names (NCCL's prefix "eth" names nothing to gloo);
     hpcsync exports NCCL_SOCKET_IFNAME=eth1 as "=eth1" (a bare eth1 would match eth10 too)."""
-    from hpcsync.interfaces import NodeLink, export
+    from hpcsync.start.interfaces import NodeLink, export
 
     with pytest.raises(AddressError, match=r"GLOO_SOCKET_IFNAME='eth' .*gloo takes exact names"):
         link_of("cn1", env={"GLOO_SOCKET_IFNAME": "eth"})
@@ -260,7 +260,7 @@ def test_hpcsync_ifname_names_an_interface_per_node():
 def test_names_that_differ_between_nodes_are_named():
     from dataclasses import replace
 
-    from hpcsync.interfaces import names_differ
+    from hpcsync.start.interfaces import names_differ
 
     links = [replace(link_of(h), node=k) for k, h in enumerate(SPLIT)]
     assert names_differ(links) == "eth0 on node(s) 0-1; eth1 on node(s) 2"
@@ -272,7 +272,7 @@ def test_reach_all_answers_for_every_target_within_its_bound():
     import socket
     import time
 
-    from hpcsync.network import reach_all
+    from hpcsync.start.network import reach_all
 
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))

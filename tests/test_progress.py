@@ -1,7 +1,7 @@
 """The root's progress bar: drawn when asked or on a TTY, silent otherwise."""
 import io
 
-from hpcsync.progress import Progress
+from hpcsync.observe.progress import Progress
 
 
 def test_progress_draws_when_enabled():

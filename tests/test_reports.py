@@ -48,7 +48,7 @@ def test_report_groups_ranks_and_stays_small(monkeypatch):
 
 
 def test_submodules_are_attributes_without_loading_torch_or_mpi():
-    code = ("import sys, hpcsync; hpcsync.filesync.part_path('a.csv', 1); hpcsync.nodemap.ranges([1]); "
+    code = ("import sys, hpcsync; hpcsync.data.filesync.part_path('a.csv', 1); hpcsync.core.nodemap.ranges([1]); "
             "print('torch' in sys.modules, 'mpi4py.MPI' in sys.modules, callable(hpcsync.topology))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["False", "False", "True"], out.stderr
@@ -57,7 +57,7 @@ def test_submodules_are_attributes_without_loading_torch_or_mpi():
 def test_functions_named_like_their_module_stay_functions():
     """``hpcsync.preemption`` is a function and a submodule: importing the submodule (directly, or
     through another name it defines) must not replace the function with the module."""
-    code = ("import hpcsync; hpcsync.PreemptionGuard; import hpcsync.preemption, hpcsync.topology; "
+    code = ("import hpcsync; hpcsync.PreemptionGuard; import hpcsync.resilience.preemption, hpcsync.topology; "
             "print(callable(hpcsync.preemption), callable(hpcsync.topology))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["True", "True"], out.stderr

@@ -87,7 +87,7 @@ def no_scontrol_job(slurm, tmp):
 
 
 def lightning_job(slurm, tmp):
-    """lightning.Trainer(**hpcsync.lightning.trainer_kwargs()) under srun in a --requeue batch job."""
+    """lightning.Trainer(**hpcsync.resilience.lightning.trainer_kwargs()) under srun in a --requeue batch job."""
     root = tmp / "lightning"
     root.mkdir()
     script = tmp / "lightning.sbatch"

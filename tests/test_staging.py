@@ -257,7 +257,7 @@ def test_an_unexpected_error_on_the_root_before_the_copy_is_one_error_on_every_r
     StageError naming the root and its node, within seconds."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     make_tree(src, files=10)
-    fault = {"rank": 0, "patch": "hpcsync.staging.destination:Destination.start"}
+    fault = {"rank": 0, "patch": "hpcsync.data.staging.destination:Destination.start"}
     t0 = time.monotonic()
     res = run(openmpi(), 2, "stage.py", str(src), str(dst), json.dumps({"_fault": [fault]}), tmp_path=tmp_path,
               expect_ok=False, timeout=60, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})

@@ -35,12 +35,12 @@ def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(clust
     src.mkdir()
     for i in range(12):
         (src / f"f{i:02d}.bin").write_bytes(os.urandom(200_000 + i))
-    fault = {"writer": {"rank": 2, "patch": "hpcsync.staging.destination:Destination.write_round", "call": 4,
+    fault = {"writer": {"rank": 2, "patch": "hpcsync.data.staging.destination:Destination.write_round", "call": 4,
                         "error": "EIO"},
-             "root-writer": {"rank": 0, "patch": "hpcsync.staging.destination:Destination.write_round", "call": 3,
+             "root-writer": {"rank": 0, "patch": "hpcsync.data.staging.destination:Destination.write_round", "call": 3,
                              "error": "EIO"},
-             "reader": {"rank": 0, "patch": "hpcsync.staging.transfer:Reader.fill", "call": 4},
-             "buffers": {"rank": 2, "patch": "hpcsync.staging.transfer:_Pipeline.buffer", "call": 1}}[where]
+             "reader": {"rank": 0, "patch": "hpcsync.data.staging.transfer:Reader.fill", "call": 4},
+             "buffers": {"rank": 2, "patch": "hpcsync.data.staging.transfer:_Pipeline.buffer", "call": 1}}[where]
     needle = {"writer": f"rank 2: node {cluster.names[1]}: Input/output error",
               "root-writer": f"rank 0: node {cluster.names[0]}: Input/output error",
               "reader": f"rank 0: node {cluster.names[0]}: RuntimeError: fault injected into Reader.fill",
@@ -77,7 +77,7 @@ def test_an_unexpected_error_in_the_listing_is_one_error_on_every_rank(cluster, 
     make_tree(src, files=20)
     dst, n = Path(cluster.node_local if nodes else tmp_path, "dst"), 3 if nodes else 2
     env = {"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_STAGE_OPTS": json.dumps(
-        {"_fault": [{"rank": rank, "patch": f"hpcsync.staging:{where}"}]})}
+        {"_fault": [{"rank": rank, "patch": f"hpcsync.data.staging:{where}"}]})}
     host = cluster.names[0] if nodes else os.uname().nodename
     copies = [node_dir(cluster, i, "dst") for i in range(2)] if nodes else [dst]
     try:

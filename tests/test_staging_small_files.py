@@ -14,7 +14,7 @@ import pytest
 
 import hpcsync
 from hpcsync import staging
-from hpcsync.staging import fileops, listing, transfer
+from hpcsync.data.staging import fileops, listing, transfer
 from launch import PY, Launcher, clean_env, openmpi, run
 from test_staging import (OLD, _kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
                           journal_records, journaled, make_tree, no_temporaries, snapshot, temporary)
@@ -244,7 +244,7 @@ def test_a_journal_that_cannot_be_written_is_one_error_on_every_rank(rank, tmp_p
     if rank:
         with open(src / "split.bin", "wb") as f:  # sparse: made at once
             f.truncate(staging.SPLIT_BYTES + 1)
-        opts["_fault"] = [{"rank": 0, "patch": "hpcsync.staging.transfer:copy_blocks", "do": "return", "value": []}]
+        opts["_fault"] = [{"rank": 0, "patch": "hpcsync.data.staging.transfer:copy_blocks", "do": "return", "value": []}]
     journal = staging.JOURNAL + (f".{rank}" if rank else "")
     (dst / journal).mkdir(parents=True)
     t0 = time.monotonic()
@@ -473,7 +473,7 @@ def test_a_kill_amid_the_rewrite_of_a_resumed_journal_loses_nothing(tmp_path):
     done = sorted(records)[:4]
     (dst / staging.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n"
                                        + json.dumps([[r, records[r]] for r in done]) + "\n")
-    kill = {"rank": 0, "patch": "hpcsync.staging.journal:Journal._flush", "do": "exit"}  # its first flush
+    kill = {"rank": 0, "patch": "hpcsync.data.staging.journal:Journal._flush", "do": "exit"}  # its first flush
     res = run(None, 1, "stage.py", str(src), str(dst), json.dumps({"_fault": [kill]}), tmp_path=tmp_path,
               expect_ok=False)
     assert res.returncode == 9 and res.ranks == [None], res

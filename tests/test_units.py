@@ -3,9 +3,9 @@ gather round schedule."""
 import pytest
 import torch
 
-from hpcsync import _bigmpi
+from hpcsync.core import bigmpi as _bigmpi
 from hpcsync.backend import buffers, desync
-from hpcsync.watchdog import OpRecord
+from hpcsync.observe.watchdog import OpRecord
 
 
 def test_fingerprint_description_and_explanation():
@@ -94,27 +94,37 @@ def test_gather_rounds_split_the_budget_and_finish():
 
 
 def test_one_name_per_concept():
-    """hpcsync.topology / preemption / requeue are each the module, callable as its main function,
-    whatever was imported first; group= is the name of "the ranks taking part" everywhere, comm=
-    its older name, never both."""
+    """hpcsync.topology / preemption / requeue / monitor are each a function, whatever was imported
+    first (their modules live in their packages); every module that had a name in hpcsync before
+    the packages still has it; group= is the name of "the ranks taking part" everywhere, comm= its
+    older name, never both."""
+    import importlib
     import inspect
     import types
 
     import hpcsync
-    import hpcsync.preemption as p  # the import form that used to give the function
-    import hpcsync.requeue
+    import hpcsync.core.comm
+    import hpcsync.core.topology
+    import hpcsync.data.filesync
+    import hpcsync.observe.monitor
+    import hpcsync.resilience.preemption as p
+    import hpcsync.resilience.requeue
 
-    for name in ("topology", "preemption", "requeue"):
-        mod = getattr(hpcsync, name)
-        assert isinstance(mod, types.ModuleType) and callable(mod) and hasattr(mod, name), name
-    assert p.PreemptionGuard is hpcsync.PreemptionGuard and hpcsync.requeue.EXIT_RESTARTS_SPENT == 75
+    for name, module in (("topology", "core"), ("preemption", "resilience"), ("requeue", "resilience"),
+                         ("monitor", "observe")):
+        fn = getattr(hpcsync, name)
+        assert isinstance(fn, types.FunctionType), name
+        assert fn is getattr(importlib.import_module(f"hpcsync.{module}.{name}"), name), name
+    assert p.PreemptionGuard is hpcsync.PreemptionGuard and hpcsync.resilience.requeue.EXIT_RESTARTS_SPENT == 75
     assert hpcsync.topology().world_size == 1
+    for old, path in hpcsync._MODULES.items():
+        assert getattr(hpcsync, old) is importlib.import_module(f"hpcsync.{path}"), old
     from hpcsync import h5
 
-    for fn in (hpcsync.PreemptionGuard, hpcsync.Checkpoints, hpcsync.requeue.requeue, hpcsync.stage,
-               hpcsync.filesync.merge_parts, h5.CollectiveWriter, hpcsync.comm.all_gather):
+    for fn in (hpcsync.PreemptionGuard, hpcsync.Checkpoints, hpcsync.resilience.requeue.requeue, hpcsync.stage,
+               hpcsync.data.filesync.merge_parts, h5.CollectiveWriter, hpcsync.core.comm.all_gather):
         assert "group" in inspect.signature(fn).parameters, fn
-    from hpcsync.comm import group_comm
+    from hpcsync.core.comm import group_comm
 
     with pytest.raises(TypeError, match="give group= .comm= is its older name., not both"):
         group_comm(object(), object(), "x")

@@ -18,7 +18,7 @@ Types: every torch dtype. MPI has no float16/bfloat16: reductions on them are co
 float32 and rounded once (at least as accurate as reducing in 16 bits). CUDA tensors are staged
 through host memory (a CUDA-aware MPI could take them directly; not detected yet).
 Errors: an exception inside an operation fails its work (``wait()`` raises). Every operation is
-bounded by the group's timeout: past it :mod:`hpcsync.watchdog` reports who is stuck where and,
+bounded by the group's timeout: past it :mod:`hpcsync.observe.watchdog` reports who is stuck where and,
 by default, the job ends (``MPI_Abort``); with ``abort_on_exception=False`` the waiting ranks
 raise ``DistBackendError`` instead and the group is broken for good (MPI cannot cancel a
 collective). Mismatched collectives are detected (a 16-byte fingerprint is agreed before each
@@ -35,7 +35,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from .. import _mpi, jobend, nodemap, watchdog
+from ..core import mpi, jobend, nodemap
+from ..observe import watchdog
 from . import deadline
 from .desync import _describe, _explain, debug_mode  # noqa: F401  (re-exported)
 from .engine import BACKEND_NAME, _broken_groups
@@ -81,7 +82,7 @@ def _bounded_call(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """``fn()`` (a blocking MPI call of group creation), on a helper thread when MPI allows it, so
     that a rank that never joins fails here within ``timeout_s`` instead of blocking forever
     (the helper stays blocked inside MPI; the job must end)."""
-    MPI = _mpi.MPI()
+    MPI = mpi.MPI()
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         return fn()
     box: dict = {}
@@ -106,7 +107,7 @@ def _bounded_call(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
     """A group for torch; below THREAD_MULTIPLE made under the process's MPI lock."""
-    MPI = _mpi.MPI()
+    MPI = mpi.MPI()
     if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         return _create_group(opts)
     with SERIAL:
@@ -114,22 +115,22 @@ def _create(opts: Any, _backend_options: Any = None) -> ProcessGroupHpcsync:
 
 
 def _create_group(opts: Any) -> ProcessGroupHpcsync:
-    from ..topology import topology
+    from ..core.topology import topology
 
     topology()  # silent-singleton check, MPI initialised
-    world = _mpi.MPI().COMM_WORLD
+    world = mpi.MPI().COMM_WORLD
     ranks = list(opts.global_ranks_in_group) or list(range(world.Get_size()))
     if opts.timeout.total_seconds() <= 0:
         raise ValueError(f"hpcsync backend: a group's timeout must be positive, got {opts.timeout}")
     if not dist.is_initialized():  # this is the default group: groups made without timeout= follow it
         follow_default_timeout(opts.timeout)
     what = f"group {opts.group_id} (ranks {nodemap.describe(ranks)})"
-    comm = _bounded_call(lambda: _mpi.sub_communicator(world, ranks, str(opts.group_id)),
+    comm = _bounded_call(lambda: mpi.sub_communicator(world, ranks, str(opts.group_id)),
                          opts.timeout.total_seconds(), what)
     if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
         raise RuntimeError(f"hpcsync backend: torch expects rank {opts.group_rank}/{opts.group_size} in group "
                            f"{opts.group_id}, MPI gives {comm.Get_rank()}/{comm.Get_size()}")
-    if comm is world and _mpi.MPI().Query_thread() == _mpi.MPI().THREAD_MULTIPLE:
+    if comm is world and mpi.MPI().Query_thread() == mpi.MPI().THREAD_MULTIPLE:
         watchdog.start()  # collective over the world: the default group is created by every rank
     pg = ProcessGroupHpcsync(comm, opts.timeout, str(opts.group_id), ranks)
     if comm is not world:
@@ -139,7 +140,7 @@ def _create_group(opts: Any) -> ProcessGroupHpcsync:
 
 def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
     """``hpcsync://``: rank and size from MPI, an in-process store: no TCP listener at all."""
-    from ..topology import topology
+    from ..core.topology import topology
 
     topo = topology()
     yield dist.HashStore(), topo.rank, topo.world_size
@@ -154,7 +155,7 @@ def _at_exit() -> None:
     rank can finish handling its own error and report, then ends the job with MPI_Abort, saying
     why; a healthy rank waits up to 30 s (MPI_Finalize would wait for the others anyway).
     """
-    MPI = _mpi.MPI()
+    MPI = mpi.MPI()
     if MPI.Is_finalized():
         return
     resp = watchdog.responder()

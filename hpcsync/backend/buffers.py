@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _mpi
+from ..core import mpi
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ _BOOL_OPS: dict = {}
 
 def _tables() -> None:
     """dtype -> MPI datatype and ReduceOp -> MPI.Op, built once (they sit on the hot path)."""
-    MPI = _mpi.MPI()
+    MPI = mpi.MPI()
     _TYPES.update({
         torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
         torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
@@ -103,7 +103,7 @@ def _bytes(t: torch.Tensor, start: int = 0, nbytes: Optional[int] = None) -> Any
     size = total - start if nbytes is None else nbytes
     if size == 0:
         return bytearray(0)
-    return _mpi.MPI().buffer.fromaddress(t.data_ptr() + start, size)
+    return mpi.MPI().buffer.fromaddress(t.data_ptr() + start, size)
 
 
 class _Staged:

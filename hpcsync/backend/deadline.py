@@ -17,7 +17,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from .. import _mpi, jobend, watchdog
+from ..core import mpi, jobend
+from ..observe import watchdog
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class Timeouts:
             self._pending -= len(queued)
             self._cv.notify_all()
         self._mark_broken()  # the other ranks may be inside those operations: the exit must abort
-        sys.stderr.write(f"[hpcsync] rank {_mpi.MPI().COMM_WORLD.Get_rank()}: {msg}\n")
+        sys.stderr.write(f"[hpcsync] rank {mpi.MPI().COMM_WORLD.Get_rank()}: {msg}\n")
         sys.stderr.flush()
         for work, future in settle:
             if future is not None:

@@ -18,8 +18,8 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _mpi, jobend, nodemap, settings
-from ..errors import ranks_by_value
+from ..core import mpi, jobend, nodemap, settings
+from ..core.errors import ranks_by_value
 from .serial import nap
 
 _OP_IDS = {name: k for k, name in enumerate((
@@ -164,7 +164,7 @@ class Agreement:
         me = self._check.Get_rank()
         bal = array("q", [sum(hash((me, b, c)) & 0xFFFFFFFF for b, c in enumerate(send))
                           - sum(hash((b, me, c)) & 0xFFFFFFFF for b, c in enumerate(recv))])
-        self._wait(self._check.Iallreduce(self._in_place, [bal, self._int64], op=_mpi.MPI().SUM))
+        self._wait(self._check.Iallreduce(self._in_place, [bal, self._int64], op=mpi.MPI().SUM))
         if bal[0] == 0:
             return
         size = len(send)

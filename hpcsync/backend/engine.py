@@ -26,7 +26,8 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _mpi, jobend, settings, watchdog
+from ..core import mpi, jobend, settings
+from ..observe import watchdog
 from . import deadline
 from .deadline import _broken_groups  # noqa: F401  (re-exported)
 from .desync import DTYPE_NAMES, Agreement, Call, _describe, debug_mode
@@ -47,7 +48,7 @@ _NONBLOCKING_FAST = {"Open MPI": {"Bcast", "Reduce_scatter_block"}, "MPICH": {"B
 
 
 def _nonblocking_fast() -> Set[str]:
-    version = _mpi.library_version()
+    version = mpi.library_version()
     for name, calls in _NONBLOCKING_FAST.items():
         if name in version:
             return set(calls)
@@ -110,7 +111,7 @@ class GroupEngine(HotPath, Agreement, PointToPoint, deadline.Timeouts, GroupIden
         self._timeout = timeout
         self._timeout_s = timeout.total_seconds()
         self._log = watchdog.group_log(id(self), name, list(global_ranks or range(comm.Get_size())))
-        MPI = _mpi.MPI()
+        MPI = mpi.MPI()
         level = MPI.Query_thread()
         self._threads_ok = level == MPI.THREAD_MULTIPLE
         self._serial: Optional[threading.Condition] = None if self._threads_ok else SERIAL
@@ -400,7 +401,7 @@ class GroupEngine(HotPath, Agreement, PointToPoint, deadline.Timeouts, GroupIden
             self._broken = f"hpcsync backend: group {self._log.name!r} was shut down with an operation in flight"
             self._mark_broken()
         watchdog.drop_group_log(id(self))
-        MPI = _mpi.MPI()
+        MPI = mpi.MPI()
         if not MPI.Is_finalized() and not self._broken:  # a broken group may still be inside MPI
             for c in (self._coll, self._p2p_comm, self._check):
                 if c != MPI.COMM_NULL:

@@ -5,11 +5,10 @@ from typing import Any, List
 
 import torch
 
-from .. import _mpi
-from .._bigmpi import INT_MAX
+from ..core import mpi
+from ..core.bigmpi import INT_MAX
 from . import checks
-from .buffers import (EMPTY_RECV, EMPTY_SEND, _bytes, _chunks, _mpi_type,
-                      _overlap, _Staged)
+from .buffers import EMPTY_RECV, EMPTY_SEND, _bytes, _chunks, _mpi_type, _overlap, _Staged
 from .desync import Call
 from .hot import NO_TIMEOUT
 from .work import MPIWork
@@ -51,7 +50,7 @@ class ProcessGroupHpcsync(Reductions):
             else:
                 si.t = si.t.clone()
         if n and n * size <= INT_MAX:
-            self._c("Allgather", _mpi.MPI().IN_PLACE if si is None else si.spec(), so.whole())
+            self._c("Allgather", mpi.MPI().IN_PLACE if si is None else si.spec(), so.whole())
         elif n:  # big counts: one broadcast per rank, in chunks
             for r in range(size):
                 if r == me and si is not None:

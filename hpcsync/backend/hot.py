@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import _CHUNK_ELEMS, _fast_types, _mpi_type, _spans_overlap
-from ..watchdog import OpRecord
+from ..observe.watchdog import OpRecord
 from .desync import DTYPE_NAMES, FP_MASK, SEQ_MIX, hot_vector
 from .work import WAITED, DoneWork
 
@@ -155,7 +155,7 @@ class HotPath:
     def _hot_run(self, p: Prepared, t: torch.Tensor, outputs: List[torch.Tensor]) -> DoneWork:
         """Flight record, deadline, fingerprint agreed before the data call, the call: what
         :meth:`~.engine.GroupEngine._execute` does in the watched mode, for a prepared call.
-        :meth:`~hpcsync.watchdog.GroupLog.start` and :func:`~.work.ran` are written out here: at
+        :meth:`~hpcsync.observe.watchdog.GroupLog.start` and :func:`~.work.ran` are written out here: at
         4 KiB a function call costs as much as what these do."""
         if self._broken:
             raise dist.DistBackendError(self._broken)

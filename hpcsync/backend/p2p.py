@@ -17,7 +17,8 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _mpi, jobend, watchdog
+from ..core import mpi, jobend
+from ..observe import watchdog
 from .buffers import _Staged
 from .deadline import REPORT_S
 from .desync import DTYPE_NAMES
@@ -97,7 +98,7 @@ class PointToPoint:
     def _p2p_complete(self, active: List[_Pending], until_done: bool = False) -> List[_Pending]:
         """Test every request in ``active`` once (``until_done``: until all are done), complete
         the finished and the expired ones; return the others."""
-        MPI = _mpi.MPI()
+        MPI = mpi.MPI()
         while active:
             statuses = [MPI.Status() for _ in active]
             done = set(MPI.Request.Testsome([a.request for a in active], statuses) or ())
@@ -179,4 +180,4 @@ class PointToPoint:
         return self._recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> MPIWork:
-        return self._recv(tensors, _mpi.MPI().ANY_SOURCE, tag)
+        return self._recv(tensors, mpi.MPI().ANY_SOURCE, tag)

@@ -10,10 +10,10 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _mpi
+from ..core import mpi
 from . import checks
-from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type,
-                      _overlap, _Staged, avg_parts, avg_result, is_int_avg)
+from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type, _overlap,
+                      _Staged, avg_parts, avg_result, is_int_avg)
 from .desync import Call, redop_id
 from .hot import NO_TIMEOUT
 from .engine import GroupEngine
@@ -47,7 +47,7 @@ class Reductions(GroupEngine):
 
     def _reduce_flat(self, t: torch.Tensor, mop: Any, root: Optional[int]) -> None:
         """All-reduce (root None) or reduce to ``root``, in place, of contiguous CPU ``t``, in chunks."""
-        MPI = _mpi.MPI()
+        MPI = mpi.MPI()
         item = t.element_size()
         for start, n in _chunks(t.numel()):
             if n == 0:

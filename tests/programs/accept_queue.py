@@ -6,7 +6,7 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from hpcsync.network import Acceptor, open_listener, try_connect
+from hpcsync.start.network import Acceptor, open_listener, try_connect
 
 n, accept, timeout = int(sys.argv[1]), sys.argv[2] == "accept", float(sys.argv[3])
 sock, port, err = open_listener("127.0.0.1", backlog=n + 16)

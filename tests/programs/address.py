@@ -3,7 +3,7 @@ import sys
 import time
 
 import hpcsync
-from hpcsync.topology import topology
+from hpcsync.core.topology import topology
 from _report import report
 
 topo = topology()
@@ -11,8 +11,8 @@ out = {"rank": topo.rank, "world_size": topo.world_size}
 t0 = time.monotonic()
 try:
     hpcsync.init(backend=sys.argv[1], timeout=30)
-    out["master"] = hpcsync.bootstrap._state["master"].address
-    out["reason"] = hpcsync.bootstrap._state["master"].reason
+    out["master"] = hpcsync.start.bootstrap._state["master"].address
+    out["reason"] = hpcsync.start.bootstrap._state["master"].reason
     hpcsync.shutdown()
 except hpcsync.HpcsyncError as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"

@@ -12,9 +12,9 @@ import sys
 import time
 
 import hpcsync
-import hpcsync.checkpoint
-import hpcsync.requeue
-from hpcsync.topology import topology
+import hpcsync.resilience.checkpoint
+import hpcsync.resilience.requeue
+from hpcsync.core.topology import topology
 from _report import report
 
 mode = sys.argv[1]
@@ -30,9 +30,9 @@ ckpts = hpcsync.Checkpoints(os.path.join(os.environ["HPCSYNC_TEST_OUT"], "ckpt")
 ckpts.save(1, shared={"w": 1})  # a first save that works: the private communicator exists
 if topo.rank == 0:
     if mode == "save":
-        hpcsync.checkpoint.comm.gather = injected
+        hpcsync.resilience.checkpoint.comm.gather = injected
     else:
-        hpcsync.requeue._decide = injected
+        hpcsync.resilience.requeue._decide = injected
 t0 = time.monotonic()
 try:
     if mode == "save":

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import hpcsync
-from hpcsync.topology import topology
+from hpcsync.core.topology import topology
 from _report import report
 
 logging.basicConfig(level=logging.WARNING)
@@ -72,7 +72,7 @@ got = ckpts.load()
 result["bg_loaded"] = {"step": got.step, "w": got.shared["w"].tolist(), "rank": got.local["rank"]}
 
 # rank 0's background write fails: save() returned, the next call raises it on every rank
-import hpcsync.checkpoint as _ck  # noqa: E402
+import hpcsync.resilience.checkpoint as _ck  # noqa: E402
 
 real_write = _ck._write_file
 if rank == 0:

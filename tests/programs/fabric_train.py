@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hpcsync
-import hpcsync.lightning as hl
+import hpcsync.resilience.lightning as hl
 from _report import report
 
 fabric = L.Fabric(**hl.fabric_kwargs(backend=sys.argv[1]))

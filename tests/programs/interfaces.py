@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hpcsync
-from hpcsync.topology import topology
+from hpcsync.core.topology import topology
 from _report import report
 
 backend, options = sys.argv[1], {}
@@ -34,7 +34,7 @@ if topo.rank == 0 and options.get("fault"):
     import errno
     import resource
 
-    import hpcsync.interfaces as ifs
+    import hpcsync.start.interfaces as ifs
 
     real_listener, real_reach = ifs.open_listener, ifs.reach_all
 
@@ -72,7 +72,7 @@ try:
     hpcsync.init(backend=backend, timeout=float(options.get("timeout", 40)))
     out["gloo_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME")
     out["nccl_ifname"] = os.environ.get("NCCL_SOCKET_IFNAME")
-    out["master"] = hpcsync.bootstrap._state["master"].address if hpcsync.bootstrap._state.get("master") else None
+    out["master"] = hpcsync.start.bootstrap._state["master"].address if hpcsync.start.bootstrap._state.get("master") else None
     x = torch.tensor([float(topo.rank + 1)])
     dist.all_reduce(x)
     out["allreduce"] = x.item()

@@ -1,4 +1,4 @@
-"""lightning.Trainer with hpcsync.lightning.trainer_kwargs() under Slurm: signalled, checkpointed,
+"""lightning.Trainer with hpcsync.resilience.lightning.trainer_kwargs() under Slurm: signalled, checkpointed,
 requeued and resumed by Lightning itself from the hpc checkpoint.
 
     lightning_preempt.py ROOT
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import hpcsync.lightning as hl
+import hpcsync.resilience.lightning as hl
 
 root = sys.argv[1]
 logging.basicConfig(level=logging.INFO, format="%(message)s")

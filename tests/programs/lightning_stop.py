@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import hpcsync.lightning as hl
+import hpcsync.resilience.lightning as hl
 from _report import report
 
 root = sys.argv[1]

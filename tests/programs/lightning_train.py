@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import hpcsync.lightning as hl
+import hpcsync.resilience.lightning as hl
 from _report import report
 
 

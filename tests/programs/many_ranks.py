@@ -56,7 +56,7 @@ elif mode == "raise":  # raise VICTIM [others|timeout]
     topo = hpcsync.init(backend=backend, timeout=120)
     t = torch.ones(16)
     for step in range(1, 1000):
-        hpcsync.failure.note_step(step)  # the step the report names
+        hpcsync.observe.failure.note_step(step)  # the step the report names
         if step == 40 and how == "timeout":  # the program's own error that says "timed out"
             app.warning("loss is NaN at step %d", step)
             if topo.rank == victim:

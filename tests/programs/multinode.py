@@ -16,7 +16,7 @@ from torch import nn
 
 import hpcsync
 from hpcsync import comm, h5
-from hpcsync.bootstrap import master_address
+from hpcsync.start.bootstrap import master_address
 from _report import report
 
 backend, work, node_local = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -7,7 +7,7 @@ import numpy as np
 
 import hpcsync
 from hpcsync import comm, h5
-from hpcsync._torchcomm import world
+from hpcsync.core.torchcomm import world
 from _report import report
 
 out_dir = sys.argv[1]

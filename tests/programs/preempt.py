@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import hpcsync
-from hpcsync.topology import topology
+from hpcsync.core.topology import topology
 from _report import report
 
 steps, loader_on = int(sys.argv[1]), "--loader" in sys.argv

@@ -5,8 +5,8 @@ Every rank reports the address (or the AddressError) and how long the choice too
 import time
 
 from hpcsync import topology
-from hpcsync.bootstrap import master_address
-from hpcsync.errors import AddressError
+from hpcsync.start.bootstrap import master_address
+from hpcsync.core.errors import AddressError
 from _report import report
 
 t0 = time.monotonic()

@@ -28,7 +28,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 import hpcsync
-import hpcsync.watchdog
+import hpcsync.observe.watchdog
 from _report import report
 
 
@@ -49,7 +49,7 @@ if case == "report_fails":  # injected fault: building the hang report raises
     def _broken_report(*_args, **_kwargs):
         raise RuntimeError("injected: the hang report cannot be built")
 
-    hpcsync.watchdog.format_report = _broken_report
+    hpcsync.observe.watchdog.format_report = _broken_report
 R, W = topo.rank, topo.world_size
 out = {"rank": R, "world_size": W, "results": [], "errors": []}
 t = torch.ones(4)

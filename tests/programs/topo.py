@@ -11,7 +11,7 @@ data["imported_torch"] = "torch" in sys.modules
 if topo.uses_mpi:
     from mpi4py import MPI
 
-    from hpcsync.topology import node_layout
+    from hpcsync.core.topology import node_layout
 
     world = MPI.COMM_WORLD
     # Real communicators standing in for nodes of 2 ranks: block (0,1|2,3|..) and round-robin.

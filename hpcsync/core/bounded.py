@@ -1,0 +1,213 @@
+"""Collectives with a deadline, for hpcsync's own control messages outside the backend.
+
+Checkpoints, the requeue decision and the bootstrap's address and interface proofs agree across
+ranks with small object collectives. A plain MPI collective waits forever for a rank that raised
+before reaching it (with ``HPCSYNC_ABORT_ON_EXCEPTION=0`` nothing ends the job) or that is stuck.
+:func:`control` gives those paths a communicator whose every collective is the non-blocking MPI
+form polled against a deadline: past it, :class:`CollectiveTimeout` on every rank that waited,
+naming the operation and what the caller was doing.
+
+MPI cannot cancel a collective. The abandoned operation stays inside MPI (its buffers are kept
+alive here) on a private duplicate of the communicator, so it can never match the program's own
+messages; later control operations on that rank fail at once, and the process ends with
+``MPI_Abort`` at exit (MPI cannot finalize with a collective in flight), saying why.
+
+Under torch.distributed without MPI the object collectives are torch's, bounded by the process
+group's timeout; in one process there is nothing to wait for.
+"""
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from . import bigmpi, mpi, jobend, settings
+from .errors import CollectiveTimeout
+
+SPIN_S = 0.05  # test without sleeping this long first (a peer a few µs late costs no ms)
+LARGE_BYTES = 64 << 10  # a transfer above this polls without sleeping (MPI progresses only inside calls)
+
+_abandoned: List[Any] = []  # (why, request, buffers): operations MPI may still complete, and write into
+
+
+def wait(req: Any, timeout: float, large: bool = False) -> None:
+    """Wait for the MPI request ``req`` at most ``timeout`` seconds, else raise
+    :class:`CollectiveTimeout` (the request stays in flight: the caller keeps it and its buffers).
+    Spins first, then sleeps a millisecond between tests, unless ``large`` (a transfer that MPI
+    progresses only inside calls: it spins throughout)."""
+    if req.Test():
+        return
+    now = time.monotonic()
+    deadline, spin_until = now + timeout, now + SPIN_S
+    while not req.Test():
+        now = time.monotonic()
+        if now > deadline:
+            raise CollectiveTimeout(f"an MPI request waited {timeout:g} s")
+        if not large and now > spin_until:
+            time.sleep(0.001)
+
+
+class _Private:
+    """A private duplicate of one communicator, shared by every :class:`BoundedComm` over it."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+        self.dup: Any = None
+        self.broken: Optional[str] = None
+
+
+_private: Dict[int, _Private] = {}
+
+
+class BoundedComm:
+    """The collectives hpcsync's control paths use, on a private duplicate of ``base``, each
+    bounded by ``timeout`` seconds (from the call; rounds of a large transfer each get their own).
+
+    Object forms (``allgather``, ``gather``, ``bcast``, ``Barrier``) and the buffer forms that
+    :mod:`hpcsync.core.bigmpi` calls (``Allgather``, ``Allgatherv``, ``Gatherv``, ``Bcast``,
+    ``Allreduce``), so :mod:`hpcsync.core.comm`'s helpers accept it as an MPI communicator.
+    ``what`` says what the ranks were doing, for the error. One thread at a time.
+    """
+
+    def __init__(self, private: _Private, timeout: float, what: str) -> None:
+        self._p = private
+        self.timeout = float(timeout)
+        self.what = what
+        self._rank, self._size = private.base.Get_rank(), private.base.Get_size()
+
+    def Get_rank(self) -> int:
+        return self._rank
+
+    def Get_size(self) -> int:
+        return self._size
+
+    # -- the deadline ---------------------------------------------------------------------------
+    def _comm(self) -> Any:
+        p = self._p
+        if p.broken:
+            raise CollectiveTimeout(f"{self.what}: not attempted: {p.broken}")
+        if p.dup is None:
+            comm, req = p.base.Idup()
+            self._wait(req, "creating hpcsync's private communicator", (comm,), large=False)
+            p.dup = comm
+        return p.dup
+
+    def _wait(self, req: Any, op: str, keep: Any, large: bool) -> None:
+        try:
+            wait(req, self.timeout, large)
+        except CollectiveTimeout:
+            self._p.broken = (f"{self.what}: {op} timed out after {self.timeout:g} s on rank {self._rank} "
+                              f"(hpcsync's control communicator of {self._size} ranks is unusable from here)")
+            abandon(self._p.broken, req, keep)
+            raise CollectiveTimeout(f"{self.what}: the other ranks did not all arrive within {self.timeout:g} s "
+                                    f"({op}, rank {self._rank} of {self._size}): a rank raised or is stuck "
+                                    "before this point (its own error says which), or its node was lost") from None
+
+    @staticmethod
+    def _nbytes(spec: Any) -> int:
+        buf = spec[0] if isinstance(spec, (list, tuple)) else spec
+        try:
+            return memoryview(buf).nbytes
+        except TypeError:
+            return 0
+
+    def _run(self, op: str, name: str, args: tuple, kwargs: Optional[dict] = None) -> None:
+        comm = self._comm()
+        large = any(self._nbytes(a) > LARGE_BYTES for a in args if a is not None)
+        self._wait(getattr(comm, name)(*args, **(kwargs or {})), op, args, large)
+
+    # -- buffer collectives (what bigmpi calls) ------------------------------------------------
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        self._run("Allgather", "Iallgather", (sendbuf, recvbuf))
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+        self._run("Allgatherv", "Iallgatherv", (sendbuf, recvbuf))
+
+    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        self._run("Gatherv", "Igatherv", (sendbuf, recvbuf), {"root": root})
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        self._run("Bcast", "Ibcast", (buf,), {"root": root})
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
+        self._run("Allreduce", "Iallreduce", (sendbuf, recvbuf), {"op": op if op is not None else mpi.MPI().SUM})
+
+    def Barrier(self) -> None:
+        comm = self._comm()
+        self._wait(comm.Ibarrier(), "Barrier", None, large=False)
+
+    # -- object collectives (pickled; any size) -------------------------------------------------
+    def allgather(self, obj: Any) -> List[Any]:
+        parts = bigmpi.allgatherv_bytes(self, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        return [pickle.loads(p) for p in parts]
+
+    def gather(self, obj: Any, root: int = 0) -> Optional[List[Any]]:
+        parts = bigmpi.gatherv_bytes(self, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), root=root)
+        return None if parts is None else [pickle.loads(p) for p in parts]
+
+    def bcast(self, obj: Any = None, root: int = 0) -> Any:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self._rank == root else None
+        return pickle.loads(bigmpi.bcast_bytes(self, data, root=root))
+
+    def __repr__(self) -> str:
+        return f"BoundedComm({self.what!r}, timeout={self.timeout:g}, rank {self._rank}/{self._size})"
+
+
+def default_timeout() -> float:
+    """``HPCSYNC_TIMEOUT``: how long a control collective waits for the other ranks."""
+    return settings.number("HPCSYNC_TIMEOUT")
+
+
+def control(what: str, group: Any = None, timeout: Optional[float] = None) -> Any:
+    """The communicator for a control exchange among ``group``'s ranks (default: the world; a
+    torch process group or an mpi4py communicator, as for :mod:`hpcsync.core.comm`): a
+    :class:`BoundedComm` under MPI (``timeout`` default :func:`default_timeout`), else the
+    torch-backed or one-process communicator :func:`hpcsync.core.comm._comm` gives."""
+    from . import comm as _comm_mod
+
+    base = _comm_mod._comm(group)
+    if isinstance(base, BoundedComm):
+        return base
+    if not hasattr(base, "Iallgatherv") or base.Get_size() == 1:
+        return base
+    private = _private.get(id(base))
+    if private is None or private.base is not base:
+        if not _private and not _abandoned:
+            jobend.at_exit("backend", _at_exit)
+        private = _private[id(base)] = _Private(base)
+    return BoundedComm(private, default_timeout() if timeout is None else timeout, what)
+
+
+def abandon(why: str, req: Any, keep: Any = None) -> None:
+    """Keep a timed-out request and its buffers for good (MPI may still complete it and write into
+    them); the process then ends with ``MPI_Abort`` at exit, saying ``why``."""
+    if not _abandoned and not _private:
+        jobend.at_exit("backend", _at_exit)
+    _abandoned.append((why, req, keep))
+
+
+def broken() -> Optional[str]:
+    """Why this process has an MPI operation abandoned in flight (a control collective or the
+    preemption guard's flags timed out), or None."""
+    return _abandoned[0][0] if _abandoned else None
+
+
+def _at_exit() -> None:
+    """Free the private duplicates; with an operation abandoned inside MPI, end the job instead
+    (MPI_Finalize would wait for it forever)."""
+    MPI = mpi.MPI()
+    if MPI.Is_finalized():
+        return
+    why = broken()
+    if why is not None:
+        sys.stdout.flush()
+        sys.stderr.write(f"[hpcsync] rank {MPI.COMM_WORLD.Get_rank()}: exiting after {why}; MPI cannot finalize "
+                         "with a collective in flight: MPI_Abort\n")
+        sys.stderr.flush()
+        jobend.abort(1)
+    for p in list(_private.values()):
+        if p.dup is not None:
+            p.dup.Free()
+            p.dup = None
+    _private.clear()

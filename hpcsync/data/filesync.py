@@ -1,0 +1,367 @@
+"""Join every rank's part file into one target file, in rank order, without losing anything.
+
+Where parts live: :func:`part_path` -- by default beside the target in a hidden folder,
+``<dir>/.<name>.parts/rank00007<suffix>``, or under ``parts_dir`` / ``$HPCSYNC_PARTS_DIR`` (a
+node-local temp dir is fine for the gather method: each rank reads only its own part).
+``sync_file(path)`` looks for each rank's part there, or at ``part=`` (a path, or a pattern with
+``{rank}``).
+
+Methods: ``copy`` -- the root opens every part itself and concatenates them in the kernel
+(``copy_file_range``): no byte passes through MPI or user memory. Used when the root really sees
+the very files the ranks wrote (each rank reports device, inode and size of its parts; the root
+checks them with its own ``stat``). In practice that is one node: device numbers are per mount,
+so a shared NFS/Lustre file seen from two nodes does not match either, which is the conservative
+answer (a node-local file at the same path must never pass for another rank's part).
+``gather`` -- parts travel to the root in rounds of MPI ``Gatherv`` on variable-length
+byte buffers (no padding) and the root writes them at their offsets: root memory stays below
+``round_bytes`` (default 256 MiB) whatever the size. ``mpiio`` -- every rank writes its own bytes
+into the target with collective ``File.Write_at_all`` at ``Exscan`` offsets (target on a shared
+filesystem). ``auto`` uses ``copy`` when the root sees every part (on several nodes only below
+256 MiB), else ``mpiio`` when several nodes see the target's directory (Lustre, GPFS; not NFS)
+and the merge is 256 MiB or more, else ``gather``. The gather path is pipelined:
+senders read round k+1 while round k travels, the root writes round k while k+1 arrives. The root's own part is
+copied file-to-file in the kernel (``copy_file_range``), never through Python memory.
+
+Nothing is lost: the target is written to a temporary file in its directory, flushed, fsynced
+and renamed; parts are deleted only after that; every failure (missing or unreadable part,
+unequal headers, full disk, bad target directory) is agreed collectively and raised as the same
+:class:`~hpcsync.core.errors.SyncError` on every rank, with all parts left in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from ..core import bigmpi, settings
+from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else SELF
+from ..core.errors import SyncError, raise_if_any, raise_if_settings_differ
+from .transports import _choose_method, _Part, _Source, _write_copy, _write_gather, _write_mpiio
+from ..observe.progress import Progress
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+METHODS = ("auto", "copy", "gather", "mpiio")
+_HEADER_SCAN = 1 << 20
+
+
+def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[PathLike] = None) -> str:
+    """Where rank ``rank`` (default: this rank) keeps its part of ``path``."""
+    if rank is None:
+        rank = _world().Get_rank()
+    path = os.path.abspath(os.fspath(path))
+    folder, name = os.path.split(path)
+    base = parts_dir or settings.text("HPCSYNC_PARTS_DIR")
+    if base:  # one parts_dir serves many targets: out1/m.csv and out2/m.csv must not share parts
+        tag = hashlib.sha1(path.encode()).hexdigest()[:8]
+        where = os.path.join(os.fspath(base), f"{name}.{tag}.parts")
+    else:
+        where = os.path.join(folder, f".{name}.parts")
+    return os.path.join(where, f"rank{rank:05d}{os.path.splitext(name)[1]}")
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What a sync did (the same on every rank)."""
+
+    path: str
+    bytes: int
+    method: str
+    seconds: float
+    parts_deleted: bool
+    ranks: int
+
+
+def _inspect(path: str, allow_missing: bool, need_header: bool) -> Tuple[Optional[_Part], Optional[str]]:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return (None, None) if allow_missing else (None, f"part {path} does not exist")
+    except OSError as exc:
+        return None, f"cannot stat part {path}: {exc}"
+    if not os.path.isfile(path):
+        return None, f"part {path} is not a regular file"
+    part = _Part(path, st.st_size, ident=(st.st_dev, st.st_ino))
+    try:
+        with open(path, "rb") as f:
+            if part.size:
+                f.seek(part.size - 1)
+                part.ends_newline = f.read(1) == b"\n"
+                f.seek(0)
+            if need_header and part.size:
+                head = b""
+                while b"\n" not in head and len(head) < part.size:
+                    block = f.read(_HEADER_SCAN)
+                    if not block:
+                        break
+                    head += block
+                cut = head.find(b"\n")
+                part.header = head[: cut + 1] if cut >= 0 else head
+    except OSError as exc:
+        return None, f"cannot read part {path}: {exc}"
+    return part, None
+
+
+def _agree(comm: Any, error: Optional[str], what: str) -> None:
+    """Raise the same SyncError on every rank if any rank has an error."""
+    raise_if_any(comm, error, SyncError, f"{what} failed, nothing deleted: ")
+
+
+def _plan(comm: Any, my_parts: List[_Part], strip_header: bool, check_headers: bool, text: bool) -> None:
+    """Decide header stripping and inserted newlines from every rank's part summaries."""
+    summary = [(p.size, p.header, p.ends_newline) for p in my_parts]
+    every = comm.allgather(summary)
+    flat = [(r, i, s) for r, parts in enumerate(every) for i, s in enumerate(parts)]
+    nonempty = [(r, i, s) for r, i, s in flat if s[0] > 0]
+    if strip_header and nonempty:
+        first = nonempty[0][2][1]
+        if check_headers:
+            differ = sorted({r for r, _, s in nonempty if s[1] != first})
+            if differ:
+                shown = nonempty[[r for r, _, _ in nonempty].index(differ[0])][2][1]
+                raise SyncError(
+                    f"headers differ: rank(s) {differ} have {shown[:200]!r} but rank {nonempty[0][0]} has "
+                    f"{first[:200]!r} (pass check_headers=False to merge anyway); nothing deleted")
+    # effective content per part after stripping, to place newlines only between content
+    keep_header_at = (nonempty[0][0], nonempty[0][1]) if nonempty else None
+    effective = []
+    for r, i, (size, header, ends) in flat:
+        skip = len(header) if strip_header and (r, i) != keep_header_at and size else 0
+        effective.append((r, i, size - skip, ends, skip))
+    last_content = max((k for k, e in enumerate(effective) if e[2] > 0), default=-1)
+    me = comm.Get_rank()
+    for k, (r, i, eff, ends, skip) in enumerate(effective):
+        if r != me:
+            continue
+        part = my_parts[i]
+        part.skip = skip
+        part.newline_after = text and eff > 0 and not ends and k < last_content
+
+
+def _prepare_target(target: str, total: int) -> Tuple[Optional[str], Optional[str]]:
+    folder = os.path.dirname(target) or "."
+    if not os.path.isdir(folder):
+        return None, f"target directory {folder} does not exist"
+    if os.path.isdir(target):
+        return None, f"target {target} is a directory"
+    try:
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+        if free < total:
+            return None, f"not enough space in {folder}: need {total} bytes, {free} free (disk full)"
+        tmp = os.path.join(folder, f".{os.path.basename(target)}.hpcsync-{uuid.uuid4().hex[:12]}.tmp")
+        with open(tmp, "wb"):
+            pass
+    except OSError as exc:
+        return None, f"cannot write in target directory {folder}: {exc}"
+    return tmp, None
+
+
+def fsync_dir(folder: str) -> None:
+    """Flush a directory's entries to disk: a rename into it survives a crash only after this."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def merge_parts(
+    target: PathLike,
+    my_parts: Sequence[PathLike],
+    *,
+    root: int = 0,
+    strip_header: bool = False,
+    check_headers: bool = True,
+    text: bool = True,
+    allow_missing: bool = False,
+    keep_parts: bool = False,
+    method: str = "auto",
+    round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES,
+    progress: Optional[bool] = None,
+    group: Any = None,
+    comm: Any = None,
+) -> SyncResult:
+    """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order).
+    ``group``: the ranks taking part (a torch process group or an mpi4py communicator; default the
+    world; ``comm`` is its older name)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    t0 = time.perf_counter()
+    from ..core.comm import group_comm
+
+    comm = group_comm(group, comm, "merge_parts")
+    size, me = comm.Get_size(), comm.Get_rank()
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} outside the world of {size} rank(s)")
+    target = os.path.abspath(os.fspath(target))
+    raise_if_settings_differ(  # every rank must mean the same merge
+        comm, {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
+               "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method},
+        SyncError, "sync_file: ranks called it with different arguments (desync), nothing merged or deleted: ")
+
+    src, err = _Source(), None
+    for p in my_parts:
+        part, perr = _inspect(os.path.abspath(os.fspath(p)), allow_missing, strip_header)
+        err = err or perr
+        if part is not None:
+            src.parts.append(part)
+    _agree(comm, err, f"sync of {target}")
+    _plan(comm, src.parts, strip_header, check_headers, text)
+    mine = src.size
+    sizes = bigmpi.allgather_sizes(comm, mine)
+    total = sum(sizes)
+
+    tmp, err = _prepare_target(target, total) if me == root else (None, None)
+    tmp = comm.bcast(tmp, root=root)
+    _agree(comm, err, f"sync of {target}")
+    bar = Progress(f"merging {os.path.basename(target)}", total, enabled=progress) if me == root else None
+    chosen = "gather"
+    try:
+        chosen, everything = _choose_method(comm, method, tmp, total, src, root)
+        if chosen == "copy":
+            err = _write_copy(tmp, everything, bar) if me == root else None  # type: ignore[arg-type]
+        elif chosen == "mpiio":
+            err = _write_mpiio(comm, tmp, src, sizes, round_bytes, bar)
+        else:
+            err = _write_gather(comm, tmp, src, sizes, root, round_bytes, bar)
+        err = err or src.error
+        if me == root and err is None:
+            try:
+                os.replace(tmp, target)  # type: ignore[arg-type]
+                fsync_dir(os.path.dirname(target))
+            except OSError as exc:
+                err = f"cannot rename into {target}: {exc}"
+        _agree(comm, err, f"sync of {target}")
+    except BaseException:
+        if me == root and tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    deleted = False
+    if not keep_parts:
+        for p in src.parts:
+            try:
+                os.unlink(p.path)
+            except OSError as exc:  # the merge is durable; a stale part is only a warning
+                log.warning("rank %d: could not delete part %s: %s", me, p.path, exc)
+        deleted = True
+    result = SyncResult(target, total, chosen, time.perf_counter() - t0, deleted, size)
+    return comm.bcast(result, root=root)
+
+
+def sync_file(
+    path: PathLike,
+    part: Optional[PathLike] = None,
+    *,
+    parts_dir: Optional[PathLike] = None,
+    root: int = 0,
+    strip_header: bool = False,
+    check_headers: bool = True,
+    text: bool = True,
+    allow_missing: bool = False,
+    keep_parts: bool = False,
+    method: str = "auto",
+    round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES,
+    progress: Optional[bool] = None,
+) -> SyncResult:
+    """Join every rank's part of ``path`` into ``path`` on the root rank (collective).
+
+    ``part``: this rank's part; a path, or a pattern with ``{rank}`` (e.g. ``"out.rank{rank}.csv"``);
+    default :func:`part_path` (under ``parts_dir`` if given). ``root``: the rank that writes
+    ``path``. ``strip_header``: drop the first line of every part but the first non-empty one;
+    ``check_headers``: then require those lines to be equal. ``text``: add a newline after a part
+    that lacks one (``False`` for byte-exact binary). ``allow_missing``: a rank without a part
+    contributes nothing instead of failing. ``keep_parts``: do not delete the parts. ``method``:
+    ``auto``, ``copy`` (the root reads the parts), ``gather`` (MPI ``Gatherv``) or ``mpiio``.
+    ``round_bytes``: bytes per gather round (bounds the root's memory). ``progress``: a progress
+    bar on the root (default: when stderr is a terminal).
+    """
+    options = dict(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
+                   allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
+                   progress=progress)
+    comm = _world()
+    rank = comm.Get_rank()
+    if part is None:
+        mine = part_path(path, rank, parts_dir)
+    else:
+        mine = os.fspath(part).format(rank=rank) if "{rank" in os.fspath(part) else os.fspath(part)
+    result = merge_parts(path, [mine], comm=comm, **options)
+    if result.parts_deleted and part is None:
+        # Remove the parts folder once every rank deleted its part, and let no rank go on (and
+        # create its next part there) before every rank's rmdir is done: without the second
+        # barrier a fast rank's next SyncedFile raced a slow rank's rmdir (FileNotFoundError).
+        folder = os.path.dirname(mine)
+        comm.Barrier()
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
+        comm.Barrier()
+    return result
+
+
+class SyncedFile:
+    """A file every rank writes its own part of during training, joined on exit.
+
+    >>> with SyncedFile("metrics.csv", strip_header=True) as part:
+    ...     with open(part.path, "w") as f:
+    ...         f.write("step,loss\\n")
+
+    Each rank's part is created (empty) up front, so every rank has one. If any rank leaves the
+    block with an exception, no rank merges: every rank raises :class:`SyncError` (the failing
+    rank its own exception) and all parts are kept.
+    """
+
+    def __init__(self, path: PathLike, *, parts_dir: Optional[PathLike] = None, mode: str = "w",
+                 root: int = 0, strip_header: bool = False, check_headers: bool = True, text: bool = True,
+                 allow_missing: bool = False, keep_parts: bool = False, method: str = "auto",
+                 round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES, progress: Optional[bool] = None) -> None:
+        """``mode``: ``"w"`` starts a new part, ``"a"`` appends to this rank's existing one; the
+        other arguments are :func:`sync_file`'s."""
+        if mode not in ("w", "a"):
+            raise ValueError("mode must be 'w' (start a new part) or 'a' (append to an existing one)")
+        self.target = os.path.abspath(os.fspath(path))
+        self.options: Dict[str, Any] = dict(
+            root=root, strip_header=strip_header, check_headers=check_headers, text=text,
+            allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
+            progress=progress)
+        self.parts_dir = parts_dir
+        self.path = part_path(self.target, None, parts_dir)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "ab" if mode == "a" else "wb"):
+            pass
+        self.result: Optional[SyncResult] = None
+
+    def open(self, mode: str = "w", **kwargs: Any):
+        """``open()`` this rank's part (a shortcut for ``open(synced.path, ...)``)."""
+        return open(self.path, mode, **kwargs)
+
+    def sync(self) -> SyncResult:
+        """Join all parts into the target now (collective)."""
+        self.result = sync_file(self.target, parts_dir=self.parts_dir, **self.options)
+        return self.result
+
+    def __enter__(self) -> "SyncedFile":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        comm = _world()
+        failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
+        if exc_type is not None and comm.Get_size() == 1:
+            return False
+        try:
+            _agree(comm, failed, f"SyncedFile({self.target})")
+        except SyncError:
+            if exc_type is not None:
+                return False  # re-raise this rank's own exception
+            raise
+        self.sync()
+        return False

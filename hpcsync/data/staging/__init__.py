@@ -1,0 +1,362 @@
+"""Stage-in: copy a dataset that one rank can read to every node's local disk, reading it once.
+
+The mirror of file sync. ``stage(src, dst)`` is collective: rank ``root`` (default 0) walks
+``src`` (a file or a directory tree; only that rank needs to see it), every node's leader looks at
+``dst`` (the same path on every node, a node-local directory) and says which files it lacks, and
+the root reads each file that any node lacks exactly once. Its bytes travel to the node leaders
+in a broadcast among them -- cost grows with log(nodes), not nodes -- and each leader writes them
+once for its node. Small files are batched into one broadcast (up to ``chunk_bytes`` of data and
+:data:`MAX_PIECES` files per broadcast), big files are cut into chunks and pipelined: the root
+reads chunk k+1 while chunk k travels, a leader writes chunk k while k+1 arrives, three buffers of
+``chunk_bytes`` each at most. The ranks on the root's node share the listing (the root walks the
+names, each rank stats a share). On one node nothing needs to travel: the node's ranks claim
+blocks of files one at a time and copy them in the kernel (``copy_file_range``), like ``cp``; a
+file over :data:`SPLIT_BYTES` is cut in one byte range per rank.
+
+Nothing half-done passes as done:
+
+- every file is written to a hidden temporary name beside its final one (``.NAME.hpcsync-tmp``),
+  checked -- its size, and for bytes that crossed MPI a CRC-32 against the root's, piece by piece --
+  given its mode and mtime, then renamed into place; on one node a new folder of small files is
+  filled under a hidden name instead and renamed into place whole (one rename, not one per file:
+  readers see all of its files or none; a folder whose copy failed is removed, not put in place,
+  and a folder that something else wrote into meanwhile gets its files one rename each);
+- a manifest in ``dst`` (:data:`MANIFEST`, with a journal while a stage runs) records what was
+  staged, with the source's size, mtime and mode and the copy's inode, size, mtime and ctime. A
+  later call skips a file only when all of them still match, so a file changed at the source, or
+  truncated, rewritten or deleted at a destination, is staged again, and a second call rewrites
+  nothing;
+- a stage killed half way leaves only temporary names and folders (removed by the next call) and
+  files that are complete; the journal, appended at least once a second and before each large file, lets the
+  next call skip what was finished (a resumed stage rewrites it under a temporary name first, so
+  a kill amid that rewrite loses nothing);
+- any error -- a missing or unreadable source, a destination that is not writable or too small on
+  one node, a file changing while it is read, a journal that cannot be written, on one node an
+  error of any kind on any rank, across nodes one of any kind while the source is listed or on a
+  node leader while the bytes move (in its reader or writer thread too) -- raises the same
+  :class:`~hpcsync.core.errors.StageError` on every rank, naming the rank, its node and the path; no
+  rank is left waiting for another. A source that cannot be listed leaves nothing behind, not
+  even ``dst``.
+
+Directories get their mode and mtime once their files are in. Symbolic links are copied as links
+(never followed, except a link given as ``src`` itself); sockets, FIFOs and devices are listed in
+:attr:`StageResult.ignored`. Files in ``dst`` that the source lacks are left alone. With
+``durable=True`` the node's filesystem is synced (``syncfs``) before the journal or manifest names a
+file, so a power loss cannot leave a recorded file with lost data; the default is safe against
+killed processes, which is what node-local scratch (``$SLURM_TMPDIR``) needs.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ...core import bigmpi, mpi
+from ...core.errors import StageError, raise_if_any, raise_if_settings_differ
+from ...observe.progress import Progress
+from .destination import MANIFEST, TMP_SUFFIX, Destination
+from .journal import JOURNAL
+from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
+                      stat_names, walk_names)
+from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_blocks, copy_shared, help_on_one_node, identity,
+                       idle_until_all_arrive, unexpected)
+
+__all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
+           "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage did (the same on every rank)."""
+
+    source: str
+    destination: str
+    files: int  # regular files in the source
+    bytes: int  # their bytes
+    dirs: int
+    symlinks: int
+    copied: Tuple[str, ...]  # files some node lacked: read once, written where they were missing
+    skipped: Tuple[str, ...]  # files already up to date on every node
+    copied_bytes: int
+    source_reads: int  # bytes read from the source (== copied_bytes: each byte once)
+    broadcasts: int  # broadcast rounds among node leaders (0 on one node)
+    nodes: int  # (ranks of a host that see different directories at dst count as that many nodes)
+    written: Tuple[Tuple[str, int, int], ...]  # per node: (hostname, files written, bytes written)
+    ignored: Tuple[str, ...]  # sockets, FIFOs, devices: not staged
+    seconds: float
+
+
+def stage(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    root: int = 0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    durable: bool = False,
+    progress: Optional[bool] = None,
+    comm: Any = None,
+    group: Any = None,
+) -> StageResult:
+    """Copy ``src`` (a file or directory that rank ``root`` can read) into the directory ``dst`` on
+    every node (collective).
+
+    A directory's contents land in ``dst`` (as ``rsync -a src/ dst/``); a single file lands as
+    ``dst/<name>``. Each source byte is read once, by ``root``; files already staged and unchanged
+    are skipped. ``chunk_bytes`` bounds each of the three pipeline buffers; ``durable`` syncs the
+    destination filesystem before recording files; ``progress`` shows a bar on the root (default:
+    when stderr is a terminal). ``group``: the ranks taking part, a torch process group (under MPI)
+or an mpi4py communicator (default: the world; ``comm`` is its older name).
+    Raises :class:`~hpcsync.core.errors.StageError` on every rank if anything fails.
+    """
+    t0 = time.perf_counter()
+    from ...core.comm import group_comm
+
+    comm = _transport(group_comm(group, comm, "stage"))
+    me, size = comm.Get_rank(), comm.Get_size()
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} outside the world of {size} rank(s)")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    chunk_bytes = min(int(chunk_bytes), bigmpi.INT_MAX - 16 * MAX_PIECES - 16)  # a round's count fits an int
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable},
+                             StageError, "stage: ranks called it with different arguments (desync), nothing staged: ")
+    what = f"stage of {src} to {dst} failed: "
+    node, leaders = _split(comm, root, dst)
+    try:
+        one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
+        entries, ignored, err = _list_source(node, me == root, src, one_node, me)
+        if one_node:  # every rank has the listing's error already
+            if err:
+                raise StageError(f"{what}rank {root}: node {socket.gethostname()}: {err}")
+        else:
+            raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
+        result = None
+        if leaders is not None:
+            try:
+                result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
+                                               node if one_node else None)
+            except Exception as exc:
+                if not one_node:
+                    raise
+                # the other ranks are past their last exchange with this one (copy_shared sees to
+                # it): they learn this error from the broadcast below
+                result, err = None, f"node {socket.gethostname()}: {unexpected(exc)}"
+        elif one_node:
+            help_on_one_node(node, src, dst, durable, entries, me)
+        idle_until_all_arrive(comm)
+        if one_node:  # the root has every rank's error (the others send theirs to it)
+            result, err = comm.bcast((result, err), root=root)
+            if err:  # (an error another rank of the node reported names that rank already)
+                raise StageError(what + (err if err.startswith("rank ") else f"rank {root}: {err}"))
+        else:
+            raise_if_any(comm, err, StageError, what)
+            result = comm.bcast(result, root=root)
+    finally:
+        for c in (leaders, node):
+            if c is not None and c is not comm and c != mpi.MPI().COMM_SELF:
+                c.Free()
+    return StageResult(**{**result, "seconds": time.perf_counter() - t0})
+
+
+def _transport(comm: Any) -> Any:
+    from ...core.torchcomm import world
+
+    w = comm if comm is not None else world()
+    if not hasattr(w, "Bcast") and w.Get_size() > 1:
+        raise StageError("stage needs MPI (mpi4py) in a multi-rank job; this one runs on torch.distributed "
+                         "only: launch it with mpirun/mpiexec/srun --mpi and install mpi4py")
+    return w
+
+
+def _split(comm: Any, root: int, dst: str) -> Tuple[Any, Any]:
+    """(this node's communicator, the node leaders' communicator or None). ``root`` leads its node
+    and is rank 0 among the leaders. A "node" is the ranks of one host that see the same ``dst``:
+    a rank that sees another directory there (a private ``/tmp`` in a container) is a node of its
+    own, which gets its own copy."""
+    if comm.Get_size() == 1:
+        return comm, comm
+    MPI = mpi.MPI()
+    me = comm.Get_rank()
+    key = 0 if me == root else me + 1
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    if node.Get_size() > 1:
+        seen = node.allgather(_destination(dst))
+        if len(set(seen)) > 1:
+            mine = node.Split(seen.index(seen[node.Get_rank()]), key=key)
+            node.Free()
+            node = mine
+    if node.Get_size() == comm.Get_size():  # one node: the root leads alone
+        return node, (MPI.COMM_SELF if me == root else None)
+    leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, key=key)
+    return node, (None if leaders == MPI.COMM_NULL else leaders)
+
+
+def _destination(dst: str) -> Tuple[Optional[Tuple[int, int]], str]:
+    """What ``dst`` is as this rank sees it, made or changed by nothing (a source that cannot be
+    listed leaves no destination behind): its identity, or while it is missing, the identity of
+    its nearest existing ancestor and the path from there (ranks with a ``/tmp`` of their own see
+    different ancestors)."""
+    path, rest = dst, ""
+    while True:
+        ident = identity(path)
+        parent, name = os.path.split(path)
+        if ident is not None or parent == path:
+            return ident, rest
+        path, rest = parent, f"{name}/{rest}" if rest else name
+
+
+def _list_source(node: Any, is_root: bool, src: str, one_node: bool, me: int
+                 ) -> Tuple[List[Entry], List[str], Optional[str]]:
+    """The source's listing, made on the root's node: the root walks the names, every rank there
+    takes a share of the ``stat`` calls (a tree of small files costs system calls; a rank that
+    does not see the very source leaves its share to the root). Returns ``(entries, ignored,
+    error)`` on the root, and on every rank of a one-node job (which all copy), where the error
+    too is every rank's. An error no check expects becomes the listing's error: every rank still
+    reaches each exchange (``me``, this rank in the stage's group, names where it happened)."""
+    if node.Get_size() == 1 or (not one_node and node.bcast(is_root, root=0) is not True):  # not the root's node
+        return _guarded(scan, src, ([], [])) if is_root else ([], [], None)
+    names, dirs, err = _guarded(walk_names, src, ([], bytearray())) if is_root else ([], bytearray(), None)
+    idle_until_all_arrive(node)  # the others wait for the walk without spinning a core
+    plan = node.bcast((names, dirs, identity(src)) if is_root and err is None else err, root=0)
+    if not isinstance(plan, tuple):  # the walk failed
+        return [], [], plan if one_node or is_root else None
+    names, dirs, ident = plan
+    n = node.Get_size()
+
+    def share(r: int) -> Any:
+        try:
+            return stat_names(src, names, dirs, len(names) * r // n, len(names) * (r + 1) // n)
+        except Exception as exc:
+            return [], f"{unexpected(exc)} (on rank {me})"
+
+    part = share(node.Get_rank()) if is_root or identity(src) == ident else None
+    idle_until_all_arrive(node)
+    parts = node.allgather(part) if one_node else node.gather(part, root=0)
+    if parts is None:
+        return [], [], None
+    if None in parts:  # the root stats the shares of ranks that do not see this source
+        done = [share(r) if p is None else p for r, p in enumerate(parts)] if is_root else None
+        parts = node.bcast(done, root=0) if one_node else done
+    stats: List[Any] = []
+    for p in parts:
+        if p[1] is not None:
+            return [], [], p[1]
+        stats += p[0]
+    try:
+        entries, ignored = assemble(names, stats)
+        err = None
+    except Exception as exc:
+        entries, ignored, err = [], [], f"{unexpected(exc)} (on rank {me})"
+    if one_node:  # each rank assembled its own: one's error is every rank's
+        err = next((e for e in node.allgather(err) if e), None)
+    return entries, ignored, err
+
+
+def _guarded(listing: Any, src: str, nothing: Tuple[Any, Any]) -> Tuple[Any, ...]:
+    """``listing(src)``, whose last item is its error; an error no check expects becomes that
+    error, after ``nothing``."""
+    try:
+        return listing(src)
+    except Exception as exc:
+        return (*nothing, unexpected(exc))
+
+
+def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
+                     durable: bool, progress: Optional[bool], helpers: Any = None
+                     ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """Listing to every leader, what each node lacks, the transfer; the result on the root.
+    ``helpers``: a one-node job's communicator, whose ranks share the copying."""
+    is_root = leaders.Get_rank() == 0
+    many = leaders.Get_size() > 1
+    token = uuid.uuid4().hex[:12]
+    if many:
+        blob = bigmpi.bcast_bytes(leaders, pickle.dumps((entries, ignored, token), protocol=5) if is_root else b"",
+                                   root=0)
+        entries, ignored, token = pickle.loads(blob)
+    host = socket.gethostname()
+    node = Destination(dst, src, entries, durable, host)
+    err = node.open_destination(token, leaders.Get_rank())
+    try:
+        if many and not any(leaders.allgather(err)):
+            node.writes = _writers(leaders.allgather(node.sees_probes(token, leaders.Get_rank())))[leaders.Get_rank()] \
+                == leaders.Get_rank()
+    finally:
+        node.close_probe()
+    if err is None and node.writes:
+        try:
+            err = node.prepare(whole_folders=not many)
+        except Exception as exc:  # every rank must still reach the collectives below
+            err = f"node {host}: {unexpected(exc)}"
+    if many and any(leaders.allgather(err)):
+        return None, err  # no node moves anything when one cannot take it; every rank raises
+    if err is not None:
+        if helpers is not None:
+            idle_until_all_arrive(helpers)
+            helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
+        return None, err
+    union = node.need.copy()
+    if many:
+        leaders.Allreduce(node.need, union, op=mpi.MPI().MAX)
+    todo = [(i, entries[i].size) for i in np.flatnonzero(union).tolist()]
+    total = sum(n for _, n in todo)
+    rounds = 0
+    reader = Reader(src, entries) if is_root else None
+    bar = None
+    try:  # an error from here on is this node's: every leader and helper still takes part in the copy
+        if node.writes:
+            node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
+        if is_root:
+            bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress)
+    except Exception as exc:
+        node.note(unexpected(exc))
+    try:
+        if many:
+            rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar)
+        elif helpers is not None:
+            copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
+        elif todo:
+            copy_blocks(blocks(entries, [i for i, _ in todo], node.units), src, entries, node, reader,  # type: ignore[arg-type]
+                        bar)
+    finally:
+        if bar is not None:
+            try:
+                bar.close()
+            except Exception as exc:  # (stderr gone) every rank must still reach what follows
+                node.note(unexpected(exc))
+    try:
+        err = err or (reader.error if reader is not None else None) or node.finish()
+    except Exception as exc:  # every leader must still reach the gather below
+        err = f"node {host}: {unexpected(exc)}"
+    stats = (host, node.files_written, node.bytes_written)
+    every = leaders.gather(stats, root=0) if many else [stats]
+    if not is_root:
+        return None, err
+    files = [e for e in entries if e.kind == FILE]
+    copied = {entries[i].rel for i, _ in todo}
+    result = dict(
+        source=src, destination=dst, files=len(files), bytes=sum(e.size for e in files),
+        dirs=sum(e.kind == DIR for e in entries), symlinks=sum(e.kind == LINK for e in entries),
+        copied=tuple(entries[i].rel for i, _ in todo), skipped=tuple(e.rel for e in files if e.rel not in copied),
+        copied_bytes=total, source_reads=reader.read_bytes, broadcasts=rounds,  # type: ignore[union-attr]
+        nodes=leaders.Get_size(), written=tuple(tuple(s) for s in every), ignored=tuple(ignored))
+    return result, err
+
+
+def _writers(sees: Sequence[Tuple[bool, bool]]) -> List[int]:
+    """Which leader writes for each node, from whether each sees the probe file of leader 0 and of
+    the leader before it in ``dst``: nodes that share ``dst`` (a shared filesystem given as the
+    destination) write it once. Sharing that is neither with leader 0 nor between neighbours goes
+    undetected; it stays correct (per-node temporary names, atomic renames), only redundant."""
+    writer: List[int] = []
+    for i, (first, previous) in enumerate(sees):
+        writer.append(0 if i and first else writer[i - 1] if i and previous else i)
+    return writer

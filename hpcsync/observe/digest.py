@@ -1,0 +1,173 @@
+"""One failure report for a job of many ranks: the rank that failed first, once, at the top.
+
+When a rank raises, the abort hook (:func:`hpcsync.install_abort_hook`) hands the exception here
+instead of printing it. The rank claims the report from rank 0's responder thread (the first
+claim wins, and prints); the winner asks every rank what it is doing (bounded: a rank that does
+not answer within a few seconds is said to be silent), and prints one block: the earliest raise
+among the answers (a claim may reach rank 0 after its own, later one) with its traceback, node
+and step, then the other ranks in a few lines, grouped by what they
+do (still running at a line, or failed too with an error line), so 64 ranks that fail alike are
+one line. A rank that lost the claim prints nothing to the console (its traceback goes to its
+log file, :mod:`hpcsync.observe.logs`, and to the JSON report), waits for the winner to finish, and the
+job ends. Without MPI, one rank, or no responder threads (below ``THREAD_MULTIPLE``), the rank
+prints its own traceback as before.
+
+A gloo or NCCL collective that timed out or lost its peer is not the program's error: it is
+reported like a stuck collective of hpcsync's own backend (:func:`hpcsync.observe.watchdog.report_timeout`),
+from torch's flight recorder (:mod:`hpcsync.observe.flight`): which ranks are inside it, which never
+entered it, where each one is, with nodes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import traceback
+from typing import Any, Dict, List, Optional
+
+from ..core import mpi, nodemap
+from . import failure, flight, logs, watchdog
+
+log = logging.getLogger(__name__)
+
+CLAIM_WAIT_S = 2.0  # for rank 0's answer to a claim (none: this rank reports)
+GATHER_WAIT_S = 3.0  # for the other ranks' states
+DONE_WAIT_S = 15.0  # a rank that lost the claim waits this long for the report, then ends the job itself
+MAX_LINES = 12  # groups of other ranks printed; the rest are counted
+
+def _where(tb: Any) -> str:
+    """``file:line`` of the innermost frame of the program in a traceback."""
+    frames = traceback.extract_tb(tb)
+    mine = [f for f in frames if not any(d in f.filename for d in watchdog.LIBRARY_DIRS)] or frames
+    return f"{mine[-1].filename}:{mine[-1].lineno}" if mine else "?"
+
+
+def _frames(tb: Any) -> List[str]:
+    """The traceback's innermost frames of the program, as the hang report prints frames."""
+    return watchdog.user_frames([ln.rstrip("\n") for ln in traceback.format_tb(tb)])
+
+
+def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
+    """Report this rank's uncaught exception as the module says: True when this rank printed the
+    report, False when another rank did; None when it could not (no MPI, one rank, no
+    responders): the caller prints the traceback itself."""
+    if not mpi.use_mpi() or watchdog.responder() is None or mpi.MPI().COMM_WORLD.Get_size() < 2:
+        return None
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    line = f"{exc_type.__name__}: {exc}".splitlines()[0] if str(exc) else exc_type.__name__
+    failure.note_raised(line, _where(tb), _frames(tb), text)
+    logs.to_file(logging.ERROR, f"uncaught exception on this rank:\n{text}")
+    if watchdog.hang_reported():  # a hang report of this job's stands for this error
+        return False
+    if failure.peer_gone(exc) and _in_torch_distributed(tb):
+        printed = _collective_report()
+        if printed is not None:
+            return printed
+    me = mpi.MPI().COMM_WORLD.Get_rank()
+    winner = watchdog.claim(me) if me == 0 else watchdog.ask([0], ("claim",), CLAIM_WAIT_S).get(0, me)
+    if winner != me:  # its report stands for this error; without it, this rank's own traceback
+        return False if watchdog.wait_done(winner, DONE_WAIT_S) else None
+    size = mpi.MPI().COMM_WORLD.Get_size()
+    states = watchdog.ask([r for r in range(size) if r != me], ("failure",), GATHER_WAIT_S)
+    states[me] = watchdog.failure_state()
+    rep = build(me, states, size)
+    block = format_block(rep, text)
+    path = _write(rep)
+    sys.stderr.write(block + (f"\n[hpcsync] failure report written to {path}" if path else "") + "\n")
+    sys.stderr.flush()
+    watchdog.notify_done(list(range(size)))
+    return True
+
+
+def build(me: int, states: Dict[int, Dict[str, Any]], size: int) -> Dict[str, Any]:
+    """The report as plain data: the first failure, then the other ranks grouped by what they do.
+    The first is the earliest raise among the gathered states, not the rank that won the claim
+    (``me``, which prints): a claim can reach rank 0 after a later one of its own."""
+    failed = [r for r, s in states.items() if s.get("failed")]
+    head = min(failed, key=lambda r: (states[r]["time"], r)) if failed else me
+    first = states[head]
+    others: Dict[Any, List[int]] = {}
+    for r, s in sorted(states.items()):
+        if r == head:
+            continue
+        key = ("failed", s["error"], s["where"]) if s["failed"] else ("running", tuple(s.get("frames", [])))
+        others.setdefault(key, []).append(r)
+    groups = []
+    for key, rs in sorted(others.items(), key=lambda kv: (kv[0][0] != "failed", kv[1][0])):
+        g: Dict[str, Any] = {"state": key[0], "ranks": rs}
+        if key[0] == "failed":
+            g.update(error=key[1], where=key[2], after_s=round(min(states[r]["time"] for r in rs) - first["time"], 1))
+        else:
+            g.update(frames=list(key[1]))
+        groups.append(g)
+    silent = sorted(set(range(size)) - set(states))
+    return {"kind": "hpcsync failure report", "rank": head, "node": _host(head), "reported_by": me, "step": first["step"],
+            "error": first["error"], "where": first["where"], "time": first["time"], "traceback": first["traceback"],
+            "others": groups, "silent": silent,
+            "tracebacks": {str(r): s["traceback"] for r, s in states.items() if s["failed"] and r != head}}
+
+
+def _host(rank: int) -> str:
+    nodes = nodemap.current()
+    return nodes.host(rank) if nodes is not None else "?"
+
+
+def format_block(rep: Dict[str, Any], text: str) -> str:
+    """The block for people: a header naming the first failure, its traceback, a line per group."""
+    step = f", at step {rep['step']}" if rep["step"] is not None else ""
+    head = f"[hpcsync] ===== uncaught exception on rank {rep['rank']} ({rep['node']}), the first to fail{step} ====="
+    lines = [head, (rep.get("traceback") or text).rstrip("\n")]
+    if rep["others"] or rep["silent"]:
+        lines.append("[hpcsync] the other ranks, when it was reported:")
+    for g in rep["others"][:MAX_LINES]:
+        who = nodemap.describe(g["ranks"])
+        if g["state"] == "failed":
+            lines.append(f"  ranks {who}: raised too, {g['after_s']:+.1f} s: {g['error'][:200]} ({g['where']})")
+        else:
+            lines.append(f"  ranks {who}: still running, at {_at(g['frames'][-1]) if g['frames'] else '?'}")
+    if len(rep["others"]) > MAX_LINES:
+        lines.append(f"  ... {len(rep['others']) - MAX_LINES} more group(s) of ranks in the JSON report")
+    if rep["silent"]:
+        lines.append(f"  ranks {nodemap.describe(rep['silent'])}: no answer within {GATHER_WAIT_S:g} s")
+    lines.append("[hpcsync] " + "=" * (len(head) - 10))
+    return "\n".join(lines)
+
+
+def _at(frame: str) -> str:
+    """``File "train.py", line 88, in main`` + its source line -> ``train.py:88 (loss.backward())``."""
+    m = re.match(r'\s*File "(.+)", line (\d+), in .+?\n\s*(.*)', frame, re.S)
+    return f"{m[1]}:{m[2]} ({m[3].strip()})" if m else frame.strip()
+
+
+def _write(rep: Dict[str, Any]) -> Optional[str]:
+    """The JSON beside the failure records (only where ``HPCSYNC_REPORT_DIR`` is set)."""
+    from ..core import settings
+
+    folder = settings.text("HPCSYNC_REPORT_DIR")
+    if not folder:
+        return None
+    return failure.write_json(os.path.join(folder, f"hpcsync-first-failure-{failure.job_id()}-r{rep['rank']}.json"),
+                              rep, "failure report")
+
+
+def _in_torch_distributed(tb: Any) -> bool:
+    """The error came out of torch.distributed (a collective, DDP's reducer), not the program's
+    own code that happens to say "timed out" (a data loader)."""
+    marks = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
+    return any(any(m in f.filename for m in marks) for f in traceback.extract_tb(tb))
+
+
+def _collective_report() -> Optional[bool]:
+    """A gloo/NCCL collective of this rank failed: the hang report from the flight recorder (True:
+    this rank printed it). None when the recorder has no entry (the error came from elsewhere)."""
+    entry = flight.latest()
+    if entry is None:
+        return None
+    name = str(entry["process_group"][0])
+    group = watchdog.GroupLog(f"{name}", flight.group_ranks(name))
+    rec = watchdog.OpRecord(entry["collective_seq_id"], str(entry.get("profiling_name", "?")).split(":")[-1],
+                            str((entry.get("input_dtypes") or ["-"])[0]), tuple((entry.get("input_sizes") or [[]])[0]),
+                            -1, (entry.get("time_created_ns") or 0) / 1e9)
+    watchdog.mark_failed()
+    return watchdog.report_timeout(group, rec, (entry.get("timeout_ms") or 0) / 1000.0) is not None

@@ -1,0 +1,216 @@
+"""What ended a job, as a small JSON record: for the people who read the report, and for
+``hpcsync run``, which relaunches without a failed node but never retries the program's own bug.
+
+A rank that sees the job end writes one record, ``hpcsync-failure-<job>-r<rank>-<cause>.json``,
+beside the hang report in ``HPCSYNC_REPORT_DIR`` (default: the working directory; an exception's
+record only where the variable is set, as ``hpcsync run`` does):
+
+- ``cause``: ``exception`` (an uncaught exception), ``hang`` (a collective or a send/receive past
+  its timeout with ranks that did not answer: the hang report's verdict), ``stall`` (the same, but
+  every rank answered: some are stuck elsewhere), ``timeout`` (a wait bounded by hpcsync's timeout that
+  another rank never met), ``killed`` (the launcher saw ranks die by a signal: ``hpcsync run``
+  writes it from the launcher's words);
+- ``program_error``: True only when the program's own code raised: the same code at the same
+  step fails again, so it is not retried by default;
+- ``ranks`` and ``nodes``: whom the failure implicates (the ranks that did not answer or never
+  arrived, the rank that raised, the ranks that died), and ``blame_nodes``: the nodes to leave out
+  of a relaunch (empty for a program error);
+- ``reporter`` (rank and node), ``time`` (epoch seconds) and ``detail`` (one line).
+
+Writing a record never raises: a job that is ending must not fail a second time on its report.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, Dict, Iterable, List, Optional
+
+from ..core import settings
+
+log = logging.getLogger(__name__)
+
+PREFIX = "hpcsync-failure-"
+RESUMED = "hpcsync-resumed.json"
+
+
+def report_dir() -> str:
+    return settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
+
+
+_step: Optional[int] = None  # the program's step, when it says (StepMonitor.step, note_step)
+
+
+def note_step(step: int) -> None:
+    """The program's current step, for the failure report ("raised first, at step 40")."""
+    global _step
+    _step = step
+
+
+def current_step() -> Optional[int]:
+    return _step
+
+
+_raised: Dict[str, Any] = {}  # this rank's uncaught exception, once it raised
+
+
+def note_raised(error: str, where: str, frames: List[str], text: str) -> None:
+    """This rank raised (the abort hook): its error line, the program's line and innermost frames,
+    and the whole traceback."""
+    _raised.update(time=time.time(), error=error, where=where, frames=frames, traceback=text)
+
+
+def raised() -> Dict[str, Any]:
+    """This rank's uncaught exception as :func:`note_raised` recorded it; empty when none."""
+    return dict(_raised)
+
+
+def job_id() -> str:
+    """The job's id (Slurm's, Open MPI's), or this process's pid: part of every report's name."""
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("OMPI_MCA_orte_ess_jobid") or str(os.getpid())
+
+
+def _me() -> Dict[str, Any]:
+    """This process's rank and node, from MPI when it runs, else the launcher's variables."""
+    from ..core import mpi, nodemap
+
+    rank: Optional[int] = None
+    try:
+        if mpi.already_initialized():
+            rank = mpi.MPI().COMM_WORLD.Get_rank()
+    except Exception:  # a record must never fail on its own
+        rank = None
+    if rank is None:
+        value = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
+        rank = int(value) if value and value.isdigit() else -1
+    nodes = nodemap.current()
+    return {"rank": rank, "node": nodes.host(rank) if nodes is not None and rank >= 0 else socket.gethostname()}
+
+
+def nodes_of(ranks: Iterable[int]) -> List[str]:
+    """The nodes of ``ranks`` from the job's node map (empty when it is not known)."""
+    from ..core import nodemap
+
+    nodes = nodemap.current()
+    return nodes.nodes(ranks) if nodes is not None else []
+
+
+def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, program_error: bool = False,
+          blame_nodes: Optional[Iterable[str]] = None, folder: Optional[str] = None,
+          reporter: Optional[Dict[str, Any]] = None, **extra: Any) -> Optional[str]:
+    """Write one record (see the module's text); its path, or None when it could not be written."""
+    me = reporter if reporter is not None else _me()
+    nodes = sorted(set(nodes))
+    record = {"kind": "hpcsync failure record", "cause": cause, "program_error": bool(program_error),
+              "ranks": sorted(set(ranks)), "nodes": nodes,
+              "blame_nodes": [] if program_error else sorted(set(nodes if blame_nodes is None else blame_nodes)),
+              "reporter": me, "time": time.time(), "detail": detail[:2000], "attempt": settings.text("HPCSYNC_RUN_ATTEMPT"),
+              **extra}
+    folder = folder or report_dir()
+    who = f"r{me['rank']}" if me["rank"] >= 0 else f"{me['node']}-pid{os.getpid()}"  # before MPI is up
+    return write_json(os.path.join(folder, f"{PREFIX}{job_id()}-{who}-{cause}.json"), record, "failure record")
+
+
+def write_json(path: str, record: Dict[str, Any], what: str) -> Optional[str]:
+    """Write ``record`` to ``path`` whole or not at all (a temporary file, renamed); its path, or
+    None with a warning when it could not be written: a report never raises."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        os.replace(tmp, path)
+        return path
+    except OSError as exc:
+        log.warning("hpcsync: could not write the %s %s: %s", what, path, exc)
+        return None
+
+
+# What torch.distributed's backends say when a peer died or its network went away (gloo raises a
+# plain RuntimeError; NCCL a DistBackendError).
+_PEER_GONE = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe",
+              "remote process exited", "network error", "closed by peer", "peer closed")
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Errors that say another rank failed or stayed away (hpcsync's bounded waits, a collective
+    whose peer timed out or hung up), not that this rank's program is wrong. A program's own
+    ``TimeoutError`` or ``ConnectionError`` (a data fetch) stays the program's."""
+    from ..core.errors import CollectiveTimeout
+
+    if isinstance(exc, CollectiveTimeout):
+        return True
+    distributed = type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError")
+    return (distributed or type(exc) is RuntimeError) and any(w in str(exc).lower() for w in _PEER_GONE)
+
+
+def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
+    """The record of an uncaught exception on this rank (the abort hook calls it; ``exit_code``: the
+    code the job ends with). Only where ``HPCSYNC_REPORT_DIR`` is set (``hpcsync run`` sets it):
+    the traceback on stderr says it all to a person, and a working directory is no place to litter."""
+    if not settings.text("HPCSYNC_REPORT_DIR"):
+        return None
+    me = _me()
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    if peer_gone(exc):  # the cause is elsewhere; whoever sees it (the hang report) blames nodes
+        return write("timeout", [me["rank"]], [me["node"]], line, blame_nodes=[], reporter=me)
+    return write("exception", [me["rank"]], [me["node"]], line, program_error=True, reporter=me, exit_code=exit_code)
+
+
+def note_hang(report: Dict[str, Any]) -> Optional[str]:
+    """The record of a hang report: the ranks that did not answer (node lost, process dead or
+    frozen) and those that never arrived (alive, stuck elsewhere) are implicated, with their
+    nodes; only the silent ones' nodes are blamed (a rank that answers runs on a node that works)."""
+    silent, never = list(report.get("no_reply", [])), list(report.get("never_entered", []))
+    ranks = silent + never
+    op = report.get("operation", {})
+    detail = (f"{op.get('op')} #{op.get('seq')} in group {report.get('group')!r} did not complete within "
+              f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
+    return write("hang" if silent else "stall", ranks, nodes_of(ranks), detail, blame_nodes=nodes_of(silent),
+                 silent=silent, never_entered=never)
+
+
+def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[str]:
+    """The record of a send or receive past its timeout: its peer is implicated (blamed when it
+    did not answer)."""
+    ranks = [] if peer is None else [peer]
+    return write("hang" if not answered else "stall", ranks, nodes_of(ranks), what,
+                 blame_nodes=[] if answered else nodes_of(ranks), silent=[] if answered else ranks,
+                 never_entered=ranks if answered else [])
+
+
+def note_resume(step: int, path: str, saved_at: Optional[float]) -> None:
+    """Under ``hpcsync run``: which checkpoint this attempt resumed from (rank 0, at load)."""
+    if not settings.text("HPCSYNC_RUN_ATTEMPT"):
+        return
+    try:
+        folder = report_dir()
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, RESUMED), "w") as f:
+            json.dump({"step": step, "path": path, "saved_at": saved_at, "time": time.time()}, f)
+    except OSError as exc:
+        log.warning("hpcsync: could not note the resumed checkpoint: %s", exc)
+
+
+def read_json(folder: str, prefix: str, kind: str) -> List[Dict[str, Any]]:
+    """Every readable ``<prefix>*.json`` record of ``kind`` in ``folder``, each with its ``path``
+    (a torn or foreign file is skipped)."""
+    out = []
+    for path in glob.glob(os.path.join(folder, f"{prefix}*.json")):
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == kind:
+            rec["path"] = path
+            out.append(rec)
+    return out
+
+
+def read(folder: str) -> List[Dict[str, Any]]:
+    """Every failure record in ``folder``, the earliest first."""
+    return sorted(read_json(folder, PREFIX, "hpcsync failure record"), key=lambda r: r.get("time", 0))

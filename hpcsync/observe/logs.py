@@ -1,0 +1,312 @@
+"""Logs of a job of many ranks that read as one: a file per rank, rank 0 on the console.
+
+Asked for with :func:`setup_logging`, ``hpcsync.init(log_dir=...)``, or ``HPCSYNC_LOG_DIR`` in
+the environment (then ``hpcsync.init()`` alone turns it on); never otherwise: the application's
+own handlers stay as they are, and hpcsync adds two handlers to the root logger:
+
+- a file per rank, ``<log_dir>/rank-00007.log``, every record with its rank, world and node,
+  written to the log folder directly (line by line: what a rank logged before it died is there);
+- the console (stderr): rank 0's records at the level asked for, and WARNING and above from every
+  rank, marked with the rank and node. Those go through rank 0 over MPI, which prints a line that
+  many ranks logged alike (each within a second of the last, for 5 s at most) once, with their
+  ranks (``[ranks 0-63 on n0-n3]``), not once per rank. Without MPI, or below
+  ``MPI_THREAD_MULTIPLE``, every rank prints its own warnings, marked.
+
+``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``; it needs a
+log folder): rank 0's still reaches stdout, the other ranks' only their files. A record logged
+with ``extra={"console": False}`` skips hpcsync's console. The root logger's level is set (to
+``level``) only when the program configured no handler of its own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, TextIO, Tuple
+
+from ..core import mpi, jobend, nodemap, settings
+
+FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(message)s"
+WINDOW_S = 1.0  # alike warnings from several ranks, each within this of the last, are printed once
+HOLD_S = 5.0  # ... but none is held longer than this after its first rank's
+POLL_S = 0.1
+
+_state: Dict[str, Any] = {}
+
+
+class _RankFields(logging.Filter):
+    """Adds ``rank``, ``world`` and ``node`` to every record a handler of ours sees."""
+
+    def __init__(self, rank: int, world: int, node: str) -> None:
+        super().__init__()
+        self.rank, self.world, self.node = rank, world, node
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank, record.world, record.node = self.rank, self.world, self.node
+        return True
+
+
+def _on_console(record: logging.LogRecord) -> bool:
+    return getattr(record, "console", True)
+
+
+class _Console(logging.Handler):
+    """Rank 0's records at the level asked for; WARNING and above from every rank, to rank 0's
+    collector (under MPI) or straight to stderr with the rank (without)."""
+
+    def __init__(self, rank: int, level: int, collector: Optional["_Collector"], sender: Optional["_Sender"]) -> None:
+        super().__init__(logging.NOTSET)
+        self.rank, self.floor, self.collector, self.sender = rank, level, collector, sender
+        self.addFilter(_on_console)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info and record.exc_info[0] is not None:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            if record.levelno >= logging.WARNING:
+                item = (record.levelno, record.name, text, self.rank)
+                if self.collector is not None:
+                    self.collector.add(*item)
+                elif self.sender is not None:
+                    self.sender.send(item)
+                else:
+                    _write(_line(record.levelno, record.name, text, [self.rank]))
+            elif self.rank == 0 and record.levelno >= self.floor:
+                _write(f"{record.levelname} {record.name}: {text}")
+        except Exception:
+            self.handleError(record)
+
+
+def _write(line: str) -> None:
+    stream = _state.get("stderr") or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def _line(level: int, name: str, text: str, ranks: List[int]) -> str:
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks {nodemap.ranges(ranks)}"
+    nodes = nodemap.current()
+    where = f" on {', '.join(nodes.nodes(ranks)[:4])}" if nodes is not None else ""
+    return f"[{who}{where}] {logging.getLevelName(level)} {name}: {text}"
+
+
+class _Sender:
+    """A rank other than 0: its warnings to rank 0's collector, without waiting."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.sends, self.lock = comm, [], threading.Lock()
+
+    def send(self, item: Tuple[int, str, str, int]) -> None:
+        with self.lock:
+            self.sends = [r for r in self.sends if not r.Test()]
+            self.sends.append(self.comm.isend(item, dest=0, tag=settings.TAG_LOG))
+
+    def close(self, wait_s: float = 2.0) -> None:
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while self.sends and time.monotonic() < deadline:
+                self.sends = [r for r in self.sends if not r.Test()]
+                time.sleep(0.01)
+
+
+class _Collector:
+    """Rank 0: gathers every rank's warnings and prints alike ones once (see the module text)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.lock = comm, threading.Lock()
+        self.pending: Dict[Tuple[int, str, str], List[Any]] = {}  # line -> [first, last arrival, ranks]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="hpcsync-logs", daemon=True)
+        self.thread.start()
+
+    def add(self, level: int, name: str, text: str, rank: int) -> None:
+        now = time.monotonic()
+        with self.lock:
+            entry = self.pending.setdefault((level, name, text), [now, now, []])
+            entry[1] = now
+            entry[2].append(rank)
+
+    def _drain(self) -> None:
+        MPI = mpi.MPI()
+        while True:
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=settings.TAG_LOG)
+            if msg is None:
+                return
+            self.add(*msg.recv())
+
+    def flush(self, older_than: float = WINDOW_S) -> None:
+        """Print each line no rank has logged for ``older_than`` seconds (or held ``HOLD_S``): a
+        window that slides with each arrival, so ranks a loaded node slows still join their line."""
+        now = time.monotonic()
+        with self.lock:
+            due = sorted((v[0], k) for k, v in self.pending.items()
+                         if now - v[1] >= older_than or now - v[0] >= max(HOLD_S, older_than))
+            lines = [(k, sorted(set(self.pending.pop(k)[2]))) for _, k in due]
+        for (level, name, text), ranks in lines:
+            _write(_line(level, name, text, ranks))
+
+    def _loop(self) -> None:
+        while not self.stop.wait(POLL_S):
+            try:
+                self._drain()
+                self.flush()
+            except Exception:  # never let logging take the job down
+                if mpi.MPI().Is_finalized():
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2)
+        time.sleep(2 * POLL_S)  # the other ranks' last warnings, sent as they exited
+        try:
+            self._drain()
+        except Exception:
+            pass
+        self.flush(older_than=0)
+
+
+class _PrintToFile:
+    """``sys.stdout`` that also writes each line to this rank's file (rank 0: and to stdout)."""
+
+    def __init__(self, stream: TextIO, logger: logging.Logger, passthrough: bool) -> None:
+        self.stream, self.logger, self.passthrough, self.buf = stream, logger, passthrough, ""
+
+    def write(self, text: str) -> int:
+        if self.passthrough:
+            self.stream.write(text)
+        self.buf += text
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            self.logger.info(line, extra={"console": False})
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _where() -> Tuple[int, int, str, bool]:
+    """(rank, world, node, under MPI) without starting anything the job did not start."""
+    if mpi.use_mpi():
+        from ..core.topology import topology
+
+        t = topology()
+        # warnings travel on a thread of their own: only where MPI allows every thread to call it
+        threads = t.uses_mpi and mpi.MPI().Query_thread() == mpi.MPI().THREAD_MULTIPLE
+        return t.rank, t.world_size, t.hostname, threads and t.world_size > 1
+    env = os.environ
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), socket.gethostname(), False
+
+
+def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, console: bool = True,
+                  capture_print: Optional[bool] = None) -> Optional[str]:
+    """Turn on rank-aware logging (see the module text); collective under MPI. Returns this
+    rank's log file, or None without a log folder (``log_dir`` or ``HPCSYNC_LOG_DIR``).
+    A second call changes nothing and returns the same file."""
+    if _state:
+        return _state.get("file")
+    folder = log_dir or settings.text("HPCSYNC_LOG_DIR")
+    capture = capture_print if capture_print is not None else settings.flag("HPCSYNC_LOG_PRINT")
+    if capture and not folder:  # the same on every rank: before anything collective
+        raise ValueError("hpcsync.setup_logging: capture_print (HPCSYNC_LOG_PRINT) needs a log folder "
+                         "(log_dir= or HPCSYNC_LOG_DIR): the other ranks' prints would go nowhere")
+    rank, world, node, over_mpi = _where()
+    fields = _RankFields(rank, world, node)
+    root = logging.getLogger()
+    theirs = [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
+    if not root.handlers:  # the program configured nothing: INFO by default
+        root.setLevel(level)
+    path = None
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank-{rank:05d}.log")
+        fh = logging.FileHandler(path, mode="a")
+        fh.setLevel(level)
+        fh.addFilter(fields)
+        fh.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(fh)
+        _state["file_handler"] = fh
+    collector = sender = None
+    if console:
+        if over_mpi:
+            comm = _dup()
+            _state["comm"] = comm
+            collector, sender = (_Collector(comm), None) if rank == 0 else (None, _Sender(comm))
+        ch = _Console(rank, level, collector, sender)
+        ch.addFilter(fields)
+        root.addHandler(ch)
+        _state.update(console=ch, collector=collector, sender=sender, stderr=sys.stderr)
+    if capture:  # into this rank's file only: not through the program's handlers, not to the console
+        printed = logging.getLogger("hpcsync.print")
+        printed.propagate = False
+        printed.setLevel(logging.INFO)
+        printed.addHandler(_state["file_handler"])
+        sys.stdout = _PrintToFile(sys.stdout, printed, passthrough=rank == 0)  # type: ignore
+    _state["file"] = path
+    jobend.at_exit("store", _close)
+    jobend.before_abort(flush_console)
+    if rank == 0:
+        log = logging.getLogger(__name__)
+        log.info("hpcsync logging: %s", f"one file per rank in {folder}" if folder else "console only (no log folder)")
+        if theirs and console:
+            log.warning("hpcsync logging: the root logger already has the program's own console handler(s), "
+                        "which print every rank's records; pass console=False to keep only those")
+    return path
+
+
+def _dup() -> Any:
+    """A private duplicate of the world for the warnings, bounded (collective: a rank that never
+    sets logging up is a clear error on the others, not a hang)."""
+    from ..core import bounded
+
+    comm, req = mpi.MPI().COMM_WORLD.Idup()
+    timeout = bounded.default_timeout()
+    try:
+        bounded.wait(req, timeout)
+    except Exception:
+        bounded.abandon("hpcsync.setup_logging: duplicating the communicator timed out", req, (comm,))
+        raise
+    return comm
+
+
+def to_file(level: int, text: str) -> None:
+    """A record for this rank's file only (not the console, not the program's handlers)."""
+    handler = _state.get("file_handler")
+    if handler is not None:
+        record = logging.LogRecord("hpcsync", level, __file__, 0, text, None, None)
+        handler.handle(record)
+
+
+def flush_console() -> None:
+    """Print what rank 0 holds back now (before the job ends: an abort would lose it)."""
+    collector = _state.get("collector")
+    if collector is not None:
+        try:
+            collector._drain()
+        except Exception:
+            pass
+        collector.flush(older_than=0)
+
+
+def _close() -> None:
+    """At exit, before MPI_Finalize: the last warnings reach rank 0's console (bounded); later
+    warnings go straight to each rank's stderr, marked."""
+    console = _state.get("console")
+    if console is not None:
+        sender, collector = console.sender, console.collector
+        console.sender = console.collector = _state["sender"] = _state["collector"] = None
+        if sender is not None:
+            sender.close()
+        if collector is not None:
+            collector.close()
+    if isinstance(sys.stdout, _PrintToFile):
+        sys.stdout.flush()
+        if sys.stdout.buf:
+            sys.stdout.write("\n")
+        sys.stdout = sys.stdout.stream

@@ -1,0 +1,509 @@
+"""What every rank was doing when a collective timed out: a flight recorder and a hang report.
+
+Each process keeps, per process group, a ring buffer of its last operations (sequence number,
+op, dtype, shape, root, when it started, whether it finished). A responder thread per process
+listens on a private duplicate of ``COMM_WORLD`` (polled every 0.1 s: a few µs a second). When an
+operation passes its timeout, one rank (a lower rank inside the same operation, if one answers)
+asks every rank for a small digest (its state in that operation, its last operation, its
+innermost program frames), groups ranks with equal digests into rank ranges with their nodes,
+asks one rank per group for its full stacks (like ``faulthandler``, but sent back over MPI), and
+prints one report -- which ranks never entered operation #N and what they did last, which are
+inside it, which did not answer and on which nodes -- to stderr, and as JSON to
+``$HPCSYNC_REPORT_DIR`` (default: the working directory). Its size grows with the number of
+distinct groups, not with the number of ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from ..core import mpi, jobend, nodemap, settings
+from . import failure, flight
+
+RING = 64  # operations kept per group
+_TAG_ASK, _TAG_STATE, _TAG_DONE = settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE
+POLL_S = 0.1
+
+
+@dataclass(**({"slots": True} if sys.version_info >= (3, 10) else {}))  # half the cost of making one
+class OpRecord:
+    """One collective as this rank saw it."""
+
+    seq: int
+    op: str
+    dtype: str
+    shape: Tuple[int, ...]
+    root: int
+    started: float  # time.time()
+    finished: Optional[float] = None
+    error: Optional[str] = None
+    timeout_s: float = 0.0  # a per-call timeout (the op's options), when it has one
+
+    def describe(self) -> str:
+        root = f" root={self.root}" if self.root >= 0 else ""
+        what = f"{self.dtype}{list(self.shape)}" if self.dtype != "-" else ""
+        return f"{self.op} #{self.seq}" + (f" ({what}{root})".replace("( ", "(") if what or root else "")
+
+
+@dataclass
+class GroupLog:
+    """The flight recorder of one process group on this rank."""
+
+    name: str
+    ranks: List[int]
+    ops: Deque[OpRecord] = field(default_factory=lambda: deque(maxlen=RING))
+    p2p: Deque[OpRecord] = field(default_factory=lambda: deque(maxlen=RING))  # sends/receives, own numbering
+    seq: int = 0
+    p2p_seq: int = 0
+    timed_out: Optional[int] = None  # seq of the operation that timed out here
+
+    def start(self, op: str, dtype: str, shape: Tuple[int, ...], root: int) -> OpRecord:
+        self.seq += 1
+        rec = OpRecord(self.seq, op, dtype, shape, root, time.time())
+        self.ops.append(rec)
+        return rec
+
+    def start_p2p(self, op: str, dtype: str, shape: Tuple[int, ...], peer: int) -> OpRecord:
+        """A send or receive: numbered apart from the collectives (ranks make different ones)."""
+        self.p2p_seq += 1
+        rec = OpRecord(self.p2p_seq, op, dtype, shape, peer, time.time())
+        self.p2p.append(rec)
+        return rec
+
+
+_logs: Dict[int, GroupLog] = {}
+_lock = threading.Lock()
+_responder: Optional["Responder"] = None
+_inflight: List[Any] = []  # sends that may still be in flight when their caller returns: kept alive
+_questions = 0  # this process's questions so far: an answer names the one it answers
+
+
+def group_log(key: int, name: str, ranks: List[int]) -> GroupLog:
+    with _lock:
+        log = _logs.get(key)
+        if log is None:
+            log = _logs[key] = GroupLog(name, list(ranks))
+        return log
+
+
+def drop_group_log(key: int) -> None:
+    with _lock:
+        _logs.pop(key, None)
+
+
+def _stacks() -> Dict[str, List[str]]:
+    """Python stacks of every thread of this process (the main thread first)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out: Dict[str, List[str]] = {}
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    for ident in sorted(frames, key=lambda i: i != main):
+        if ident == threading.get_ident() and ident != main:
+            continue  # the thread answering the request
+        label = "main" if ident == main else names.get(ident, str(ident))
+        out[label] = [line.rstrip("\n") for line in traceback.format_stack(frames[ident])]
+    return out
+
+
+def snapshot() -> Dict[str, Any]:
+    """This rank's records and stacks, as plain data (what a group's representative sends)."""
+    world = mpi.MPI().COMM_WORLD
+    with _lock:
+        groups = {log.name: {"ranks": log.ranks, "timed_out": log.timed_out, "ops": [asdict(r) for r in log.ops],
+                             "p2p": [asdict(r) for r in log.p2p]} for log in _logs.values()}
+    return {"rank": world.Get_rank(), "host": os.uname().nodename, "pid": os.getpid(), "time": time.time(),
+            "groups": groups, "stacks": _stacks(), "flight_recorder": [flight.describe(e) for e in flight.entries()[-32:]]}
+
+
+def digest(group: str, seq: int) -> Dict[str, Any]:
+    """This rank's state for operation ``seq`` of ``group`` in a few hundred bytes: what every
+    rank sends, so a report gathers O(ranks) small records, not every rank's stacks."""
+    with _lock:
+        log = next((g for g in _logs.values() if g.name == group), None)
+        ops = list(log.ops) if log is not None else []
+        timed_out = log is not None and log.timed_out == seq
+    me = {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "timed_out": timed_out,
+          "frames": main_frames()}
+    if log is None:  # a gloo or NCCL group: torch's flight recorder knows where this rank is
+        fr = flight.group_state(group, seq)
+        return {**me, "state": fr["state"], "last": fr["last"], "timed_out": fr["state"] == "inside" and _failed}
+    this = next((o for o in ops if o.seq == seq), None)
+    # an operation that failed here (not by timing out: that rank is still inside and reports)
+    # is over for this rank: counted as inside, a report deferred to it would never be printed
+    state = ("never" if this is None else "finished" if this.finished is not None
+             else "failed" if this.error is not None and this.error != "timed out" else "inside")
+    last = ops[-1] if ops else None
+    return {**me, "state": state,
+            "last": last and {"seq": last.seq, "op": f"{last.op} #{last.seq}", "finished": last.finished is not None,
+                              "age_s": round(time.time() - (last.finished or last.started), 1)}}
+
+
+_hang_reported = False  # report_timeout ran in this process
+_failed = False  # this rank's gloo/NCCL collective failed (its uncaught error is being reported)
+
+
+def mark_failed() -> None:
+    """This rank's own gloo or NCCL collective raised: it counts among the timed-out ranks."""
+    global _failed
+    _failed = True
+
+
+_first_claim: Optional[int] = None  # on rank 0: the rank whose failure report claim came first
+
+
+def claim(asker: int) -> int:
+    """Rank 0 decides which failing rank reports: the first to ask (see :mod:`hpcsync.observe.digest`)."""
+    global _first_claim
+    with _lock:
+        if _first_claim is None:
+            _first_claim = asker
+        return _first_claim
+
+
+def failure_state() -> Dict[str, Any]:
+    """This rank's uncaught exception, or where its main thread is: what a failure report asks."""
+    mine = failure.raised()
+    return {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "failed": bool(mine), "step": failure.current_step(),
+            "frames": main_frames(keep=1), **mine}
+
+
+# What a responder answers: question kind -> function(asking rank, *arguments) -> plain data.
+ANSWERS: Dict[str, Callable[..., Any]] = {
+    "digest": lambda _asker, group, seq: digest(group, seq),
+    "snapshot": lambda _asker: snapshot(),
+    "claim": claim,
+    "failure": lambda _asker: failure_state(),
+    "flush": lambda _asker: jobend.run_before_abort() or True,
+}
+
+
+def flush_before_abort(wait_s: float = 1.0) -> None:
+    """Before this rank aborts the job: rank 0 prints what it holds back (the warnings of
+    :mod:`hpcsync.observe.logs`), answering within ``wait_s``."""
+    if _responder is not None and _responder.comm.Get_rank() != 0:
+        ask([0], ("flush",), wait_s)
+    jobend.run_before_abort()
+
+
+class Responder:
+    """Answers hang-report requests from other ranks, on its own communicator and thread."""
+
+    def __init__(self) -> None:
+        self.comm = mpi.MPI().COMM_WORLD.Dup()  # collective: created with the default group
+        self._stop = threading.Event()
+        self._sends: List[Any] = []
+        self.thread = threading.Thread(target=self._loop, name="hpcsync-watchdog", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        MPI = mpi.MPI()
+        while not self._stop.wait(POLL_S):
+            try:
+                while True:
+                    msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_ASK)
+                    if msg is None:
+                        break
+                    status = MPI.Status()
+                    qid, kind, args = msg.recv(status=status)  # mprobe-matched: any size
+                    answer = (qid, ANSWERS[kind](status.Get_source(), *args))
+                    self._sends.append(self.comm.isend(answer, dest=status.Get_source(), tag=_TAG_STATE))
+                self._sends = [r for r in self._sends if not r.Test()]
+            except Exception:  # never let the flight recorder take the job down
+                if MPI.Is_finalized():
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=2 * POLL_S + 1)
+
+
+def start() -> Responder:
+    """Start the responder once per process (collective over COMM_WORLD the first time)."""
+    global _responder
+    if _responder is None:
+        _responder = Responder()  # stopped at exit by hpcsync.backend, before MPI_Finalize
+    return _responder
+
+
+def ask(ranks: List[int], question: Tuple[Any, ...], wait_s: float) -> Dict[int, Any]:
+    """Send ``question`` (a kind of :data:`ANSWERS` and its arguments) to ``ranks``' responders;
+    the answers that came within ``wait_s`` (a late answer to an earlier question is dropped)."""
+    global _questions
+    MPI = mpi.MPI()
+    assert _responder is not None
+    comm = _responder.comm
+    with _lock:
+        _questions += 1
+        qid = (os.getpid(), _questions)
+    sends = [comm.isend((qid, question[0], question[1:]), dest=r, tag=_TAG_ASK) for r in ranks]
+    answers: Dict[int, Any] = {}
+    deadline = time.monotonic() + wait_s
+    while len(answers) < len(ranks) and time.monotonic() < deadline:
+        msg = comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_STATE)
+        if msg is None:
+            time.sleep(0.01)
+            continue
+        status = MPI.Status()
+        got, data = msg.recv(status=status)
+        if got == qid and status.Get_source() in ranks:
+            answers[status.Get_source()] = data
+    _inflight.extend(s for s in sends if not s.Test())  # their buffers must outlive them
+    return answers
+
+
+def collect(group: GroupLog, seq: int, wait_s: float = 5.0) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
+    """Every rank's :func:`digest` of operation ``seq``, and the ranks that did not answer in time."""
+    MPI = mpi.MPI()
+    me = MPI.COMM_WORLD.Get_rank()
+    states = {me: digest(group.name, seq)}
+    size = MPI.COMM_WORLD.Get_size()
+    if _responder is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
+        return states, sorted(set(range(size)) - {me})
+    states.update(ask([r for r in range(size) if r != me], ("digest", group.name, seq), wait_s))
+    return states, sorted(set(range(size)) - set(states))
+
+
+MAX_GROUPS = 12  # rank groups printed (and sent in full) per report; the rest are counted
+
+
+def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[int, Dict[str, Any]],
+                 silent: List[int], full: Optional[Dict[int, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """Who never entered ``rec.seq`` of ``group``, who is inside it, who finished, who is silent;
+    ranks with the same state, last operation and program frames form one group (rank ranges and
+    nodes, in the manner of torch's flight-recorder analyzer), so the size does not grow with ranks."""
+    nodes = nodemap.current()
+    host = nodes.host if nodes is not None else (lambda r: "?")
+    by: Dict[Any, List[int]] = {}
+    for r in group.ranks:
+        d = states.get(r)
+        if d is None:
+            continue
+        last = d["last"] or {}
+        key = (d["state"], last.get("op"), last.get("finished"), tuple(d["frames"]))
+        by.setdefault(key, []).append(r)
+    order = {"never": 0, "inside": 1, "finished": 2, "failed": 3}
+    groups = []
+    for (state, last_op, finished, frames), rs in sorted(by.items(), key=lambda kv: (order[kv[0][0]], kv[1][0])):
+        ages = [states[r]["last"]["age_s"] for r in rs if states[r]["last"]]
+        rep = rs[0]
+        groups.append({"state": state, "ranks": nodemap.ranges(rs), "rank_list": rs,
+                       "nodes": nodes.nodes(rs) if nodes is not None else [],
+                       "last_op": last_op, "last_finished": finished,
+                       "age_s": [min(ages), max(ages)] if ages else None, "frames": list(frames),
+                       "representative": rep, "pid": states[rep]["pid"],
+                       "stacks": (full or {}).get(rep, {}).get("stacks")})
+
+    def where(rs: List[int]) -> Dict[str, str]:
+        return {h: nodemap.ranges(v) for h, v in (nodes.by_node(rs).items() if nodes is not None else [])}
+
+    pick = {k: [r for r in group.ranks if states.get(r, {}).get("state") == k] for k in order}
+    no_reply = [r for r in silent if r in group.ranks]
+    return {"kind": "hpcsync hang report", "group": group.name, "group_ranks": nodemap.ranges(group.ranks),
+            "operation": asdict(rec), "timeout_s": timeout_s, "never_entered": pick["never"],
+            "inside": pick["inside"], "finished": pick["finished"], "failed": pick["failed"], "no_reply": no_reply,
+            "no_reply_nodes": where(no_reply), "never_entered_nodes": where(pick["never"]),
+            "timed_out_ranks": sorted(r for r, d in states.items() if d["timed_out"]),
+            "groups": groups, "hosts": {str(r): host(r) for r in (no_reply + pick["never"])[:256]}}
+
+
+def _indented(frames: List[str]) -> List[str]:
+    """Program frames as report lines, each (and its source line) indented under its rank."""
+    return ["    " + ln.replace("\n", "\n    ") for ln in frames]
+
+
+def format_report(rep: Dict[str, Any]) -> str:
+    """The report for people: a few lines per group of ranks, whatever the number of ranks."""
+    op = rep["operation"]
+    desc = OpRecord(**{k: op[k] for k in ("seq", "op", "dtype", "shape", "root", "started")}).describe()
+    names = nodemap.describe  # ranges with their nodes ("none" when empty)
+    lines = [f"[hpcsync] HANG REPORT: {desc} in group {rep['group']!r} (ranks {rep['group_ranks']}) "
+             f"did not complete within {rep['timeout_s']:g} s",
+             f"  never entered #{op['seq']}: rank(s) {names(rep['never_entered'])}",
+             f"  inside #{op['seq']}: rank(s) {names(rep['inside'])}"]
+    if rep["finished"]:
+        lines.append(f"  finished #{op['seq']}: rank(s) {names(rep['finished'])}")
+    if rep.get("failed"):
+        lines.append(f"  failed in #{op['seq']} with an error of its own: rank(s) {names(rep['failed'])}")
+    if rep["no_reply"]:
+        lines.append(f"  no reply: rank(s) {names(rep['no_reply'])} (node lost, process dead or frozen, "
+                     "or stuck in C code holding the GIL)")
+    for g in rep["groups"][:MAX_GROUPS]:
+        rs = g["rank_list"]
+        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {g['ranks']}"
+        where = ", ".join(g["nodes"][:4]) + (f" +{len(g['nodes']) - 4} nodes" if len(g["nodes"]) > 4 else "")
+        age = g["age_s"] and (f"{g['age_s'][0]:.1f} s" if g["age_s"][0] == g["age_s"][1]
+                              else f"{g['age_s'][0]:.1f}-{g['age_s'][1]:.1f} s")
+        last = (f"{g['last_op']} ({'finished' if g['last_finished'] else 'running'} {age} ago)"
+                if g["last_op"] else "none in this group")
+        lines.append(f"  {who} ({where or '?'}): last operation {last}; main thread (innermost frames "
+                     "of the program):")
+        lines.extend(_indented(g["frames"]))
+    if len(rep["groups"]) > MAX_GROUPS:
+        lines.append(f"  ... {len(rep['groups']) - MAX_GROUPS} more group(s) of ranks in the JSON")
+    return "\n".join(lines)
+
+
+LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, f"{os.sep}torch{os.sep}")
+
+
+AT_EXIT = "(the program has returned: hpcsync's exit waits here for the other ranks)"
+
+
+def main_frames(keep: int = 3) -> List[str]:
+    """Where the main thread is in the program: its innermost frames outside hpcsync and torch;
+    where it raised, while its uncaught exception is being reported; a note once it returned."""
+    raised = failure.raised().get("frames")
+    if raised:
+        return raised[-keep:]
+    main = sys._current_frames().get(threading.main_thread().ident)
+    stack = [ln.rstrip("\n") for ln in traceback.format_stack(main)] if main is not None else []
+    if any(", in _run_exit\n" in ln for ln in stack):
+        return [AT_EXIT]
+    return user_frames(stack, keep)
+
+
+def user_frames(stack: List[str], keep: int = 3) -> List[str]:
+    """The innermost frames outside hpcsync and torch: where the program is, not how it waits."""
+    mine = [f for f in stack if not any(d in f.split("\n")[0] for d in LIBRARY_DIRS)]
+    return (mine or stack)[-keep:]
+
+
+def write_report(rep: Dict[str, Any]) -> str:
+    folder = settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
+    path = os.path.join(folder, f"hpcsync-hang-{failure.job_id()}-{int(time.time())}.json")
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=1, default=str)
+    return path
+
+
+def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional[str]:
+    """Called by the rank whose wait timed out: gather, print (lowest timed-out rank), abort.
+
+    Returns the report text when this rank printed it. Aborts the job unless the abort hook is
+    off (``HPCSYNC_ABORT_ON_EXCEPTION=0`` / ``init(abort_on_exception=False)``).
+    """
+    global _hang_reported
+    group.timed_out = rec.seq
+    _hang_reported = True
+    me = mpi.MPI().COMM_WORLD.Get_rank()
+    peers = _responder.comm if _responder is not None else None  # None: no responder threads
+    printer = _printer_before(group, rec.seq, me) if peers is not None else None
+    if printer is not None:  # a lower rank inside the same operation gathers and prints
+        wait_done(printer, min(timeout_s, 30) + 15)
+        return None
+    states, silent = collect(group, rec.seq)
+    rep = build_report(group, rec, timeout_s, states, silent)
+    printer = min(rep["timed_out_ranks"] or [me])
+    if printer == me and peers is not None:  # full stacks from one rank of each group, for the JSON
+        reps = [g["representative"] for g in rep["groups"][:MAX_GROUPS]]
+        full = ask([r for r in reps if r != me], ("snapshot",), 2.0)
+        full[me] = snapshot()
+        rep = build_report(group, rec, timeout_s, states, silent, full)
+    if printer != me and peers is not None:
+        wait_done(printer, 10)
+        return None
+    text = format_report(rep)
+    failure.note_hang(rep)
+    try:
+        path = write_report(rep)
+        text += f"\n[hpcsync] report written to {path}"
+    except OSError as exc:
+        text += f"\n[hpcsync] could not write the JSON report: {exc}"
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+    if peers is not None:  # every rank that may be waiting for this report (some time out just after)
+        notify_done(group.ranks)
+    if jobend.abort_on_error():
+        sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
+                         "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
+        sys.stderr.flush()
+        flush_before_abort()
+        time.sleep(1.0)  # let the launcher forward the report before the abort tears its pipes down
+        jobend.abort(1)
+    return text
+
+
+def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
+    """A send or receive that did not complete within the timeout: this rank's report, with what
+    its peer is doing (asked through the responders, bounded); printed, and written as JSON."""
+    me = mpi.MPI().COMM_WORLD.Get_rank()
+    peer = group.ranks[rec.root] if 0 <= rec.root < len(group.ranks) else None
+    answer = ask([peer], ("digest", group.name, group.seq), 2.0).get(peer) if peer is not None and _responder else None
+    names = nodemap.describe
+    toward = "to" if rec.op.startswith("send") else "from"
+    lines = [f"[hpcsync] HANG REPORT: {rec.op} {toward} rank {names([peer]) if peer is not None else 'any'} "
+             f"({rec.dtype}{list(rec.shape)}) in group {group.name!r} on rank {names([me])} did not complete "
+             f"within {timeout_s:g} s"]
+    mine = digest(group.name, group.seq)
+    lines.append(f"  rank {me}: main thread (innermost frames of the program):")
+    lines.extend(_indented(mine["frames"]))
+    if answer is not None:
+        last = answer["last"]
+        lines.append(f"  rank {peer}: last operation {last['op'] if last else 'none'} in this group; main thread:")
+        lines.extend(_indented(answer["frames"]))
+    elif peer is not None:
+        lines.append(f"  rank {peer}: no reply (node lost, process dead or frozen)")
+    text = "\n".join(lines)
+    failure.note_p2p_hang(peer, answer is not None, lines[0].replace("[hpcsync] HANG REPORT: ", ""))
+    try:
+        path = write_report({"kind": "hpcsync p2p hang report", "group": group.name, "operation": asdict(rec),
+                             "rank": me, "peer": peer, "timeout_s": timeout_s, "peer_state": answer,
+                             "frames": mine["frames"]})
+        text += f"\n[hpcsync] report written to {path}"
+    except OSError as exc:
+        text += f"\n[hpcsync] could not write the JSON report: {exc}"
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+    return text
+
+
+def _printer_before(group: GroupLog, seq: int, me: int, tries: int = 3) -> Optional[int]:
+    """One of the group's first ranks (before this one) that is inside operation ``seq`` too, so
+    it times out and reports: asking it costs one message, while every rank gathering from every
+    rank would cost ranks² of them."""
+    for r in group.ranks[:tries]:
+        if r == me:
+            return None
+        answer = ask([r], ("digest", group.name, seq), 1.0).get(r)
+        if answer is not None and answer["state"] == "inside":
+            return r
+    return None
+
+
+def wait_done(printer: int, wait_s: float) -> bool:
+    """Let the printing rank finish before this one raises (an uncaught error here aborts the job).
+    False when it did not say it was done within ``wait_s``."""
+    if _responder is None:
+        return False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if _responder.comm.iprobe(source=printer, tag=_TAG_DONE):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def hang_reported() -> bool:
+    """A hang report of this process's ran (printed here or by the rank this one waited for)."""
+    return _hang_reported
+
+
+def notify_done(ranks: List[int]) -> None:
+    """Tell ``ranks`` (but this one) that the report they wait for is out."""
+    if _responder is None:
+        return
+    me = _responder.comm.Get_rank()
+    _inflight.extend(_responder.comm.isend(None, dest=r, tag=_TAG_DONE) for r in ranks if r != me)
+
+
+def responder() -> Optional[Responder]:
+    """This process's responder, once :func:`start` ran (None without THREAD_MULTIPLE)."""
+    return _responder

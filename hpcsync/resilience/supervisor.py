@@ -1,0 +1,597 @@
+"""``hpcsync run``: one job step that survives a failed node -- relaunched without it, resumed
+from the program's latest checkpoint, no human involved.
+
+::
+
+    #SBATCH -N 5 --no-kill --requeue
+    hpcsync run --spare-nodes 1 --max-restarts 3 -- python train.py --checkpoint-dir ckpt --checkpoint-every 200
+
+- **Under Slurm** it starts ``srun`` on the allocation's nodes minus the spares and watches the
+  step. When it fails, it reads what the ranks wrote (:mod:`hpcsync.observe.failure`: a hang report's
+  silent or missing ranks, an exception) and what the launcher said (tasks killed by a signal), and
+  relaunches the step without the nodes to blame, taking a spare. With no spare left it excludes
+  them from the job (``scontrol requeuehold``, ``update ExcNodeList``, ``release``), so the next
+  start lands elsewhere. Bad nodes are kept in the state folder and printed at every start.
+- **Under mpirun** (``--hosts`` or ``--hostfile``) the same over a list of hosts, with Open MPI's
+  ``mpirun`` or MPICH's ``mpiexec``; without a spare the run ends with the list of attempts.
+- **Ranks killed by the job's warning signal** (SIGUSR1 or SIGUSR2 before the program's
+  preemption guard was installed, or after it was closed), or a warning that came between two
+  attempts, blame no node: the signal went to every task on purpose (a node the launcher names
+  as well joins the bad list, left out from the next start on). Under Slurm the job is requeued
+  as the guard would have done (:func:`hpcsync.resilience.requeue.requeue_job`: ``HPCSYNC_MAX_RESTARTS``,
+  never a job being ended), and resumes from the latest checkpoint; elsewhere the run ends with
+  the step's exit code (128 + the signal between attempts). A program that finished should ignore
+  the warning before it closes its guard (the example does), or it is requeued and resumes.
+- **The program's own exception is not retried** (the same code at the same step fails again):
+  one message with the rank and node that raised, and the program's exit code
+  (``--retry-exceptions`` retries it too). A step that ends without any record blaming a node --
+  success, a preemption stop and requeue, ``scancel`` -- ends the run with the step's exit code.
+- **A cap** (``--max-restarts``, relaunches and requeues together, across requeues): past it,
+  the run ends with a message that lists every attempt. Each relaunch is logged with its cause,
+  the nodes left out, the checkpoint resumed and the time lost.
+
+Signals (USR1, USR2, TERM, INT) are forwarded to the launcher, which forwards them to the ranks:
+the preemption path of :mod:`hpcsync.preemption` works inside ``hpcsync run`` unchanged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+
+from ..observe import failure
+from . import requeue
+from ..core.environments import expand_hostlist
+
+EXIT_NO_NODES = 66  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
+EXIT_SIGNALLED = 128 + signal.SIGTERM  #: ended by a signal to the supervisor between two attempts
+EXIT_RESTARTS_SPENT = requeue.EXIT_RESTARTS_SPENT  #: failures past ``--max-restarts``
+_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+def say(text: str) -> None:
+    """The supervisor's words, on stderr (the job's log), one line each."""
+    sys.stderr.write(f"[hpcsync run] {text}\n")
+    sys.stderr.flush()
+
+
+# -- what the launcher said ---------------------------------------------------------------------
+_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (.+)$")
+_SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for \S+ failed on node) (\S+?)(?:[:\s]|$)")
+_OMPI_SIGNAL = re.compile(r"process rank \d+ with PID \d+ on node (\S+) exited on signal (\d+)")
+_OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
+_HYDRA_AT = re.compile(r"RUNNING AT (\S+)")
+_HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)")
+_NOT_A_DEATH = ("Terminated", "Exited with exit code")
+# the warning signals a job is sent on purpose, on every task (Slurm's --signal, scancel --signal):
+# a rank they killed (its program had no handler yet, or no longer) says nothing about its node
+_WARNINGS = {int(signal.SIGUSR1): "SIGUSR1", int(signal.SIGUSR2): "SIGUSR2"}
+_WARNING_WORDS = {"User defined signal 1": "SIGUSR1", "User defined signal 2": "SIGUSR2"}
+# srun ending the step: every death it reports from here on is its own doing, not a cause
+_SRUN_ENDING = ("_step_signal: Terminating", "Job step aborted", "CANCELLED AT", "Force Terminated")
+
+
+class LauncherWords:
+    """The nodes a launcher's output says lost ranks to a signal or dropped out, read line by line;
+    ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node blamed)."""
+
+    def __init__(self) -> None:
+        self.nodes: List[str] = []
+        self.lines: List[str] = []
+        self.warning: Optional[str] = None
+        self._hydra_at: Optional[str] = None
+        self._srun_ending = False
+
+    def _warn(self, name: str) -> None:
+        self.warning = self.warning or name  # the first one the launcher reports
+
+    def _blame(self, node: str, line: str) -> None:
+        node = node.rstrip(".,:")
+        if node not in self.nodes:
+            self.nodes.append(node)
+            self.lines.append(line.strip())
+
+    def feed(self, line: str) -> None:
+        if any(w in line for w in _SRUN_ENDING):
+            self._srun_ending = True
+        m = _SRUN_TASK.search(line)
+        if m and m.group(2).strip() in _WARNING_WORDS:
+            self._warn(_WARNING_WORDS[m.group(2).strip()])
+            return
+        if m and not self._srun_ending and not m.group(2).startswith(_NOT_A_DEATH):
+            self._blame(m.group(1), line)
+            return
+        m = _SRUN_NODE.search(line) or _OMPI_DAEMON.search(line)
+        if m:
+            self._blame(m.group(1), line)
+            return
+        m = _OMPI_SIGNAL.search(line)
+        if m and int(m.group(2)) in _WARNINGS:
+            self._warn(_WARNINGS[int(m.group(2))])
+            return
+        if m and int(m.group(2)) != signal.SIGTERM:
+            self._blame(m.group(1), line)
+            return
+        m = _HYDRA_AT.search(line)
+        if m:
+            self._hydra_at = m.group(1)
+        m = _HYDRA_SIGNAL.search(line)
+        if m and int(m.group(1)) in _WARNINGS:
+            self._warn(_WARNINGS[int(m.group(1))])
+        elif m and self._hydra_at and int(m.group(1)) != signal.SIGTERM:
+            self._blame(self._hydra_at, line)
+
+
+# -- the verdict on one step ---------------------------------------------------------------------
+@dataclass
+class Verdict:
+    """Why a step ended: ``action`` is ``done`` (exit with the step's code), ``relaunch`` (without
+    ``blamed``), ``stop-program`` (the program's own error: not retried) or ``requeue`` (the job's
+    warning signal killed ranks before the program could act on it: requeue the job, without
+    ``blamed`` if the launcher named a node too)."""
+
+    action: str
+    cause: str
+    blamed: List[str] = field(default_factory=list)
+    detail: str = ""
+
+
+def _blamed(records: Sequence[Dict[str, Any]], majority: bool) -> List[str]:
+    """The nodes ``records`` blame; with ``majority``, only those blamed from the most reporting
+    nodes (three nodes, one cut off: it blames both others, each of them blames it)."""
+    votes: Dict[str, set] = {}
+    for r in records:
+        for n in r.get("blame_nodes", []):
+            votes.setdefault(n, set()).add(r.get("reporter", {}).get("node"))
+    if not votes:
+        return []
+    most = max(len(v) for v in votes.values())
+    return [n for n, v in votes.items() if not majority or len(v) == most]
+
+
+def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
+          here: Optional[str] = None) -> Verdict:
+    """The records first (hpcsync saw the failure from inside), the launcher's words second; but
+    ranks the job's warning signal killed decide before any record blaming a node (the survivors
+    report the dead ranks' nodes, which are healthy).
+
+    A node cut off from the others reports them silent, as they report it: when ranks on ``here``
+    (the supervisor's own node, alive by definition, beside the launcher) wrote records, theirs decide."""
+    if rc == 0:
+        return Verdict("done", "completed")
+    if signalled:
+        return Verdict("done", "the run was signalled", detail="not relaunched: the signal ends the run")
+    program = [r for r in records if r.get("program_error")]
+    if program:
+        first = program[0]
+        who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
+        return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
+    if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
+        # a node the launcher itself names (a node failure, another death) is still left out
+        blamed_too = f"; the launcher also blamed {', '.join(words.nodes)}" if words.nodes else "; no node is blamed"
+        return Verdict("requeue", f"killed by {words.warning}", list(words.nodes),
+                       f"ranks were killed by {words.warning}, the job's warning signal, before the program "
+                       f"handled it (no preemption guard yet, or no longer){blamed_too}")
+    ours = [r for r in records if r.get("reporter", {}).get("node") == here]
+    blamed = _blamed(ours or records, majority=not ours)
+    if blamed:
+        first = next(r for r in ours or records if set(r.get("blame_nodes", [])) & set(blamed))
+        return Verdict("relaunch", first["cause"], blamed, first["detail"])
+    if words.nodes:
+        return Verdict("relaunch", "killed", list(words.nodes), "; ".join(words.lines[:3]))
+    if records:  # a timeout nobody could pin on a node: the same nodes once more
+        return Verdict("relaunch", records[0]["cause"], [], records[0]["detail"])
+    return Verdict("done", f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
+
+
+# -- launchers ---------------------------------------------------------------------------------
+class Launcher:
+    """How to start the step on ``nodes`` with ``per_node`` ranks each."""
+
+    name = "launcher"
+
+    def __init__(self, exe: str, extra: Sequence[str]) -> None:
+        self.exe, self.extra = exe, list(extra)
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        raise NotImplementedError
+
+
+class Srun(Launcher):
+    """``srun`` inside the allocation. ``--overlap``: a step that lost a node stays "completing"
+    until Slurm hears from that node (minutes, for a node cut off), and holds its CPUs on the
+    healthy nodes meanwhile; without it the relaunch waits for them ("Requested nodes are busy")."""
+
+    name = "srun"
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        return [self.exe, f"--nodelist={','.join(nodes)}", "-N", str(len(nodes)), "-n", str(len(nodes) * per_node),
+                f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1", "--overlap", *self.extra, *program]
+
+
+class OpenMPI(Launcher):
+    name = "mpirun (Open MPI)"
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        hosts = ",".join(f"{n}:{per_node}" for n in nodes)
+        return [self.exe, "--host", hosts, "-n", str(len(nodes) * per_node), "-x", "HPCSYNC_REPORT_DIR",
+                "-x", "HPCSYNC_RUN_ATTEMPT", *self.extra, *program]
+
+
+class Hydra(Launcher):
+    name = "mpiexec (MPICH)"
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        hosts = ",".join(f"{n}:{per_node}" for n in nodes)
+        return [self.exe, "-hosts", hosts, "-n", str(len(nodes) * per_node), *self.extra, *program]
+
+
+def mpi_launcher(exe: str, extra: Sequence[str]) -> Launcher:
+    """Open MPI's ``mpirun`` or MPICH's ``mpiexec``, told apart by ``--version``."""
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"hpcsync run: cannot run {exe}: {exc}") from None
+    return OpenMPI(exe, extra) if re.search(r"Open MPI|OpenRTE|Open RTE", version) else Hydra(exe, extra)
+
+
+def parse_hosts(spec: str) -> List[Tuple[str, int]]:
+    """``a:2,b:2`` or a hostfile's lines (``a slots=2``, ``a:2``, ``a``) as ``[(host, slots)]``."""
+    out: List[Tuple[str, int]] = []
+    for item in re.split(r"[,\n]", spec):
+        item = item.split("#", 1)[0].strip()
+        if not item:
+            continue
+        m = re.match(r"^(\S+?)(?::(\d+))?(?:\s+slots=(\d+))?\s*$", item)
+        if not m:
+            raise SystemExit(f"hpcsync run: cannot read the host {item!r}")
+        out.append((m.group(1), int(m.group(2) or m.group(3) or 1)))
+    return out
+
+
+# -- state kept across relaunches and requeues ----------------------------------------------------
+@dataclass
+class Attempt:
+    number: int
+    nodes: List[str]
+    started: float
+    ended: float = 0.0
+    exit_code: Optional[int] = None
+    cause: str = ""
+    blamed: List[str] = field(default_factory=list)
+    detail: str = ""
+    resumed_step: Optional[int] = None
+    resumed_saved_at: Optional[float] = None
+    resumed_at: Optional[float] = None
+    first_record_at: Optional[float] = None
+    failed: bool = False  # ended by a failure that was retried (counts against the cap)
+
+    def line(self) -> str:
+        took = f"{self.ended - self.started:.1f} s" if self.ended else "running"
+        resumed = f", resumed step {self.resumed_step}" if self.resumed_step is not None else ""
+        out = f"attempt {self.number} on {', '.join(self.nodes)}: {self.cause or '?'} (exit {self.exit_code}, {took}{resumed})"
+        return out + (f"; blamed {', '.join(self.blamed)}" if self.blamed else "")
+
+
+class State:
+    """``state.json`` in the state folder: the attempts so far and the nodes left out."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.path = os.path.join(folder, "state.json")
+        self.attempts: List[Attempt] = []
+        self.bad_nodes: List[str] = []
+        self.requeues = 0
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+            self.attempts = [Attempt(**a) for a in data.get("attempts", [])]
+            self.bad_nodes = list(data.get("bad_nodes", []))
+            self.requeues = int(data.get("requeues", 0))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError) as exc:
+            raise SystemExit(f"hpcsync run: cannot read {self.path}: {exc}") from None
+
+    def restarts(self) -> int:
+        """Relaunches and requeues after failures so far (not a preemption's requeue)."""
+        return sum(a.failed for a in self.attempts)
+
+    def save(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"attempts": [asdict(a) for a in self.attempts], "bad_nodes": self.bad_nodes,
+                       "requeues": self.requeues}, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+# -- the supervisor --------------------------------------------------------------------------------
+def _pump(stream: TextIO, out: TextIO, words: LauncherWords, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(line)
+        out.flush()
+        with lock:
+            words.feed(line)
+
+
+class Supervisor:
+    """Run ``program`` under ``launcher`` on ``hosts`` until it completes, a program error, or the cap."""
+
+    def __init__(self, launcher: Launcher, hosts: Sequence[str], per_node: int, spares: int, max_restarts: int,
+                 state_dir: str, program: Sequence[str], retry_exceptions: bool = False,
+                 slurm_job: Optional[str] = None) -> None:
+        self.launcher, self.per_node, self.spares = launcher, per_node, spares
+        self.max_restarts, self.retry_exceptions, self.slurm_job = max_restarts, retry_exceptions, slurm_job
+        self.program = list(program)
+        self.state = State(state_dir)
+        self.hosts = [h for h in hosts if h not in self.state.bad_nodes]
+        self.width = len(hosts) - spares
+        self._child: Optional[subprocess.Popen] = None
+        self._signalled = False
+        self._warning: Optional[int] = None  # a USR1 / USR2 that came while no step ran
+
+    # signals: forwarded to the launcher (and so to the ranks)
+    def _forward(self, signum: int, _frame: Any) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self._signalled = True
+        child = self._child
+        if child is not None and child.poll() is None:
+            try:
+                child.send_signal(signum)
+                return
+            except OSError:
+                pass
+        if signum in _WARNINGS:  # no step to forward it to: kept for the run loop
+            self._warning = signum
+
+    def _step(self, attempt: Attempt) -> Tuple[int, LauncherWords]:
+        folder = os.path.join(self.state.folder, f"attempt-{attempt.number}")
+        os.makedirs(folder, exist_ok=True)
+        env = {**os.environ, "HPCSYNC_REPORT_DIR": folder, "HPCSYNC_RUN_ATTEMPT": str(attempt.number)}
+        cmd = self.launcher.command(attempt.nodes, self.per_node, self.program)
+        say(f"attempt {attempt.number}: {shlex.join(cmd)}")
+        words, lock = LauncherWords(), threading.Lock()
+        self._child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+        if self._warning is not None:  # it came while the step was starting: passed on now
+            warning, self._warning = self._warning, None
+            self._forward(warning, None)
+        pumps = [threading.Thread(target=_pump, args=(s, o, words, lock), daemon=True)
+                 for s, o in ((self._child.stdout, sys.stdout), (self._child.stderr, sys.stderr))]
+        for t in pumps:
+            t.start()
+        rc = self._child.wait()
+        rc = rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+        drained = time.monotonic() + 2.0  # a process left on a lost node may hold the pipes open for good
+        for t in pumps:
+            t.join(timeout=max(0.0, drained - time.monotonic()))
+        self._child = None
+        return rc, words
+
+    def _observe(self, attempt: Attempt, rc: int, records: List[Dict[str, Any]], verdict: Verdict) -> None:
+        attempt.ended, attempt.exit_code = time.time(), rc
+        attempt.cause, attempt.blamed, attempt.detail = verdict.cause, verdict.blamed, verdict.detail
+        attempt.first_record_at = records[0]["time"] if records else None
+        try:
+            with open(os.path.join(self.state.folder, f"attempt-{attempt.number}", failure.RESUMED)) as f:
+                resumed = json.load(f)
+            attempt.resumed_step, attempt.resumed_saved_at = resumed["step"], resumed.get("saved_at")
+            attempt.resumed_at = resumed["time"]
+        except (OSError, ValueError, KeyError):
+            pass
+
+    def _lost(self, failed: Attempt, next_: Attempt) -> str:
+        """Time lost to ``failed``: the work since the checkpoint resumed, detection, relaunch, restore."""
+        parts = []
+        if next_.resumed_saved_at and failed.ended:
+            parts.append(f"work since the checkpoint {max(0.0, failed.ended - next_.resumed_saved_at):.1f} s "
+                         "(detection included)")
+        parts.append(f"relaunch {next_.started - failed.ended:.1f} s")
+        if next_.resumed_at:
+            parts.append(f"restore {next_.resumed_at - next_.started:.1f} s")
+        return ", ".join(parts)
+
+    def run(self) -> int:
+        for s in _FORWARDED:
+            signal.signal(s, self._forward)
+        if self.width < 1:
+            say(f"{len(self.hosts) + len(self.state.bad_nodes)} node(s) and {self.spares} spare(s): no node left to run on")
+            return EXIT_NO_NODES
+        if self.state.bad_nodes:
+            say(f"nodes left out after earlier failures: {', '.join(self.state.bad_nodes)}")
+        say(f"{self.width} node(s) x {self.per_node} rank(s) with {self.launcher.name}; spares: "
+            f"{', '.join(self.hosts[self.width:]) or 'none'}; at most {self.max_restarts} restart(s)")
+        while True:
+            if self._signalled:  # a TERM / INT that came between two attempts ends the run too
+                say("signalled between attempts: not relaunched")
+                return EXIT_SIGNALLED
+            if self._warning is not None:  # the next step's guard would never see it
+                name = _WARNINGS[self._warning]
+                say(f"{name}, the job's warning signal, came between two attempts")
+                return self._warned(128 + self._warning, name)
+            if len(self.hosts) < self.width:
+                return self._no_spare()
+            previous = self.state.attempts[-1] if self.state.attempts and self.state.attempts[-1].failed else None
+            attempt = Attempt(len(self.state.attempts) + 1, self.hosts[:self.width], time.time())
+            self.state.attempts.append(attempt)
+            self.state.save()
+            rc, words = self._step(attempt)
+            records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
+            verdict = judge(rc, records, words, self._signalled, socket.gethostname())
+            if verdict.action == "stop-program" and self.retry_exceptions:
+                verdict = Verdict("relaunch", "exception (retried: --retry-exceptions)", [], verdict.detail)
+            self._observe(attempt, rc, records, verdict)
+            self.state.save()
+            if previous is not None:
+                say(f"attempt {attempt.number - 1}'s failure cost {self._lost(previous, attempt)}")
+            if verdict.action == "done":
+                say(f"{attempt.line()}" + (f": {verdict.detail}" if verdict.detail else ""))
+                return rc
+            if verdict.action == "requeue":
+                say(f"{attempt.line()}: {verdict.detail}")
+                if verdict.blamed:  # the next start leaves them out (a spare, or the job moves elsewhere)
+                    self._mark_bad(verdict.blamed)
+                    self.state.save()
+                return self._warned(rc, verdict.cause)
+            if verdict.action == "stop-program":
+                code = next((r["exit_code"] for r in records if r.get("program_error") and r.get("exit_code")), rc)
+                say(f"the program failed: {verdict.detail}; not relaunched (the same code fails again at the "
+                    f"same step; --retry-exceptions retries it). Exit code {code}")
+                return code
+            say(f"attempt {attempt.number} failed ({verdict.cause}): {verdict.detail}")
+            if self.state.restarts() >= self.max_restarts:
+                return self._give_up()
+            attempt.failed = True
+            verdict.blamed = self._mark_bad(verdict.blamed)
+            self.hosts = [h for h in self.hosts if h not in verdict.blamed]
+            self.state.save()
+            if verdict.blamed:
+                say(f"leaving out {', '.join(verdict.blamed)}; healthy nodes: {', '.join(self.hosts) or 'none'}")
+
+    def _mark_bad(self, nodes: Sequence[str]) -> List[str]:
+        """Add ``nodes`` (by the launcher's names) to the bad list, once each; their launcher names."""
+        names = [self._host_name(n) for n in nodes]
+        for node in names:
+            if node not in self.state.bad_nodes:
+                self.state.bad_nodes.append(node)
+        return names
+
+    def _host_name(self, node: str) -> str:
+        """The launcher's name of ``node`` (a record says what the node's hostname is: maybe the
+        fully qualified form of a Slurm node name)."""
+        if node in self.hosts:
+            return node
+        short = node.split(".")[0]
+        return next((h for h in self.hosts if h.split(".")[0] == short), node)
+
+    def _warned(self, rc: int, cause: str) -> int:
+        """What the program's guard would have done with the warning: under Slurm, requeue the job
+        (:func:`hpcsync.resilience.requeue.requeue_job`: ``HPCSYNC_MAX_RESTARTS``, never a job being ended; it
+        resumes from the latest checkpoint); elsewhere (``--hosts``), end with ``rc``."""
+        if self.slurm_job is None:
+            say(f"{cause}: not run by Slurm, nothing to requeue; not relaunched. Exit code {rc}")
+            return rc
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends a requeued job's batch script with it
+        outcome = requeue.requeue_job(ending="SIGTERM" if self._signalled else None)
+        say(outcome.message)
+        return outcome.exit_code
+
+    def _give_up(self) -> int:
+        lines = "\n".join(f"  {a.line()}" for a in self.state.attempts)
+        say(f"giving up after {len(self.state.attempts)} attempt(s), the cap is {self.max_restarts} restart(s):\n{lines}")
+        return EXIT_RESTARTS_SPENT
+
+    def _no_spare(self) -> int:
+        bad = ", ".join(self.state.bad_nodes)
+        if self.slurm_job is None:
+            say(f"no spare node left ({self.width} needed, healthy: {', '.join(self.hosts) or 'none'}; left out: {bad})")
+            return EXIT_NO_NODES
+        return requeue_excluding(self.slurm_job, self.state, lambda: self._signalled)
+
+
+def _scontrol(scontrol: str, *args: str) -> Tuple[bool, str]:
+    try:
+        proc = subprocess.run([scontrol, *args], capture_output=True, text=True, timeout=requeue.SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    return proc.returncode == 0, (proc.stderr or proc.stdout).strip()
+
+
+def requeue_excluding(job: str, state: State, signalled: Any = lambda: False) -> int:
+    """Requeue the Slurm job with ``state.bad_nodes`` added to its ExcNodeList: held first (a
+    running job's ExcNodeList cannot change), updated, released -- released whatever happened
+    to the update, so the job is never left held. A job being ended (``scancel``: no longer
+    RUNNING, or a TERM to the supervisor) is never requeued. SIGTERM, which Slurm sends the batch
+    script once the job is requeued, is ignored from the hold on."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        say("no spare node left and scontrol is not on PATH: cannot requeue")
+        return requeue.EXIT_NO_SCONTROL
+    ok, show = _scontrol(scontrol, "show", "job", "-o", job)
+    m = re.search(r"\bJobState=(\S+)", show)
+    if signalled() or not ok or m is None or m.group(1) != "RUNNING":
+        say(f"no spare node left; job {job} is being ended ({m.group(1) if m else show or 'signalled'}): not requeued")
+        return EXIT_SIGNALLED
+    m = re.search(r"\bExcNodeList=(\S+)", show)
+    excluded = [] if m is None or m.group(1) == "(null)" else expand_hostlist(m.group(1))
+    excluded += [n for n in state.bad_nodes if n not in excluded]
+    state.requeues += 1
+    state.save()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ok, why = _scontrol(scontrol, "requeuehold", job)
+    if not ok:
+        say(f"`scontrol requeuehold {job}` failed: {why}")
+        return requeue.EXIT_REQUEUE_FAILED
+    updated, why_update = _scontrol(scontrol, "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}")
+    released, why_release = _scontrol(scontrol, "release", job)
+    if not released:
+        say(f"`scontrol release {job}` failed: {why_release}; the job is held: `scontrol release {job}` by hand")
+        return requeue.EXIT_REQUEUE_FAILED
+    if not updated:
+        say(f"`scontrol update JobId={job} ExcNodeList=...` failed: {why_update}; requeued without excluding "
+            f"{', '.join(excluded)}")
+        return requeue.EXIT_REQUEUE_FAILED
+    say(f"no spare node left: requeued Slurm job {job} without {', '.join(excluded)}; it resumes from its "
+        "checkpoint when it starts again")
+    return requeue.EXIT_REQUEUED
+
+
+def slurm_nodes(env: Dict[str, str]) -> List[str]:
+    return expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+
+
+def main(args: Any) -> int:
+    """``hpcsync run`` (see :mod:`hpcsync.cli`)."""
+    program = list(args.program[1:] if args.program[:1] == ["--"] else args.program)
+    if not program:
+        raise SystemExit("hpcsync run: give the program after --")
+    extra = shlex.split(args.launcher_args or "")
+    job = requeue.slurm_job_id()
+    if args.hosts or args.hostfile:
+        spec = args.hosts or open(args.hostfile).read()
+        pairs = parse_hosts(spec)
+        hosts, per_node = [h for h, _ in pairs], args.ntasks_per_node or pairs[0][1]
+        launcher: Launcher = mpi_launcher(args.mpirun or shutil.which("mpirun") or "mpirun", extra)
+        job = None
+        default_dir = os.path.join("hpcsync-run", f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    elif job is not None:
+        hosts = slurm_nodes(dict(os.environ))
+        per_node = args.ntasks_per_node or int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
+        launcher = Srun(shutil.which("srun") or "srun", extra)
+        default_dir = os.path.join("hpcsync-run", job)
+    else:
+        raise SystemExit("hpcsync run: not inside a Slurm job: give --hosts or --hostfile (and --mpirun)")
+    if args.spare_nodes < 0 or args.max_restarts < 0 or per_node < 1:
+        raise SystemExit("hpcsync run: --spare-nodes and --max-restarts must be 0 or more, --ntasks-per-node 1 or more")
+    sup = Supervisor(launcher, hosts, per_node, args.spare_nodes, args.max_restarts,
+                     os.path.abspath(args.state_dir or default_dir), program, args.retry_exceptions, job)
+    return sup.run()
+
+
+def add_parser(sub: Any) -> None:
+    run = sub.add_parser("run", help="run a job step, relaunched without a failed node (Slurm, or mpirun over hosts)",
+                         description=__doc__.split("\n\n")[0])
+    run.add_argument("--spare-nodes", type=int, default=0, help="nodes held back to replace failed ones")
+    run.add_argument("--max-restarts", type=int, default=3, help="relaunches and requeues, in all (default 3)")
+    run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception too")
+    run.add_argument("--ntasks-per-node", type=int, help="ranks per node (Slurm: SLURM_NTASKS_PER_NODE, else 1; "
+                     "mpirun: the first host's slots)")
+    run.add_argument("--hosts", help="mpirun mode: hosts and slots, e.g. n0:2,n1:2,n2:2")
+    run.add_argument("--hostfile", help="mpirun mode: a hostfile (host slots=N, or host:N, a line each)")
+    run.add_argument("--mpirun", help="mpirun mode: the launcher (default: mpirun on PATH)")
+    run.add_argument("--launcher-args", help="more arguments for srun / mpirun, one string (e.g. '--mpi=pmix')")
+    run.add_argument("--state-dir", help="attempts, failure records and bad nodes (shared by every node; default "
+                     "hpcsync-run/<Slurm job id>)")
+    run.add_argument("program", nargs="...", help="-- PROGRAM ARGS...")
+    run.set_defaults(func=main)
