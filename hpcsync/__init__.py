@@ -21,6 +21,8 @@ ask torch for huge pages (below), because that must happen before torch's first 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
@@ -84,8 +86,9 @@ _EXPORTS = {
 }
 
 # modules reachable as attributes (``from hpcsync import comm``, ``hpcsync.h5.write_rows``), imported
-# on first use: the packages, and each module by the name it had before the packages (the four
-# whose name is now a function above, topology, preemption, requeue and monitor, by their path)
+# on first use, and by their old import paths (``import hpcsync.lightning``, :class:`_OldPaths`):
+# the packages, and each module by the name it had before the packages. The four whose name is
+# now a function above (topology, preemption, requeue, monitor) are reached by their new path.
 _MODULES = {
     "core": "core", "observe": "observe", "backend": "backend", "data": "data", "start": "start",
     "resilience": "resilience", "cli": "cli",
@@ -114,10 +117,36 @@ def _register_backend_if_torch_loaded() -> None:
 _register_backend_if_torch_loaded()
 
 
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import hpcsync.errors`` and ``from hpcsync.staging.listing import blocks``, as written
+    before the packages: the import path ``hpcsync.<old>[.<sub>]`` gives the very module
+    ``hpcsync.<package>.<module>[.<sub>]``, one object under two names (never a copy)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        parts = fullname.split(".")
+        if len(parts) < 2 or parts[0] != __name__ or parts[1] not in _MODULES or parts[1] in _PACKAGES:
+            return None
+        real = ".".join([__name__, _MODULES[parts[1]], *parts[2:]])
+        return importlib.util.spec_from_loader(fullname, self, origin=real)
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module(spec.origin)
+
+    def exec_module(self, module: Any) -> None:
+        """The module ran when it was imported under its own name."""
+
+
+_PACKAGES = ("core", "observe", "backend", "data", "start", "resilience", "cli")
+if not any(isinstance(f, _OldPaths) for f in sys.meta_path):
+    sys.meta_path.insert(0, _OldPaths())  # before the path finders: a stale hpcsync/<old>.py never wins
+
+
 def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
     if module is not None:
-        return importlib.import_module(f".{module}", __name__)
+        value = importlib.import_module(f".{module}", __name__)
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hpcsync' has no attribute {name!r}")

@@ -3,7 +3,8 @@
 ``cluster`` -- every test of a module that builds namespace nodes or a Slurm of its own, and every
 test of the shared Slurm: machine-global names, so one at a time -- and those marked ``heavy``;
 the other with all the rest. The tests marked ``alone`` measure time: they run afterwards, with
-nothing beside them."""
+nothing beside them. The tests marked ``quick`` (the table ``QUICK``) are the loop for
+development."""
 import functools
 import subprocess
 import sys
@@ -17,6 +18,46 @@ import pytest  # noqa: E402
 import slurm_cluster  # noqa: E402
 
 _MACHINE_WORDS = ("netns", "slurm_cluster")  # what a module that builds nodes or its own Slurm says
+
+# The quick loop, for use while developing (`bash tests/run.sh -m quick`, docs/harness.md): real
+# jobs, a few per package, on both MPI libraries, one node and namespace nodes, in minutes; the
+# whole suite stays the judge. Test ids relative to tests/, matched as prefixes of the node ids.
+# tests/test_layout.py checks that every package has its entry and that each entry selects a test.
+QUICK = {
+    "core": ["test_topology.py", "test_environments.py", "test_units.py", "test_layout.py", "test_jobend.py",
+             "test_comm.py::test_helpers_single_process", "test_comm.py::test_helpers_over_mpi[mpich-3]",
+             "test_comm.py::test_ranks_disagreeing_on_the_root_raise_everywhere[openmpi]"],
+    "observe": ["test_reports.py", "test_progress.py",
+                "test_logs.py::test_the_report_names_the_earliest_raise_whoever_won_the_claim",
+                "test_logs.py::test_a_stalled_gloo_collective_is_one_report_naming_the_rank[mpich-loop]",
+                "test_faults.py::test_stuck_rank_ends_the_job_with_a_report",
+                "test_multinode.py::test_stuck_rank_on_second_node_is_reported[mpich]"],
+    "backend": ["test_backend.py::test_conformance_matrix[openmpi-2]",
+                "test_backend.py::test_point_to_point_completes_at_every_thread_level[multiple-mpich]",
+                "test_faults.py::test_mismatched_collectives_raise_on_every_rank"],
+    "data": ["test_filesync.py::test_csv_with_headers[gather-openmpi-2]",
+             "test_filesync.py::test_csv_with_headers[mpiio-mpich-4]",
+             "test_filesync.py::test_missing_part_is_an_error_on_every_rank", "test_h5.py::test_ragged_rows[openmpi-2-auto]",
+             "test_staging_small_files.py", "test_staging.py::test_one_node_several_ranks_one_copy[mpich-2]",
+             "test_staging.py::test_across_nodes[rank0-node-openmpi]"],
+    "start": ["test_bootstrap.py::test_single_process", "test_bootstrap.py::test_init_gloo_allreduce[openmpi-4]",
+              "test_bootstrap.py::test_uncaught_exception_under_mpich_ends_the_job", "test_network.py",
+              "test_doctor.py::test_silent_singletons_fail_with_the_fix",
+              "test_multinode.py::test_dual_homed_rank0_node_finds_an_address_every_node_reaches",
+              "test_interfaces.py::test_each_node_gives_gloo_its_own_interface[mpich-gloo]"],
+    "resilience": ["test_checkpoint.py::test_requeue_decision", "test_checkpoint.py::test_a_planted_checkpoint_runs_no_code_on_load",
+                   "test_preemption.py::test_a_signal_to_the_launcher_reaches_every_rank_and_stops_them_together[mpich]",
+                   "test_supervisor.py::test_launcher_words_blame_the_node_whose_ranks_died",
+                   "test_supervisor.py::test_judge_never_relaunches_the_programs_own_exception",
+                   "test_supervisor.py::test_the_programs_own_exception_is_not_relaunched",
+                   "test_slurm.py::test_failing_job_ends_failed", "test_example.py::test_example_trains[None-1-auto]"],
+    "the command line and the docs": ["test_docs.py", "test_packaging.py", "test_example.py::test_sync_file_example"],
+}
+
+
+def _quick(nodeid: str) -> bool:
+    test = nodeid.split("/", 1)[-1]
+    return any(test.startswith(prefix) for prefixes in QUICK.values() for prefix in prefixes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,6 +73,8 @@ def pytest_collection_modifyitems(config, items):
         if (module is not None and _builds_nodes(module.__file__)) or item.get_closest_marker("slurm") \
                 or "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+        if _quick(item.nodeid):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")

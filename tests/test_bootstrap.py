@@ -55,7 +55,7 @@ def test_abort_hook_can_be_turned_off(tmp_path):
     for arg, env, ours in (("True", {}, True), ("False", {}, False), ("True", {"HPCSYNC_ABORT_ON_EXCEPTION": "0"}, False)):
         out = subprocess.run([PY, "-c", code.format(arg=arg)], env=clean_env(env), capture_output=True, text=True,
                              check=True).stdout.split()[-1]
-        assert (out == "hpcsync.bootstrap") is ours, (arg, env, out)  # otherwise torch's own hook
+        assert (out == "hpcsync.start.bootstrap") is ours, (arg, env, out)  # otherwise torch's own hook
 
 
 def test_hpcsync_backend_without_mpi_is_a_clear_error(tmp_path):

@@ -12,7 +12,6 @@ import pytest
 
 from launch import LAUNCHERS, PY, ROOT, clean_env, long_run
 
-pytestmark = pytest.mark.heavy  # long jobs, checked for what they write, not for their speed (tests/run.sh)
 
 EXAMPLE = str(ROOT / "examples" / "train.py")
 

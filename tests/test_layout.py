@@ -21,25 +21,30 @@ def _exists(module: str) -> bool:
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
-def imports() -> dict:
-    """module -> the hpcsync modules it imports anywhere in its body (package __init__ excluded
-    as a target: importing a submodule always runs it, which is not a dependency of the submodule)."""
+def imports(top: bool = False) -> dict:
+    """module -> the hpcsync modules it imports anywhere in its body, relative or absolute. The
+    package ``hpcsync`` itself is left out as a target (its __init__ runs before any submodule,
+    which is no dependency of the submodule), unless ``top``: then a module that takes a name from
+    ``hpcsync`` (a lazy name, an old module path) lists it."""
     graph = {}
     for path in PKG.rglob("*.py"):
         name = _module(path)
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "hpcsync"):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module
                 for alias in node.names:
                     sub = f"{target}.{alias.name}"
                     deps.add(sub if _exists(sub) else target)
             elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("hpcsync."))
-        graph[name] = {d for d in deps if d != name and d != "hpcsync"}
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == "hpcsync")
+        graph[name] = {d for d in deps if d != name and (top or d != "hpcsync")}
     return graph
 
 
@@ -82,7 +87,7 @@ def test_packages_import_one_way():
     its own: the core nothing of hpcsync, the observers the core, backend and data those two (not
     each other), starting a job all of them, keeping it alive everything but the command line."""
     level = {room: i for i, rooms in enumerate(LEVELS) for room in rooms}
-    graph = imports()
+    graph = imports(top=True)  # a name taken from hpcsync itself is an import of the top
     loose = sorted(m for m in graph if _room(m) not in level)
     assert not loose, f"modules outside every room: {loose}"
     wrong = []
@@ -90,6 +95,7 @@ def test_packages_import_one_way():
         mine = _room(module)
         for dep in deps:
             theirs = _room(dep)
+            assert theirs in level, f"{module} imports {dep}, which is in no room"
             if theirs != mine and level[theirs] >= level[mine] and level[mine] < len(LEVELS) - 1:
                 wrong.append(f"{module} -> {dep}")
     assert not wrong, "imports against the direction core < observe < backend, data < start < resilience < cli:\n" + \
@@ -100,7 +106,7 @@ def test_packages_import_one_way():
 
 def test_every_setting_in_one_table():
     """Each HPCSYNC_* variable the code or the README names is in hpcsync.settings, and only there
-    is one read from os.environ (topology/_mpi take the launcher's environment as a mapping)."""
+    is one read from os.environ (core.topology and core.mpi take the launcher's environment as a mapping)."""
     import re
 
     from hpcsync import settings
@@ -128,7 +134,7 @@ def test_modules_and_classes_stay_small():
 
 
 def test_one_process_is_a_communicator_not_a_branch():
-    """A job of one process without MPI gets ``SelfComm`` from ``_torchcomm.world()``: code takes
+    """A job of one process without MPI gets ``SelfComm`` from ``core.torchcomm.world()``: code takes
     no ``comm is None`` branch (only ``comm if comm is not None else <default>`` for an argument)."""
     import re
 
@@ -140,3 +146,22 @@ def test_one_process_is_a_communicator_not_a_branch():
             if branch.search(line) and not default.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_quick_loop_covers_every_package():
+    """`-m quick` (tests/conftest.py's QUICK) names every package, and each of its entries selects
+    at least one test that exists: a renamed test cannot drop out of the loop unnoticed."""
+    import subprocess
+    import sys
+
+    from conftest import QUICK
+
+    rooms = {room for rooms in LEVELS[:-1] for room in rooms}
+    assert rooms <= set(QUICK), sorted(rooms - set(QUICK))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "quick",
+                          "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    selected = [line.split("/", 1)[-1] for line in out.stdout.splitlines() if "::" in line]
+    assert selected, out.stdout[-2000:] + out.stderr[-2000:]
+    empty = [prefix for prefixes in QUICK.values() for prefix in prefixes
+             if not any(test.startswith(prefix) for test in selected)]
+    assert not empty, f"entries of QUICK that select no test: {empty}"

@@ -116,7 +116,16 @@ def test_sbatch_two_nodes_signalled_requeued_resumed(cluster, tmp_path):
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = ROOT / "runs" / f"slurm-{jid}"
     try:
-        slurm_cluster.wait_for("the job to train", lambda: log.exists() and "training on " in log.read_text(), 240)
+        def explain():  # what the job, Slurm and the job's processes said, for a wait that timed out
+            ask = lambda *argv: subprocess.run(on(*argv), env=env, capture_output=True, text=True).stdout  # noqa: E731
+            ps = [line for line in ask("ps", "-eo", "pid,ppid,etimes,stat,args", "--sort=pid").splitlines()
+                  if any(word in line for word in ("srun", "slurmstepd", "train.py"))]
+            return "\n".join([f"--- job log\n{log.read_text(errors='replace')[-4000:] if log.exists() else '(none)'}",
+                               f"--- scontrol\n{ask('scontrol', 'show', 'job', jid)}", f"--- squeue -s\n{ask('squeue', '-s')}",
+                               "--- the job's processes", *ps, cluster.slurm_logs(2500)])
+
+        slurm_cluster.wait_for("the job to train", lambda: log.exists() and "training on " in log.read_text(), 240,
+                               explain=explain)
         subprocess.run(on("scancel", "--signal=USR1", jid), env=env, check=True)
         slurm_cluster.start_requeued_now(jid, env, 1, on=on)
         info = slurm_cluster.wait_job(jid, env, timeout=300, on=on)

@@ -117,8 +117,15 @@ def test_one_name_per_concept():
         assert fn is getattr(importlib.import_module(f"hpcsync.{module}.{name}"), name), name
     assert p.PreemptionGuard is hpcsync.PreemptionGuard and hpcsync.resilience.requeue.EXIT_RESTARTS_SPENT == 75
     assert hpcsync.topology().world_size == 1
-    for old, path in hpcsync._MODULES.items():
-        assert getattr(hpcsync, old) is importlib.import_module(f"hpcsync.{path}"), old
+    for old, path in hpcsync._MODULES.items():  # the old names: an attribute and an import path, one module
+        module = importlib.import_module(f"hpcsync.{path}")
+        assert getattr(hpcsync, old) is module and importlib.import_module(f"hpcsync.{old}") is module, old
+    from hpcsync.data.staging.listing import blocks
+    from hpcsync.staging.listing import blocks as by_old_path
+
+    assert by_old_path is blocks
+    for name in ("topology", "preemption", "requeue", "monitor"):  # still functions after all those imports
+        assert isinstance(getattr(hpcsync, name), types.FunctionType), name
     from hpcsync import h5
 
     for fn in (hpcsync.PreemptionGuard, hpcsync.Checkpoints, hpcsync.resilience.requeue.requeue, hpcsync.stage,

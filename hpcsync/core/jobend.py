@@ -21,7 +21,7 @@ from typing import Callable, List, NoReturn, Optional, Tuple
 
 from . import mpi, settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.jobend")  # the name users configure, as before the packages
 
 # Process names (``/proc/PID/comm``, at most 15 characters) of launchers that wait for their nodes.
 LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiexec.openmpi", "mpiexec.hydra",

@@ -17,7 +17,7 @@ from . import mpi, nodemap
 from .environments import LauncherEnvironment, detect_environment
 from .errors import LaunchError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.topology")  # the name users configure, as before the packages
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from ..core.errors import SyncError, raise_if_any, raise_if_settings_differ
 from .transports import _choose_method, _Part, _Source, _write_copy, _write_gather, _write_mpiio
 from ..observe.progress import Progress
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.filesync")  # the name users configure, as before the packages
 
 PathLike = Union[str, "os.PathLike[str]"]
 METHODS = ("auto", "copy", "gather", "mpiio")

@@ -24,7 +24,7 @@ from ..core import mpi
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else None
 from ..core.errors import MissingDependencyError, raise_if_any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.h5")  # the name users configure, as before the packages
 
 WRITE_PIECE_BYTES = 1 << 30  # per collective write: stays clear of 2 GiB limits in MPI-IO / HDF5
 _warned = False

@@ -12,7 +12,7 @@ from ..core import bigmpi, mpi
 from ..core.errors import SyncError
 from ..observe.progress import Progress
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.filesync")  # the name users configure, as before the packages
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -2,8 +2,8 @@
 
 What it owns: logs that carry rank and node, a file per rank and one console
 (:mod:`~hpcsync.observe.logs`); the flight recorder of gloo and NCCL groups
-(:mod:`~hpcsync.observe.flight`); the watchdog thread that owns every timeout and the hang report
-it writes (:mod:`~hpcsync.observe.watchdog`); the failure records that ``hpcsync run`` reads
+(:mod:`~hpcsync.observe.flight`); every group's operation recorder, the responder thread that answers
+the other ranks when a collective stalls, and the hang report (:mod:`~hpcsync.observe.watchdog`); the failure records that ``hpcsync run`` reads
 (:mod:`~hpcsync.observe.failure`) and the one report with the first failure first
 (:mod:`~hpcsync.observe.digest`); the straggler monitor (:mod:`~hpcsync.observe.monitor`); the
 progress bar of long merges (:mod:`~hpcsync.observe.progress`). ``hpcsync doctor`` checks a job

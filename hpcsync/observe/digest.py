@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 from ..core import mpi, nodemap
 from . import failure, flight, logs, watchdog
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.digest")  # the name users configure, as before the packages
 
 CLAIM_WAIT_S = 2.0  # for rank 0's answer to a claim (none: this rank reports)
 GATHER_WAIT_S = 3.0  # for the other ranks' states

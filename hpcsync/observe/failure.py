@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from ..core import settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.failure")  # the name users configure, as before the packages
 
 PREFIX = "hpcsync-failure-"
 RESUMED = "hpcsync-resumed.json"

@@ -40,7 +40,7 @@ def enable(backend: str = "gloo") -> None:
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, "nccl-trace-rank-"))
         changed.append(f"TORCH_NCCL_DUMP_ON_TIMEOUT=1 into {folder}")
     if changed:
-        logging.getLogger(__name__).debug("hpcsync: torch's flight recorder: %s", ", ".join(changed))
+        logging.getLogger("hpcsync.flight").debug("hpcsync: torch's flight recorder: %s", ", ".join(changed))
 
 
 def entries() -> List[Dict[str, Any]]:

@@ -252,7 +252,7 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
     jobend.at_exit("store", _close)
     jobend.before_abort(flush_console)
     if rank == 0:
-        log = logging.getLogger(__name__)
+        log = logging.getLogger("hpcsync.logs")  # the name users configure, as before the packages
         log.info("hpcsync logging: %s", f"one file per rank in {folder}" if folder else "console only (no log folder)")
         if theirs and console:
             log.warning("hpcsync logging: the root logger already has the program's own console handler(s), "

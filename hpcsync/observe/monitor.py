@@ -45,7 +45,7 @@ from . import failure
 from ..core import settings
 from ..core.errors import CollectiveTimeout
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.monitor")  # the name users configure, as before the packages
 
 PREFIX = "hpcsync-straggler-"
 KIND = "hpcsync straggler record"

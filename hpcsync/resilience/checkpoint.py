@@ -51,7 +51,7 @@ from ..observe import failure
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.checkpoint")  # the name users configure, as before the packages
 
 MARKER = "COMPLETE"
 OWNER = "OWNER"

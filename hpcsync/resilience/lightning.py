@@ -1,4 +1,4 @@
-"""Lightning integration: ranks from MPI, a routable master address, the socket-free backend.
+"""Lightning integration: ranks from MPI, a routable master address, the socket-free backend::
 
     import hpcsync.lightning as hl
     trainer = lightning.Trainer(max_epochs=3, **hl.trainer_kwargs())   # under mpirun / srun
@@ -31,7 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover - optional extra
     raise MissingDependencyError("hpcsync.lightning needs Lightning: pip install lightning") from exc
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.lightning")  # the name users configure, as before the packages
 
 
 class HpcsyncEnvironment(ClusterEnvironment):

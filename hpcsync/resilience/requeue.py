@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from ..core import settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.requeue")  # the name users configure, as before the packages
 
 EXIT_REQUEUED = 0  #: requeued (by hpcsync or by Slurm), or nothing to requeue outside Slurm
 EXIT_REQUEUE_FAILED = 70  #: scontrol ran and refused (EX_SOFTWARE)

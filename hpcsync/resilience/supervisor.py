@@ -31,7 +31,7 @@ from the program's latest checkpoint, no human involved.
   the nodes left out, the checkpoint resumed and the time lost.
 
 Signals (USR1, USR2, TERM, INT) are forwarded to the launcher, which forwards them to the ranks:
-the preemption path of :mod:`hpcsync.preemption` works inside ``hpcsync run`` unchanged.
+the preemption path of :mod:`hpcsync.resilience.preemption` works inside ``hpcsync run`` unchanged.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, des
                       local_interfaces, master_candidates, open_listener, try_connect)
 from ..core.topology import Topology, topology
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcsync.bootstrap")  # the name users configure, as before the packages
 
 _lock = threading.RLock()
 _state: dict = {}
