@@ -175,12 +175,12 @@ def test_the_report_names_the_earliest_raise_whoever_won_the_claim():
 def test_alike_warnings_of_ranks_a_loaded_node_slows_are_one_line(monkeypatch):
     """Rank 0's collector, fed by hand: three ranks log one warning 0.6 s apart (1.2 s from first
     to last, as on an oversubscribed node): one line naming all three once none came for a
-    second; a line still arriving is held 5 s at most."""
+    second; a line still arriving is held 5 s at most, and says how many times it came."""
     from hpcsync import logs
 
     lines = []
     monkeypatch.setattr(logs, "_write", lines.append)
-    monkeypatch.setattr(logs, "_line", lambda level, name, text, ranks: (text, ranks))
+    monkeypatch.setattr(logs, "_line", lambda level, name, text, ranks, times: (text, ranks, times))
     c = logs._Collector.__new__(logs._Collector)  # no MPI thread: add and flush only
     c.lock, c.pending = threading.Lock(), {}
     for rank in range(3):
@@ -190,10 +190,21 @@ def test_alike_warnings_of_ranks_a_loaded_node_slows_are_one_line(monkeypatch):
         assert lines == [], "printed while ranks were still arriving"
     time.sleep(0.5)
     c.flush()
-    assert lines == [("alike", [0, 1, 2])]
+    assert lines == [("alike", [0, 1, 2], 3)]
     t0 = time.monotonic()
     while not lines[1:]:
         c.add(logging.WARNING, "app", "again", 0)
         c.flush()
         time.sleep(0.1)
-    assert lines[1] == ("again", [0]) and 4.9 < time.monotonic() - t0 < 6.0
+    assert lines[1][:2] == ("again", [0]) and lines[1][2] > 1 and 4.9 < time.monotonic() - t0 < 6.0  # counted
+
+
+def test_warnings_logged_to_the_end_are_printed_and_counted(tmp_path):
+    """MPICH, 2 ranks: rank 0 is done while rank 1 still works and warns 1.5 s later: rank 0's
+    console waits for every rank's last words (they were lost); a warning a rank repeats is one
+    line that says how many times it came."""
+    res = run(LAUNCHERS["mpich"](), 2, "late_warning.py", tmp_path=tmp_path, timeout=120)
+    assert res.stderr.count("a late warning from rank 1") == 1, res.stderr
+    assert f"[rank 1 on {HOST}] WARNING app: a late warning from rank 1" in res.stderr, res.stderr
+    line = f"[2 ranks 0-1 on {HOST}] WARNING app: the same warning, three times on every rank (logged 6 times)"
+    assert res.stderr.count("the same warning, three times") == 1 and line in res.stderr, res.stderr

@@ -131,3 +131,19 @@ def test_a_rank_that_stops_calling_is_a_timeout_at_the_guards_bound(launcher, ar
     assert d is not None and res.ranks[1] == {"rank": 1, "world_size": 2, "calls": 3}, res
     assert d["error"].startswith("CollectiveTimeout: hpcsync.preemption: should_stop() #"), d
     assert 1.9 < d["after_s"] < 2 + 1.5 and d["close_s"] < 0.5, d
+
+
+def test_a_guard_never_made_on_a_rank_is_a_timeout_and_the_job_still_ends(tmp_path):
+    """Rank 1 never makes a guard: rank 0's is a CollectiveTimeout at the guard's bound while it
+    is being made, and the job ends (MPI_Abort, saying why) instead of waiting forever in
+    MPI_Finalize on the duplicate that never completed."""
+    from launch import run
+
+    t0 = time.monotonic()
+    res = run(LAUNCHERS["openmpi"](), 2, "guard_timeout.py", "never", tmp_path=tmp_path, timeout=120,
+              expect_ok=False, env={"HPCSYNC_ABORT_GRACE": "2"})
+    took = time.monotonic() - t0
+    d = res.ranks[0]
+    assert d is not None and d["error"].startswith("CollectiveTimeout: "), res
+    assert "hpcsync.preemption: duplicating the communicator timed out" in res.stderr, res.stderr
+    assert res.returncode != 0 and took < 60, (took, res)

@@ -1,4 +1,6 @@
-"""In process, no MPI: rank ranges, the node map, and how a hang report groups ranks."""
+"""In process, no MPI: rank ranges, the node map, how a hang report groups ranks, and how reports
+are written."""
+import os
 import subprocess
 import sys
 
@@ -65,3 +67,39 @@ def test_functions_named_like_their_module_stay_functions():
             "for n in ('preemption', 'topology', 'requeue', 'monitor')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["refused", "True", "True", "True", "True"], out.stdout + out.stderr
+
+
+def test_two_hang_reports_in_one_second_are_two_whole_files(tmp_path, monkeypatch):
+    """Each report has a name no other takes (job, second, rank, process, a count) and appears
+    whole or not at all: two reports in one second neither overwrite nor tear each other."""
+    monkeypatch.setenv("HPCSYNC_REPORT_DIR", str(tmp_path))
+    monkeypatch.setattr(watchdog.time, "time", lambda: 1_800_000_000.0)  # the very same second
+    paths = [watchdog.write_report({"kind": "hpcsync hang report", "n": n}) for n in range(2)]
+    assert len(set(paths)) == 2, paths
+    import json
+
+    assert sorted(json.loads(open(p).read())["n"] for p in paths) == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths)  # no temporary left
+
+
+def test_the_resumed_note_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`hpcsync run` reads which checkpoint an attempt resumed from: a note that fails halfway
+    (a full disk) leaves the one before intact and no temporary file."""
+    import json
+
+    from hpcsync.observe import failure
+
+    monkeypatch.setenv("HPCSYNC_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCSYNC_RUN_ATTEMPT", "1")
+    failure.note_resume(10, "/ckpt/step-10", 1.0)
+    real_dump = json.dump
+
+    def torn(obj, f, **kw):
+        f.write('{"step": 2')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(failure.json, "dump", torn)
+    failure.note_resume(20, "/ckpt/step-20", 2.0)
+    monkeypatch.setattr(failure.json, "dump", real_dump)
+    assert json.loads((tmp_path / failure.RESUMED).read_text())["step"] == 10
+    assert os.listdir(tmp_path) == [failure.RESUMED]

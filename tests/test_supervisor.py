@@ -139,6 +139,45 @@ def test_judge_never_relaunches_the_programs_own_exception():
     assert supervisor.judge(75, [], supervisor.LauncherWords(), False).action == "done"  # e.g. the requeue cap
 
 
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+
+
+def raised_in(path, exc):
+    """``exc`` as raised by code in the file ``path`` (torch's, a data loader's), with its frame."""
+    space = {}
+    exec(compile("def fail(exc):\n    raise exc\n", path, "exec"), space)
+    try:
+        space["fail"](exc)
+    except BaseException as raised:
+        return raised
+
+
+def test_an_error_is_classified_by_where_it_came_from_not_by_its_words(tmp_path, monkeypatch):
+    """A peer gone is an error out of torch.distributed (gloo's RuntimeError, NCCL's
+    DistBackendError) or hpcsync's bounded wait, whatever it says; "timed out" from the program's
+    data loader is the program's; a GPU's hardware fault that reaches the program blames its node."""
+    import torch.distributed as dist
+
+    from hpcsync.observe import failure
+    from hpcsync import nodemap
+
+    timed_out = "DataLoader worker (pid(s) 4242) exited unexpectedly: DataLoader timed out after 60 seconds"
+    assert not failure.peer_gone(raised_in(f"{TORCH}/utils/data/dataloader.py", RuntimeError(timed_out)))
+    assert not failure.peer_gone(RuntimeError("the connection to the data server timed out"))  # the program's own
+    assert failure.peer_gone(raised_in(f"{TORCH}/nn/parallel/distributed.py", RuntimeError("Rank 3 failed")))
+    assert failure.peer_gone(dist.DistBackendError("NCCL error: remote process exited or there was a network error"))
+    monkeypatch.setenv("HPCSYNC_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(nodemap, "_current", nodemap.NodeMap([0, 1], ["n0", "n1"]))
+    for words in ("CUDA error: uncorrectable ECC error encountered", "CUDA error: GPU has fallen off the bus",
+                  "NVRM: Xid 79: GPU has fallen off the bus"):
+        for old in tmp_path.iterdir():
+            old.unlink()
+        failure.note_exception(raised_in(f"{TORCH}/cuda/__init__.py", RuntimeError(words)))
+        [rec] = failure.read(str(tmp_path))
+        assert rec["cause"] == "hardware" and not rec["program_error"] and rec["blame_nodes"] == ["n1"], rec
+
+
 def test_failure_records_say_whose_fault(tmp_path, monkeypatch):
     """The program's own exception is the program's; a timeout blames nobody by itself; a hang
     report blames the nodes of the ranks that did not answer or never arrived."""
@@ -164,7 +203,8 @@ def test_failure_records_say_whose_fault(tmp_path, monkeypatch):
     # a peer gone, as gloo and NCCL say it, is not the program's; the program's own timeout is
     assert not failure.peer_gone(TimeoutError("fetching shard 3 timed out"))
     assert not failure.peer_gone(RuntimeError("index 3 out of range"))
-    assert failure.peer_gone(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert failure.peer_gone(raised_in(f"{TORCH}/distributed/distributed_c10d.py",
+                                       RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")))
     monkeypatch.delenv("HPCSYNC_REPORT_DIR")
     monkeypatch.chdir(tmp_path / "..")
     assert failure.note_exception(ValueError("x")) is None  # no folder asked for: no litter
@@ -312,6 +352,20 @@ def test_the_programs_own_exception_is_not_relaunched(cluster, tmp_path):
     assert rec["program_error"] and rec["cause"] == "exception" and rec["ranks"] == [1], rec
 
 
+def test_a_ranks_own_crash_is_not_relaunched_and_its_node_is_kept(cluster, tmp_path):
+    """Rank 1 segfaults at step 30 on every start: mpirun names its node, which works; one
+    attempt, no node on the bad list, not relaunched (the same step crashes again)."""
+    proc, log = supervised(cluster, tmp_path, [str(PROGRAMS / "fail_at.py"), "segv", "1", "30"], "--spare-nodes", "1")
+    proc.wait(timeout=180)
+    text = log.read_text()
+    assert proc.returncode != 0, text[-3000:]
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert len(state["attempts"]) == 1 and state["bad_nodes"] == [], state
+    assert "a rank crashed (mpirun noticed that process rank 1 with PID" in text, text[-3000:]
+    assert f"on node {cluster.names[1]} exited on signal 11" in text and "not relaunched" in text, text[-3000:]
+    assert "attempt 2" not in text and "leaving out" not in text, text[-3000:]
+
+
 def test_failures_past_the_cap_end_the_run_with_every_attempt(cluster, tmp_path):
     """Rank 1 dies by SIGKILL on every start, with one restart allowed: nodes 1 then 2 are left
     out, then the run ends with exit 75 and the list of both attempts."""
@@ -358,3 +412,37 @@ def test_mpirun_relaunches_without_the_failed_node(cluster, failure, tmp_path):
           f"after it, relaunch {second['started'] - first['ended']:.1f} s, restore "
           f"{second['resumed_at'] - second['started']:.1f} s")
     same_training(ref, out)
+
+
+def test_ranks_per_node_come_from_the_allocation_whatever_asked_for_them():
+    """`#SBATCH -N 2 -n 8` sets no SLURM_NTASKS_PER_NODE, only SLURM_TASKS_PER_NODE=4(x2): 4 ranks a
+    node, not 1; uneven counts cannot be kept on a relaunch and are a clear error."""
+    from hpcsync.resilience.supervisor import slurm_tasks_per_node
+
+    assert slurm_tasks_per_node({"SLURM_TASKS_PER_NODE": "4(x2)"}) == 4
+    assert slurm_tasks_per_node({"SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x3)"}) == 2
+    assert slurm_tasks_per_node({}) == 1
+    with pytest.raises(SystemExit, match=r"3,2.*--ntasks-per-node"):
+        slurm_tasks_per_node({"SLURM_TASKS_PER_NODE": "3,2"})
+
+
+def test_a_programs_own_crash_is_not_relaunched_and_blames_no_node():
+    """An OOM kill, a segfault or an abort on a rank is the program's (the same step crashes again):
+    the launcher's words name the node, which works; the survivors' hang records that blame it do
+    not decide either. SIGKILL without a word of memory stays a node's failure."""
+    hang = {"cause": "hang", "blame_nodes": ["n2"], "reporter": {"rank": 0, "node": "n0"},
+            "detail": "all_reduce #40 did not complete; no reply: [5]"}
+    crashes = [["srun: error: n2: task 5: Out Of Memory"], ["srun: error: n2: task 5: Segmentation fault (core dumped)"],
+               ["mpirun noticed that process rank 5 with PID 4242 on node n2 exited on signal 11 (Segmentation fault)."],
+               ["=   RANK 5 PID 12 RUNNING AT n2", "=   KILLED BY SIGNAL: 6 (Aborted)"]]
+    for lines in crashes:
+        words = supervisor.LauncherWords()
+        for line in lines:
+            words.feed(line)
+        assert words.nodes == [] and words.crashes, (lines, words.nodes)
+        verdict = supervisor.judge(137, [hang], words, False, "n0")
+        assert verdict.action == "stop-program" and verdict.blamed == [], (lines, verdict)
+        assert "n2" in verdict.detail and lines[-1].strip() in verdict.detail, verdict
+    words = supervisor.LauncherWords()
+    words.feed("srun: error: n1: task 1: Killed")
+    assert words.nodes == ["n1"] and not words.crashes

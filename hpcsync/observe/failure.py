@@ -8,8 +8,9 @@ record only where the variable is set, as ``hpcsync run`` does):
 - ``cause``: ``exception`` (an uncaught exception), ``hang`` (a collective or a send/receive past
   its timeout with ranks that did not answer: the hang report's verdict), ``stall`` (the same, but
   every rank answered: some are stuck elsewhere), ``timeout`` (a wait bounded by hpcsync's timeout that
-  another rank never met), ``killed`` (the launcher saw ranks die by a signal: ``hpcsync run``
-  writes it from the launcher's words);
+  another rank never met, or an error out of torch.distributed: a peer failed), ``hardware`` (a
+  GPU's uncorrectable ECC error, a GPU fallen off the bus: this rank's node is blamed). Ranks killed by a signal write nothing: ``hpcsync run`` reads their
+  deaths from the launcher's words;
 - ``program_error``: True only when the program's own code raised: the same code at the same
   step fails again, so it is not retried by default;
 - ``ranks`` and ``nodes``: whom the failure implicates (the ranks that did not answer or never
@@ -25,8 +26,10 @@ import glob
 import json
 import logging
 import os
+import re
 import socket
 import time
+import traceback
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..core import settings
@@ -117,34 +120,52 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
 def write_json(path: str, record: Dict[str, Any], what: str) -> Optional[str]:
     """Write ``record`` to ``path`` whole or not at all (a temporary file, renamed); its path, or
     None with a warning when it could not be written: a report never raises."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(record, f, indent=1, default=str)
         os.replace(tmp, path)
         return path
     except OSError as exc:
         log.warning("hpcsync: could not write the %s %s: %s", what, path, exc)
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
         return None
 
 
-# What torch.distributed's backends say when a peer died or its network went away (gloo raises a
-# plain RuntimeError; NCCL a DistBackendError).
-_PEER_GONE = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe",
-              "remote process exited", "network error", "closed by peer", "peer closed")
+# Where torch.distributed raises a peer's failure as a plain RuntimeError (gloo's, DDP's reducer):
+# the innermost frame of the traceback is in one of these folders.
+_DISTRIBUTED_DIRS = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
+# A node's hardware failing under the program (an NVIDIA GPU's uncorrectable memory error, a GPU
+# lost from the PCI bus, the driver's Xid events): no exception type says it, only these words.
+_HARDWARE = re.compile(r"uncorrectable ecc|fallen off the bus|\bxid\b|gpu is lost", re.I)
 
 
 def peer_gone(exc: BaseException) -> bool:
-    """Errors that say another rank failed or stayed away (hpcsync's bounded waits, a collective
-    whose peer timed out or hung up), not that this rank's program is wrong. A program's own
-    ``TimeoutError`` or ``ConnectionError`` (a data fetch) stays the program's."""
+    """Errors that come from another rank failing or staying away, by where they came from, not by
+    what they say: hpcsync's bounded waits (:class:`~hpcsync.core.errors.CollectiveTimeout`),
+    torch.distributed's own error types (NCCL's ``DistBackendError``, the store's), and a plain
+    ``RuntimeError`` raised out of torch.distributed or DDP (gloo's). The program's own errors stay
+    the program's, "timed out" or not (a data loader's, a fetch's)."""
     from ..core.errors import CollectiveTimeout
 
     if isinstance(exc, CollectiveTimeout):
         return True
-    distributed = type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError")
-    return (distributed or type(exc) is RuntimeError) and any(w in str(exc).lower() for w in _PEER_GONE)
+    if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    if type(exc) is not RuntimeError:
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and any(d in frames[-1].filename for d in _DISTRIBUTED_DIRS)
+
+
+def hardware_fault(exc: BaseException) -> bool:
+    """An error of this node's hardware that reached the program (a GPU's uncorrectable ECC error,
+    a GPU fallen off the bus, an Xid): the node is at fault, not the program."""
+    return bool(_HARDWARE.search(f"{type(exc).__name__}: {exc}"))
 
 
 def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
@@ -155,6 +176,8 @@ def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
         return None
     me = _me()
     line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    if hardware_fault(exc):  # this node is at fault: left out of a relaunch
+        return write("hardware", [me["rank"]], [me["node"]], line, blame_nodes=[me["node"]], reporter=me)
     if peer_gone(exc):  # the cause is elsewhere; whoever sees it (the hang report) blames nodes
         return write("timeout", [me["rank"]], [me["node"]], line, blame_nodes=[], reporter=me)
     return write("exception", [me["rank"]], [me["node"]], line, program_error=True, reporter=me, exit_code=exit_code)
@@ -186,13 +209,8 @@ def note_resume(step: int, path: str, saved_at: Optional[float]) -> None:
     """Under ``hpcsync run``: which checkpoint this attempt resumed from (rank 0, at load)."""
     if not settings.text("HPCSYNC_RUN_ATTEMPT"):
         return
-    try:
-        folder = report_dir()
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, RESUMED), "w") as f:
-            json.dump({"step": step, "path": path, "saved_at": saved_at, "time": time.time()}, f)
-    except OSError as exc:
-        log.warning("hpcsync: could not note the resumed checkpoint: %s", exc)
+    write_json(os.path.join(report_dir(), RESUMED), {"step": step, "path": path, "saved_at": saved_at,
+                                                    "time": time.time()}, "note of the resumed checkpoint")
 
 
 def read_json(folder: str, prefix: str, kind: str) -> List[Dict[str, Any]]:

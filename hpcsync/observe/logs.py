@@ -9,8 +9,9 @@ own handlers stay as they are, and hpcsync adds two handlers to the root logger:
 - the console (stderr): rank 0's records at the level asked for, and WARNING and above from every
   rank, marked with the rank and node. Those go through rank 0 over MPI, which prints a line that
   many ranks logged alike (each within a second of the last, for 5 s at most) once, with their
-  ranks (``[ranks 0-63 on n0-n3]``), not once per rank. Without MPI, or below
-  ``MPI_THREAD_MULTIPLE``, every rank prints its own warnings, marked.
+  ranks (``[ranks 0-63 on n0-n3]``), not once per rank, and how often when a rank repeated it
+  (``(logged 12 times)``). At exit rank 0 waits for every rank's last warnings (bounded). Without
+  MPI, or below ``MPI_THREAD_MULTIPLE``, every rank prints its own warnings, marked.
 
 ``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``; it needs a
 log folder): rank 0's still reaches stdout, the other ranks' only their files. A record logged
@@ -33,6 +34,8 @@ FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(mes
 WINDOW_S = 1.0  # alike warnings from several ranks, each within this of the last, are printed once
 HOLD_S = 5.0  # ... but none is held longer than this after its first rank's
 POLL_S = 0.1
+CLOSE_WAIT_S = 30.0  # how long rank 0's console waits at exit for the other ranks' last warnings
+BYE, CLOSED = "bye", "closed"  # a rank's last message to rank 0; rank 0's answer to those it left
 
 _state: Dict[str, Any] = {}
 
@@ -87,27 +90,44 @@ def _write(line: str) -> None:
     stream.flush()
 
 
-def _line(level: int, name: str, text: str, ranks: List[int]) -> str:
+def _line(level: int, name: str, text: str, ranks: List[int], times: int = 0) -> str:
+    """One console line for ``text`` that ``ranks`` logged, ``times`` records in all (said when
+    more than one a rank)."""
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks {nodemap.ranges(ranks)}"
     nodes = nodemap.current()
     where = f" on {', '.join(nodes.nodes(ranks)[:4])}" if nodes is not None else ""
-    return f"[{who}{where}] {logging.getLevelName(level)} {name}: {text}"
+    count = f" (logged {times} times)" if times > len(ranks) else ""
+    return f"[{who}{where}] {logging.getLevelName(level)} {name}: {text}{count}"
 
 
 class _Sender:
-    """A rank other than 0: its warnings to rank 0's collector, without waiting."""
+    """A rank other than 0: its warnings to rank 0's collector, without waiting; once rank 0 has
+    left (it said so), to this rank's own stderr, marked."""
 
     def __init__(self, comm: Any) -> None:
         self.comm, self.sends, self.lock = comm, [], threading.Lock()
+        self.root_gone = False
+
+    def _root_left(self) -> bool:
+        if not self.root_gone and self.comm.iprobe(source=0, tag=settings.TAG_LOG):  # only CLOSED comes this way
+            self.comm.recv(source=0, tag=settings.TAG_LOG)
+            self.root_gone = True
+        return self.root_gone
 
     def send(self, item: Tuple[int, str, str, int]) -> None:
         with self.lock:
+            if self._root_left():
+                _write(_line(item[0], item[1], item[2], [item[3]]))
+                return
             self.sends = [r for r in self.sends if not r.Test()]
             self.sends.append(self.comm.isend(item, dest=0, tag=settings.TAG_LOG))
 
     def close(self, wait_s: float = 2.0) -> None:
+        """The warnings in flight, then :data:`BYE`: rank 0's console waits for it (bounded)."""
         deadline = time.monotonic() + wait_s
         with self.lock:
+            if not self._root_left():
+                self.sends.append(self.comm.isend((BYE, self.comm.Get_rank()), dest=0, tag=settings.TAG_LOG))
             while self.sends and time.monotonic() < deadline:
                 self.sends = [r for r in self.sends if not r.Test()]
                 time.sleep(0.01)
@@ -119,6 +139,7 @@ class _Collector:
     def __init__(self, comm: Any) -> None:
         self.comm, self.lock = comm, threading.Lock()
         self.pending: Dict[Tuple[int, str, str], List[Any]] = {}  # line -> [first, last arrival, ranks]
+        self.byes: set = set()  # the ranks that sent their last warning
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="hpcsync-logs", daemon=True)
         self.thread.start()
@@ -136,7 +157,11 @@ class _Collector:
             msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=settings.TAG_LOG)
             if msg is None:
                 return
-            self.add(*msg.recv())
+            item = msg.recv()
+            if item[0] == BYE:
+                self.byes.add(item[1])
+            else:
+                self.add(*item)
 
     def flush(self, older_than: float = WINDOW_S) -> None:
         """Print each line no rank has logged for ``older_than`` seconds (or held ``HOLD_S``): a
@@ -145,9 +170,9 @@ class _Collector:
         with self.lock:
             due = sorted((v[0], k) for k, v in self.pending.items()
                          if now - v[1] >= older_than or now - v[0] >= max(HOLD_S, older_than))
-            lines = [(k, sorted(set(self.pending.pop(k)[2]))) for _, k in due]
+            lines = [(k, self.pending.pop(k)[2]) for _, k in due]
         for (level, name, text), ranks in lines:
-            _write(_line(level, name, text, ranks))
+            _write(_line(level, name, text, sorted(set(ranks)), len(ranks)))
 
     def _loop(self) -> None:
         while not self.stop.wait(POLL_S):
@@ -158,15 +183,35 @@ class _Collector:
                 if mpi.MPI().Is_finalized():
                     return
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """At exit: print until every other rank has sent :data:`BYE` (after its last warning), for
+        ``wait_s`` at most, as MPI_Finalize would wait for them; the ranks still logging then are
+        told (:data:`CLOSED`) and print their later warnings on their own stderr, marked."""
         self.stop.set()
         self.thread.join(timeout=2)
-        time.sleep(2 * POLL_S)  # the other ranks' last warnings, sent as they exited
-        try:
-            self._drain()
-        except Exception:
-            pass
+        others = set(range(1, self.comm.Get_size()))
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._drain()
+            except Exception:  # MPI already gone: nothing more can arrive
+                break
+            if self.byes >= others or time.monotonic() >= deadline:
+                break
+            self.flush()
+            time.sleep(POLL_S / 10)
         self.flush(older_than=0)
+        late = sorted(others - self.byes)
+        if late:
+            _write(f"[hpcsync] rank 0 leaves before rank(s) {nodemap.ranges(late)} finished logging ({wait_s:g} s); "
+                   "their later warnings print on their own stderr")
+            try:
+                sends = [self.comm.isend(CLOSED, dest=r, tag=settings.TAG_LOG) for r in late]
+                until = time.monotonic() + 1.0
+                while not all(r.Test() for r in sends) and time.monotonic() < until:
+                    time.sleep(0.01)
+            except Exception:
+                pass
 
 
 class _PrintToFile:
@@ -295,8 +340,8 @@ def flush_console() -> None:
 
 
 def _close() -> None:
-    """At exit, before MPI_Finalize: the last warnings reach rank 0's console (bounded); later
-    warnings go straight to each rank's stderr, marked."""
+    """At exit, before MPI_Finalize: every rank's last warnings reach rank 0's console, which waits
+    for them (bounded); warnings after this rank's exit steps go straight to its stderr, marked."""
     console = _state.get("console")
     if console is not None:
         sender, collector = console.sender, console.collector

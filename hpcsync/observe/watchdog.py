@@ -14,6 +14,8 @@ distinct groups, not with the number of ranks.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import sys
@@ -375,12 +377,28 @@ def user_frames(stack: List[str], keep: int = 3) -> List[str]:
     return (mine or stack)[-keep:]
 
 
+_written = itertools.count()  # this process's reports, for names no other report takes
+
+
 def write_report(rep: Dict[str, Any]) -> str:
+    """Write the JSON report whole or not at all (a temporary file, renamed) under a name no other
+    report takes: the job, the second, the rank, the process and a count, so two reports in one
+    second (a group's and a send's, two jobs' ranks in one folder) neither overwrite nor tear each
+    other. Raises OSError when it cannot."""
     folder = settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
-    path = os.path.join(folder, f"hpcsync-hang-{failure.job_id()}-{int(time.time())}.json")
+    rank = mpi.MPI().COMM_WORLD.Get_rank() if mpi.already_initialized() else -1
+    name = f"hpcsync-hang-{failure.job_id()}-{int(time.time())}-r{rank}-{os.getpid()}-{next(_written)}.json"
+    path = os.path.join(folder, name)
     os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(rep, f, indent=1, default=str)
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     return path
 
 

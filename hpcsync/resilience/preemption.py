@@ -136,7 +136,13 @@ class PreemptionGuard:
             from ..core import bounded
 
             self._comm, req = base.Idup()
-            bounded.wait(req, self._timeout)
+            try:
+                bounded.wait(req, self._timeout)
+            except CollectiveTimeout as exc:  # MPI may still complete it: kept for good, the job ends at exit
+                why = "hpcsync.preemption: duplicating the communicator timed out"
+                bounded.abandon(why, req, (self._comm,))
+                raise CollectiveTimeout(f"{why} after {self._timeout:g} s: not every rank of the group made a "
+                                        "guard") from exc
         elif self._mode == "torch":
             import torch.distributed as dist
 

@@ -22,9 +22,11 @@ from the program's latest checkpoint, no human involved.
   never a job being ended), and resumes from the latest checkpoint; elsewhere the run ends with
   the step's exit code (128 + the signal between attempts). A program that finished should ignore
   the warning before it closes its guard (the example does), or it is requeued and resumes.
-- **The program's own exception is not retried** (the same code at the same step fails again):
-  one message with the rank and node that raised, and the program's exit code
-  (``--retry-exceptions`` retries it too). A step that ends without any record blaming a node --
+- **The program's own exception or crash is not retried** (the same code at the same step fails
+  again): an exception, or a rank the launcher says ran out of memory, segfaulted or aborted, is
+  one message with the rank and node, and the program's exit code; no node is blamed
+  (``--retry-exceptions`` retries on the same nodes). A GPU's hardware fault that reaches the
+  program (ECC, fallen off the bus, Xid) blames its node. A step that ends without any record blaming a node --
   success, a preemption stop and requeue, ``scancel`` -- ends the run with the step's exit code.
 - **A cap** (``--max-restarts``, relaunches and requeues together, across requeues): past it,
   the run ends with a message that lists every attempt. Each relaunch is logged with its cause,
@@ -51,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from ..observe import failure
 from . import requeue
-from ..core.environments import expand_hostlist
+from ..core.environments import expand_hostlist, parse_tasks_per_node
 
 EXIT_NO_NODES = 66  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
 EXIT_SIGNALLED = 128 + signal.SIGTERM  #: ended by a signal to the supervisor between two attempts
@@ -79,18 +81,29 @@ _WARNINGS = {int(signal.SIGUSR1): "SIGUSR1", int(signal.SIGUSR2): "SIGUSR2"}
 _WARNING_WORDS = {"User defined signal 1": "SIGUSR1", "User defined signal 2": "SIGUSR2"}
 # srun ending the step: every death it reports from here on is its own doing, not a cause
 _SRUN_ENDING = ("_step_signal: Terminating", "Job step aborted", "CANCELLED AT", "Force Terminated")
+# a rank's own crash (out of memory, a segfault, an abort): the program's doing, the same step
+# crashes again; its node works. SIGKILL without a word of memory stays a node's (a node crashing)
+_CRASH_WORDS = ("Out Of Memory", "Segmentation fault", "Aborted", "Floating point exception", "Illegal instruction",
+                "Bus error")
+_CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE, signal.SIGILL, signal.SIGBUS)}
 
 
 class LauncherWords:
     """The nodes a launcher's output says lost ranks to a signal or dropped out, read line by line;
-    ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node blamed)."""
+    ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node
+    blamed); ``crashes``: the lines that say a rank crashed by itself (out of memory, a segfault, an
+    abort: the program's, no node blamed)."""
 
     def __init__(self) -> None:
         self.nodes: List[str] = []
         self.lines: List[str] = []
+        self.crashes: List[str] = []
         self.warning: Optional[str] = None
         self._hydra_at: Optional[str] = None
         self._srun_ending = False
+
+    def _crash(self, line: str) -> None:
+        self.crashes.append(line.strip())
 
     def _warn(self, name: str) -> None:
         self.warning = self.warning or name  # the first one the launcher reports
@@ -108,6 +121,9 @@ class LauncherWords:
         if m and m.group(2).strip() in _WARNING_WORDS:
             self._warn(_WARNING_WORDS[m.group(2).strip()])
             return
+        if m and not self._srun_ending and m.group(2).startswith(_CRASH_WORDS):
+            self._crash(line)
+            return
         if m and not self._srun_ending and not m.group(2).startswith(_NOT_A_DEATH):
             self._blame(m.group(1), line)
             return
@@ -119,6 +135,9 @@ class LauncherWords:
         if m and int(m.group(2)) in _WARNINGS:
             self._warn(_WARNINGS[int(m.group(2))])
             return
+        if m and int(m.group(2)) in _CRASH_SIGNALS:
+            self._crash(line)
+            return
         if m and int(m.group(2)) != signal.SIGTERM:
             self._blame(m.group(1), line)
             return
@@ -128,6 +147,8 @@ class LauncherWords:
         m = _HYDRA_SIGNAL.search(line)
         if m and int(m.group(1)) in _WARNINGS:
             self._warn(_WARNINGS[int(m.group(1))])
+        elif m and int(m.group(1)) in _CRASH_SIGNALS:
+            self._crash(f"{self._hydra_at or '?'}: {line.strip()}")
         elif m and self._hydra_at and int(m.group(1)) != signal.SIGTERM:
             self._blame(self._hydra_at, line)
 
@@ -176,6 +197,9 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
         first = program[0]
         who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
         return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
+    if words.crashes:  # the program's own crash: the survivors' records blame its healthy node
+        return Verdict("stop-program", "crashed", detail=f"a rank crashed ({words.crashes[0]}): the program's own "
+                       "crash, its node is not blamed")
     if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
         # a node the launcher itself names (a node failure, another death) is still left out
         blamed_too = f"; the launcher also blamed {', '.join(words.nodes)}" if words.nodes else "; no node is blamed"
@@ -547,6 +571,20 @@ def requeue_excluding(job: str, state: State, signalled: Any = lambda: False) ->
     return requeue.EXIT_REQUEUED
 
 
+def slurm_tasks_per_node(env: Dict[str, str]) -> int:
+    """Ranks per node of the Slurm allocation: ``SLURM_NTASKS_PER_NODE`` (set only with
+    ``--ntasks-per-node``), else ``SLURM_TASKS_PER_NODE`` (set for every job: ``-N 2 -n 8`` gives
+    ``4(x2)``); 1 when neither is set. Uneven counts (``3,2``) cannot be kept by a relaunch with a
+    node fewer: a clear error asking for ``--ntasks-per-node``."""
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return int(env["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    counts = set(parse_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "")))
+    if len(counts) > 1:
+        raise SystemExit(f"hpcsync run: the allocation has uneven ranks per node (SLURM_TASKS_PER_NODE="
+                         f"{env['SLURM_TASKS_PER_NODE']}); give --ntasks-per-node, the ranks each node runs")
+    return counts.pop() if counts else 1
+
+
 def slurm_nodes(env: Dict[str, str]) -> List[str]:
     return expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
 
@@ -567,7 +605,7 @@ def main(args: Any) -> int:
         default_dir = os.path.join("hpcsync-run", f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     elif job is not None:
         hosts = slurm_nodes(dict(os.environ))
-        per_node = args.ntasks_per_node or int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
+        per_node = args.ntasks_per_node or slurm_tasks_per_node(dict(os.environ))
         launcher = Srun(shutil.which("srun") or "srun", extra)
         default_dir = os.path.join("hpcsync-run", job)
     else:
@@ -584,8 +622,8 @@ def add_parser(sub: Any) -> None:
                          description=__doc__.split("\n\n")[0])
     run.add_argument("--spare-nodes", type=int, default=0, help="nodes held back to replace failed ones")
     run.add_argument("--max-restarts", type=int, default=3, help="relaunches and requeues, in all (default 3)")
-    run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception too")
-    run.add_argument("--ntasks-per-node", type=int, help="ranks per node (Slurm: SLURM_NTASKS_PER_NODE, else 1; "
+    run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception or crash too (on the same nodes)")
+    run.add_argument("--ntasks-per-node", type=int, help="ranks per node (Slurm: the allocation's, SLURM_TASKS_PER_NODE; "
                      "mpirun: the first host's slots)")
     run.add_argument("--hosts", help="mpirun mode: hosts and slots, e.g. n0:2,n1:2,n2:2")
     run.add_argument("--hostfile", help="mpirun mode: a hostfile (host slots=N, or host:N, a line each)")

@@ -1,9 +1,10 @@
 """A training-like loop that fails on one rank at a fixed step, the same on every start.
 
-    fail_at.py raise|kill RANK STEP [STEPS]
+    fail_at.py raise|kill|segv RANK STEP [STEPS]
 
 ``raise``: RANK raises ValueError at STEP (the program's own bug: not to be retried).
-``kill``: RANK SIGKILLs itself at STEP (as the kernel's OOM killer or a crashing node would).
+``kill``: RANK SIGKILLs itself at STEP (as a crashing node would).
+``segv``: RANK dies of SIGSEGV at STEP (the program's own crash: not to be retried).
 Every rank reports its node and what it did; a run that reaches STEPS writes done.
 """
 import os
@@ -27,6 +28,9 @@ for step in range(steps):
     if step == at and topo.rank == victim:
         if mode == "raise":
             raise ValueError(f"bad sample at step {step}")
+        if mode == "segv":
+            signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # no traceback dump: a plain crash
+            os.kill(os.getpid(), signal.SIGSEGV)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.01)
 report(topo.rank, {"world_size": topo.world_size, "node": socket.gethostname(), "done": True})

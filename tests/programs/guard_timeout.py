@@ -1,11 +1,13 @@
 """A rank that stops calling should_stop(): the others get a TimeoutError at the guard's timeout,
 under MPI and (torchrun) over torch.distributed, and close() after it returns at once.
 
-    guard_timeout.py [group]
+    guard_timeout.py [group | never]
 
 Rank 1 calls ``should_stop()`` three times, then sleeps; rank 0 calls it every 10 ms until it
 raises, then closes the guard. ``group``: the guard gets a torch process group (``group=`` and
-its older name ``comm=``), made with ``dist.new_group`` after ``hpcsync.init``.
+its older name ``comm=``), made with ``dist.new_group`` after ``hpcsync.init``. ``never``: rank 1
+never makes a guard and exits after 4 s; rank 0's guard times out while it is being made, and
+rank 0 then exits too.
 """
 import sys
 import time
@@ -17,6 +19,19 @@ from _report import report
 
 topo = hpcsync.init(backend="gloo" if not hpcsync.topology().uses_mpi else "hpcsync", timeout=60)
 out = {"rank": topo.rank, "world_size": topo.world_size}
+if "never" in sys.argv:
+    if topo.rank == 1:
+        report(topo.rank, out)
+        time.sleep(4)
+        sys.exit(0)
+    t0 = time.monotonic()
+    try:
+        hpcsync.preemption(timeout=2)
+    except TimeoutError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["after_s"] = time.monotonic() - t0
+    report(topo.rank, out)
+    sys.exit(0)
 if "group" in sys.argv:
     pg = dist.new_group(list(range(topo.world_size)))
     hpcsync.PreemptionGuard(comm=pg, timeout=2).close()  # the older name takes a torch group too

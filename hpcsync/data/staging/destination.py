@@ -80,9 +80,11 @@ class Destination:
         :meth:`close_probe` so that leaders sharing the directory can see each other's."""
         dst = self.dst
         try:
-            os.makedirs(dst, exist_ok=True)
+            refused = make_private_dirs(dst)
         except OSError as exc:
             return self._where(f"cannot create destination {dst}: {exc.strerror}")
+        if refused is not None:
+            return self._where(refused)
         if not os.path.isdir(dst):
             return self._where(f"destination {dst} is not a directory")
         probe = self._probe_path(token, index)
@@ -394,6 +396,54 @@ def _make_writable(path: str) -> None:
     mode = st.S_IMODE(os.stat(path).st_mode)
     if mode & 0o700 != 0o700:  # a read-only source directory, staged before: writable until the end
         os.chmod(path, mode | 0o700)
+
+
+def not_private(dst: str) -> Optional[str]:
+    """Why ``dst`` may not take a copy, or None: it is a symbolic link, or it (or while it is
+    missing, its nearest existing ancestor) belongs to another user, who could put files into the
+    copy or swap a folder of it for a link. Root's folders (``/tmp``, ``/scratch``, their links) are
+    fine. Nothing is created or followed past the path's own components."""
+    me, path = os.geteuid(), dst
+    while True:
+        try:
+            s = os.lstat(path)
+        except FileNotFoundError:
+            parent = os.path.dirname(path.rstrip("/")) or "/"
+            if parent == path:
+                return None
+            path = parent
+            continue
+        if path == dst and st.S_ISLNK(s.st_mode):
+            return f"destination {dst} is a symbolic link: give the folder it points to, if it is yours"
+        if s.st_uid not in (me, 0):
+            what = "a symbolic link" if st.S_ISLNK(s.st_mode) else "a directory" if st.S_ISDIR(s.st_mode) else "a file"
+            return (f"destination {dst}: {path} is {what} of another user (uid {s.st_uid}); stage only into a "
+                    "folder of your own (e.g. $SLURM_TMPDIR, or a new one)")
+        return None
+
+
+def make_private_dirs(dst: str) -> Optional[str]:
+    """Create ``dst`` and its missing parents, each ``0700``, unless :func:`not_private` refuses it
+    (returned). A folder that appears meanwhile is checked again, so another user's cannot slip
+    in between the check and the creation. Raises OSError when a folder cannot be made."""
+    refused = not_private(dst)
+    if refused is not None:
+        return refused
+    missing = []
+    path = os.path.abspath(dst)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            refused = not_private(path)
+            if refused is not None:
+                return refused
+    if not missing and not os.path.isdir(dst):
+        raise FileExistsError(17, "File exists", dst)
+    return None
 
 
 def _ensure_dir(path: str) -> bool:
