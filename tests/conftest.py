@@ -2,10 +2,12 @@
 (timeouts, schedulers, launchers), so two pytest runs go side by side: one with the tests marked
 ``cluster`` -- every test of a module that builds namespace nodes or a Slurm of its own, and every
 test of the shared Slurm: machine-global names, so one at a time -- and those marked ``heavy``;
-the other with all the rest. The tests marked ``alone`` measure time: they run afterwards, with
-nothing beside them. The tests marked ``quick`` (the table ``QUICK``) are the loop for
-development."""
+the other with all the rest. The tests marked ``alone`` bound wall time: they run afterwards,
+in two streams of such light jobs (``HPCSYNC_TEST_SHARD``); those marked ``solo`` (a measured
+ratio or factor, a sub-second bound) run last, with nothing beside them. The tests marked
+``quick`` (the table ``QUICK``) are the loop for development."""
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +55,29 @@ QUICK = {
                    "test_slurm.py::test_failing_job_ends_failed", "test_example.py::test_example_trains[None-1-auto]"],
     "the command line and the docs": ["test_docs.py", "test_packaging.py", "test_example.py::test_sync_file_example"],
 }
+
+
+class _Shard:
+    """``HPCSYNC_TEST_SHARD=I/N``: of the tests selected, every N-th from the I-th (tests/run.sh
+    runs the timed tests in two such streams)."""
+
+    def __init__(self, index: int, count: int) -> None:
+        self.index, self.count = index, count
+
+    @pytest.hookimpl(trylast=True)  # after -m and -k have selected
+    def pytest_collection_modifyitems(self, config, items):
+        kept = [item for k, item in enumerate(items) if k % self.count == self.index]
+        dropped = [item for k, item in enumerate(items) if k % self.count != self.index]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_configure(config):
+    spec = os.environ.get("HPCSYNC_TEST_SHARD")
+    if spec:
+        index, count = (int(x) for x in spec.split("/"))
+        config.pluginmanager.register(_Shard(index, count), "hpcsync-shard")
 
 
 def _quick(nodeid: str) -> bool:

@@ -47,7 +47,7 @@ def test_ddp_fsdp_checkpoint_match_gloo(tmp_path):
     assert results["hpcsync"][0]["ddp_default"] == results["hpcsync"][1]["ddp_default"]
 
 
-@pytest.mark.alone  # an issue within 0.5 s
+@pytest.mark.solo  # an issue within 0.5 s
 def test_plain_init_process_group_async_and_errors(tmp_path):
     res = run(openmpi(), 3, "backend_behaviour.py", tmp_path=tmp_path)
     r0 = res.ranks[0]

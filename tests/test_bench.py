@@ -149,7 +149,7 @@ def test_recovery_benchmark_quick(tmp_path):
     assert "background stall / synchronous stall" in stdout
 
 
-@pytest.mark.alone  # a ratio of two timings
+@pytest.mark.solo  # a ratio of two timings
 def test_logs_benchmark_quick(tmp_path):
     """bench_logs --quick: a record's cost in the three places, each measured and above the floor."""
     _, data, stdout = run_quick(tmp_path, "bench_logs.py", "--shared", str(tmp_path / "logs"), timeout=120)

@@ -15,7 +15,7 @@ import pytest
 
 from launch import LAUNCHERS, run
 
-pytestmark = pytest.mark.alone  # factors of measured step times
+pytestmark = pytest.mark.solo  # factors of measured step times
 
 WINDOW = 50
 

@@ -115,7 +115,7 @@ def test_without_mpi_the_guard_agrees_over_torch_distributed(tmp_path):
     assert ranks[0]["received"] == signal.SIGUSR1 and ranks[1]["received"] is None, ranks
 
 
-@pytest.mark.alone  # close() within 0.5 s
+@pytest.mark.solo  # close() within 0.5 s
 @pytest.mark.parametrize("launcher,args", [("openmpi", ()), ("mpich", ("group",)), ("torchrun", ())],
                          ids=["openmpi", "mpich-torch-group", "torchrun"])
 def test_a_rank_that_stops_calling_is_a_timeout_at_the_guards_bound(launcher, args, tmp_path):
