@@ -1,0 +1,161 @@
+"""What ``hpcsync run`` starts a step with, and what it reads back from the launcher: the
+launchers (srun, Open MPI's mpirun, MPICH's hydra) and their words about ranks that died, nodes
+that dropped out, and ranks that crashed by themselves."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from typing import List, Optional, Sequence, Tuple
+
+
+# -- what the launcher said ---------------------------------------------------------------------
+_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (.+)$")
+_SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for \S+ failed on node) (\S+?)(?:[:\s]|$)")
+_OMPI_SIGNAL = re.compile(r"process rank \d+ with PID \d+ on node (\S+) exited on signal (\d+)")
+_OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
+_HYDRA_AT = re.compile(r"RUNNING AT (\S+)")
+_HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)|EXIT STRING: .*\(signal (\d+)\)")  # MPICH 3-4; 5
+_NOT_A_DEATH = ("Terminated", "Exited with exit code")
+# the warning signals a job is sent on purpose, on every task (Slurm's --signal, scancel --signal):
+# a rank they killed (its program had no handler yet, or no longer) says nothing about its node
+WARNING_SIGNALS = {int(signal.SIGUSR1): "SIGUSR1", int(signal.SIGUSR2): "SIGUSR2"}
+_WARNING_WORDS = {"User defined signal 1": "SIGUSR1", "User defined signal 2": "SIGUSR2"}
+# srun ending the step: every death it reports from here on is its own doing, not a cause
+_SRUN_ENDING = ("_step_signal: Terminating", "Job step aborted", "CANCELLED AT", "Force Terminated")
+# a rank's own crash (out of memory, a segfault, an abort): the program's doing, the same step
+# crashes again; its node works. SIGKILL without a word of memory stays a node's (a node crashing)
+_CRASH_WORDS = ("Out Of Memory", "Segmentation fault", "Aborted", "Floating point exception", "Illegal instruction",
+                "Bus error")
+_CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE, signal.SIGILL, signal.SIGBUS)}
+
+
+class LauncherWords:
+    """The nodes a launcher's output says lost ranks to a signal or dropped out, read line by line;
+    ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node
+    blamed); ``crashes``: the lines that say a rank crashed by itself (out of memory, a segfault, an
+    abort: the program's, no node blamed)."""
+
+    def __init__(self) -> None:
+        self.nodes: List[str] = []
+        self.lines: List[str] = []
+        self.crashes: List[str] = []
+        self.warning: Optional[str] = None
+        self._hydra_at: Optional[str] = None
+        self._srun_ending = False
+
+    def _crash(self, line: str) -> None:
+        self.crashes.append(line.strip())
+
+    def _warn(self, name: str) -> None:
+        self.warning = self.warning or name  # the first one the launcher reports
+
+    def _blame(self, node: str, line: str) -> None:
+        node = node.rstrip(".,:")
+        if node not in self.nodes:
+            self.nodes.append(node)
+            self.lines.append(line.strip())
+
+    def feed(self, line: str) -> None:
+        if any(w in line for w in _SRUN_ENDING):
+            self._srun_ending = True
+        m = _SRUN_TASK.search(line)
+        if m and m.group(2).strip() in _WARNING_WORDS:
+            self._warn(_WARNING_WORDS[m.group(2).strip()])
+            return
+        if m and not self._srun_ending and m.group(2).startswith(_CRASH_WORDS):
+            self._crash(line)
+            return
+        if m and not self._srun_ending and not m.group(2).startswith(_NOT_A_DEATH):
+            self._blame(m.group(1), line)
+            return
+        m = _SRUN_NODE.search(line) or _OMPI_DAEMON.search(line)
+        if m:
+            self._blame(m.group(1), line)
+            return
+        m = _OMPI_SIGNAL.search(line)
+        if m and int(m.group(2)) in WARNING_SIGNALS:
+            self._warn(WARNING_SIGNALS[int(m.group(2))])
+            return
+        if m and int(m.group(2)) in _CRASH_SIGNALS:
+            self._crash(line)
+            return
+        if m and int(m.group(2)) != signal.SIGTERM:
+            self._blame(m.group(1), line)
+            return
+        m = _HYDRA_AT.search(line)
+        if m:
+            self._hydra_at = m.group(1)
+        m = _HYDRA_SIGNAL.search(line)
+        number = int(m.group(1) or m.group(2)) if m else None
+        if number in WARNING_SIGNALS:
+            self._warn(WARNING_SIGNALS[number])
+        elif number in _CRASH_SIGNALS:
+            self._crash(f"{self._hydra_at or '?'}: {line.strip()}")
+        elif number is not None and self._hydra_at and number != signal.SIGTERM:
+            self._blame(self._hydra_at, line)
+
+
+# -- launchers ---------------------------------------------------------------------------------
+class Launcher:
+    """How to start the step on ``nodes`` with ``per_node`` ranks each."""
+
+    name = "launcher"
+
+    def __init__(self, exe: str, extra: Sequence[str]) -> None:
+        self.exe, self.extra = exe, list(extra)
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        raise NotImplementedError
+
+
+class Srun(Launcher):
+    """``srun`` inside the allocation. ``--overlap``: a step that lost a node stays "completing"
+    until Slurm hears from that node (minutes, for a node cut off), and holds its CPUs on the
+    healthy nodes meanwhile; without it the relaunch waits for them ("Requested nodes are busy")."""
+
+    name = "srun"
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        return [self.exe, f"--nodelist={','.join(nodes)}", "-N", str(len(nodes)), "-n", str(len(nodes) * per_node),
+                f"--ntasks-per-node={per_node}", "--kill-on-bad-exit=1", "--overlap", *self.extra, *program]
+
+
+class OpenMPI(Launcher):
+    name = "mpirun (Open MPI)"
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        hosts = ",".join(f"{n}:{per_node}" for n in nodes)
+        return [self.exe, "--host", hosts, "-n", str(len(nodes) * per_node), "-x", "HPCSYNC_REPORT_DIR",
+                "-x", "HPCSYNC_RUN_ATTEMPT", *self.extra, *program]
+
+
+class Hydra(Launcher):
+    name = "mpiexec (MPICH)"
+
+    def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
+        hosts = ",".join(f"{n}:{per_node}" for n in nodes)
+        return [self.exe, "-hosts", hosts, "-n", str(len(nodes) * per_node), *self.extra, *program]
+
+
+def mpi_launcher(exe: str, extra: Sequence[str]) -> Launcher:
+    """Open MPI's ``mpirun`` or MPICH's ``mpiexec``, told apart by ``--version``."""
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"hpcsync run: cannot run {exe}: {exc}") from None
+    return OpenMPI(exe, extra) if re.search(r"Open MPI|OpenRTE|Open RTE", version) else Hydra(exe, extra)
+
+
+def parse_hosts(spec: str) -> List[Tuple[str, int]]:
+    """``a:2,b:2`` or a hostfile's lines (``a slots=2``, ``a:2``, ``a``) as ``[(host, slots)]``."""
+    out: List[Tuple[str, int]] = []
+    for item in re.split(r"[,\n]", spec):
+        item = item.split("#", 1)[0].strip()
+        if not item:
+            continue
+        m = re.match(r"^(\S+?)(?::(\d+))?(?:\s+slots=(\d+))?\s*$", item)
+        if not m:
+            raise SystemExit(f"hpcsync run: cannot read the host {item!r}")
+        out.append((m.group(1), int(m.group(2) or m.group(3) or 1)))
+    return out
