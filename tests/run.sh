@@ -41,17 +41,18 @@ pids=()
 echo "---- beside them, the tests that build namespace nodes or use Slurm, and the heavy ones:"
 cat "$cluster_log"
 # The timed tests (light jobs that mostly wait for a timeout): two streams side by side, every
-# other test each; then the solo ones (ratios, factors, sub-second bounds) with nothing beside them.
-HPCSYNC_TEST_SHARD=1/2 "${beside[@]}" -p no:cacheprovider -m alone "$@" >"$alone_log" 2>&1 &
+# other test each; then the solo ones (ratios, factors, sub-second bounds) and the timed tests
+# that use namespace nodes or Slurm (one at a time) with nothing beside them.
+HPCSYNC_TEST_SHARD=1/2 "${beside[@]}" -p no:cacheprovider -m "alone and not cluster" "$@" >"$alone_log" 2>&1 &
 pids+=($!)
-HPCSYNC_TEST_SHARD=0/2 "${beside[@]}" -m alone "$@" &
+HPCSYNC_TEST_SHARD=0/2 "${beside[@]}" -m "alone and not cluster" "$@" &
 pids+=($!)
 wait "${pids[1]}" || alone0=$?
 wait "${pids[0]}" || alone1=$?
 pids=()
 echo "---- beside them, the other half of the timed tests:"
 cat "$alone_log"
-.venv/bin/python -m pytest tests -ra -m solo "$@" || solo=$?
+.venv/bin/python -m pytest tests -ra -m "solo or (alone and cluster)" "$@" || solo=$?
 [ "$rest$cluster$alone0$alone1$solo" = 55555 ] && exit 5   # the arguments selected no test at all
 for rc in "$rest" "$cluster" "$alone0" "$alone1" "$solo"; do
   [ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"   # 5: none of this run's tests was selected

@@ -43,13 +43,17 @@ def test_launcher_words_blame_the_node_whose_ranks_died():
                  "=   KILLED BY SIGNAL: 9 (Killed)"):
         hydra.feed(line)
     assert hydra.nodes == ["n3"]
-    # MPICH 5's hydra (the mpich wheel's mpiexec), as it prints a rank's death: no "KILLED BY SIGNAL"
-    for exit_string, nodes in (("Killed (signal 9)", ["n3"]), ("Segmentation fault (signal 11)", [])):
+    # MPICH 5's hydra (the mpich wheel's mpiexec), as it prints a rank's death: the first banner is
+    # the process that died first (its raw status); later banners are its own cleanup of the
+    # others, and the EXIT STRING ORs every status together: neither is believed
+    banner = "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
+    for code, nodes, crashed in ((9, ["n3"], False), (11, [], True), (10, [], False)):
         words = supervisor.LauncherWords()
-        for line in ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "=   PID 23854 RUNNING AT n3",
-                     "=   EXIT CODE: 9", f"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: {exit_string}"):
+        for line in (banner, "=   PID 23854 RUNNING AT n3", f"=   EXIT CODE: {code}", banner, "=   PID 11 RUNNING AT n0",
+                     "=   EXIT CODE: 15", "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Segmentation fault (signal 11)"):
             words.feed(line)
-        assert words.nodes == nodes and bool(words.crashes) == (not nodes), (exit_string, words.nodes, words.crashes)
+        assert words.nodes == nodes and bool(words.crashes) == crashed, (code, words.nodes, words.crashes)
+        assert words.warning == ("SIGUSR1" if code == 10 else None), (code, words.warning)
 
 
 def test_ranks_killed_by_the_warning_signal_blame_no_node_and_requeue():
@@ -171,7 +175,11 @@ def test_an_error_is_classified_by_where_it_came_from_not_by_its_words(tmp_path,
     timed_out = "DataLoader worker (pid(s) 4242) exited unexpectedly: DataLoader timed out after 60 seconds"
     assert not failure.peer_gone(raised_in(f"{TORCH}/utils/data/dataloader.py", RuntimeError(timed_out)))
     assert not failure.peer_gone(RuntimeError("the connection to the data server timed out"))  # the program's own
-    assert failure.peer_gone(raised_in(f"{TORCH}/nn/parallel/distributed.py", RuntimeError("Rank 3 failed")))
+    gloo_in_backward = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert failure.peer_gone(raised_in(f"{TORCH}/autograd/graph.py", gloo_in_backward))  # under DDP's backward
+    misuse = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one")
+    assert not failure.peer_gone(raised_in(f"{TORCH}/nn/parallel/distributed.py", misuse))  # the program's
+    assert not failure.hardware_fault(KeyError("xid")) and not failure.hardware_fault(RuntimeError("transaction xid 7"))
     assert failure.peer_gone(dist.DistBackendError("NCCL error: remote process exited or there was a network error"))
     monkeypatch.setenv("HPCSYNC_REPORT_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "1")
@@ -453,3 +461,21 @@ def test_a_programs_own_crash_is_not_relaunched_and_blames_no_node():
     words = supervisor.LauncherWords()
     words.feed("srun: error: n1: task 1: Killed")
     assert words.nodes == ["n1"] and not words.crashes
+    # a crash after a node's failure is its consequence; so is an abort by NCCL's watchdog after a
+    # peer failed; a GPU's hardware fault blames its node whatever died next
+    after = supervisor.LauncherWords()
+    for line in ("srun: error: Node failure on n2", "srun: error: n1: task 3: Aborted (core dumped)"):
+        after.feed(line)
+    assert supervisor.judge(134, [], after, False, "n0").blamed == ["n2"]
+    teardown = supervisor.LauncherWords()
+    for line in ("[rank1]:[E] [PG 0 Rank 1] Process group watchdog thread terminated with exception: NCCL error",
+                 "To avoid data inconsistency, we are taking the entire process down.",
+                 "srun: error: n1: task 1: Aborted (core dumped)"):
+        teardown.feed(line)
+    assert not teardown.crashes and supervisor.judge(134, [hang], teardown, False, "n0").blamed == ["n2"]
+    gpu = {"cause": "hardware", "blame_nodes": ["n2"], "reporter": {"rank": 5, "node": "n2"},
+           "detail": "RuntimeError: CUDA error: uncorrectable ECC error encountered"}
+    crashed = supervisor.LauncherWords()
+    crashed.feed("srun: error: n2: task 5: Aborted (core dumped)")
+    verdict = supervisor.judge(134, [gpu, hang], crashed, False, "n0")
+    assert verdict.action == "relaunch" and verdict.blamed == ["n2"] and verdict.cause == "hardware", verdict

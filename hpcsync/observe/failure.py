@@ -136,20 +136,26 @@ def write_json(path: str, record: Dict[str, Any], what: str) -> Optional[str]:
         return None
 
 
-# Where torch.distributed raises a peer's failure as a plain RuntimeError (gloo's, DDP's reducer):
-# the innermost frame of the traceback is in one of these folders.
-_DISTRIBUTED_DIRS = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}")
+# Where torch.distributed raises a peer's failure as a plain RuntimeError (gloo's, DDP's reducer,
+# a backward pass that waits on DDP's all_reduce): a frame of the traceback in one of these folders,
+# and what the transport says when a peer died or its network went away. Both: a program's own
+# error raised inside torch (DDP's "Expected to have finished reduction") stays the program's.
+_DISTRIBUTED_DIRS = tuple(os.sep.join(["", "torch", *d, ""]) for d in (["distributed"], ["nn", "parallel"],
+                                                                         ["autograd"]))
+_PEER_GONE = ("connection closed", "closed by peer", "connection reset", "connection refused", "broken pipe",
+              "remote process exited", "network error", "peer closed", "timed out", "timeout")
 # A node's hardware failing under the program (an NVIDIA GPU's uncorrectable memory error, a GPU
-# lost from the PCI bus, the driver's Xid events): no exception type says it, only these words.
-_HARDWARE = re.compile(r"uncorrectable ecc|fallen off the bus|\bxid\b|gpu is lost", re.I)
+# lost from the PCI bus, the driver's Xid events), as CUDA raises it: no exception type says it.
+_HARDWARE = re.compile(r"(?i:uncorrectable ecc|fallen off the bus)|NVRM: Xid|\bXid \d+")  # Xid: as NVIDIA spells it
 
 
 def peer_gone(exc: BaseException) -> bool:
-    """Errors that come from another rank failing or staying away, by where they came from, not by
-    what they say: hpcsync's bounded waits (:class:`~hpcsync.core.errors.CollectiveTimeout`),
-    torch.distributed's own error types (NCCL's ``DistBackendError``, the store's), and a plain
-    ``RuntimeError`` raised out of torch.distributed or DDP (gloo's). The program's own errors stay
-    the program's, "timed out" or not (a data loader's, a fetch's)."""
+    """Errors that come from another rank failing or staying away, by where they came from:
+    hpcsync's bounded waits (:class:`~hpcsync.core.errors.CollectiveTimeout`), torch.distributed's
+    own error types (NCCL's ``DistBackendError``, the store's), and a plain ``RuntimeError`` raised
+    through torch.distributed, DDP or a backward pass that says a peer went away (gloo's). The
+    program's own errors stay the program's, "timed out" or not (a data loader's, a fetch's, a
+    misuse of DDP)."""
     from ..core.errors import CollectiveTimeout
 
     if isinstance(exc, CollectiveTimeout):
@@ -158,14 +164,15 @@ def peer_gone(exc: BaseException) -> bool:
         return True
     if type(exc) is not RuntimeError:
         return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and any(d in frames[-1].filename for d in _DISTRIBUTED_DIRS)
+    through_torch = any(any(d in f.filename for d in _DISTRIBUTED_DIRS) for f in traceback.extract_tb(exc.__traceback__))
+    return through_torch and any(w in str(exc).lower() for w in _PEER_GONE)
 
 
 def hardware_fault(exc: BaseException) -> bool:
     """An error of this node's hardware that reached the program (a GPU's uncorrectable ECC error,
-    a GPU fallen off the bus, an Xid): the node is at fault, not the program."""
-    return bool(_HARDWARE.search(f"{type(exc).__name__}: {exc}"))
+    a GPU fallen off the bus, an Xid), as CUDA raises it (a ``RuntimeError``): the node is at
+    fault, not the program."""
+    return isinstance(exc, RuntimeError) and bool(_HARDWARE.search(str(exc)))
 
 
 def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:

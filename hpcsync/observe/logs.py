@@ -189,7 +189,11 @@ class _Collector:
         told (:data:`CLOSED`) and print their later warnings on their own stderr, marked."""
         self.stop.set()
         self.thread.join(timeout=2)
-        others = set(range(1, self.comm.Get_size()))
+        try:
+            others = set(range(1, self.comm.Get_size()))
+        except Exception:  # MPI already finalized by the program: nothing more can arrive
+            self.flush(older_than=0)
+            return
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -210,6 +214,8 @@ class _Collector:
                 until = time.monotonic() + 1.0
                 while not all(r.Test() for r in sends) and time.monotonic() < until:
                     time.sleep(0.01)
+                self._drain()  # what they sent before CLOSED reached them
+                self.flush(older_than=0)
             except Exception:
                 pass
 

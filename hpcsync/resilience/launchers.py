@@ -15,7 +15,12 @@ _SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for \S+ fa
 _OMPI_SIGNAL = re.compile(r"process rank \d+ with PID \d+ on node (\S+) exited on signal (\d+)")
 _OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
 _HYDRA_AT = re.compile(r"RUNNING AT (\S+)")
-_HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)|EXIT STRING: .*\(signal (\d+)\)")  # MPICH 3-4; 5
+_HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)")  # MPICH 3-4, one line per dead rank
+# MPICH 5: a banner per process it ended, the first one the process that died first: its EXIT
+# CODE is the raw status (a signal's number in the low bits). "EXIT STRING" ORs every process's
+# status together, and the later banners are hydra's own cleanup: neither says anything.
+_HYDRA_BANNER = "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
+_HYDRA_EXIT_CODE = re.compile(r"=\s+EXIT CODE: (\d+)")
 _NOT_A_DEATH = ("Terminated", "Exited with exit code")
 # the warning signals a job is sent on purpose, on every task (Slurm's --signal, scancel --signal):
 # a rank they killed (its program had no handler yet, or no longer) says nothing about its node
@@ -23,28 +28,41 @@ WARNING_SIGNALS = {int(signal.SIGUSR1): "SIGUSR1", int(signal.SIGUSR2): "SIGUSR2
 _WARNING_WORDS = {"User defined signal 1": "SIGUSR1", "User defined signal 2": "SIGUSR2"}
 # srun ending the step: every death it reports from here on is its own doing, not a cause
 _SRUN_ENDING = ("_step_signal: Terminating", "Job step aborted", "CANCELLED AT", "Force Terminated")
-# a rank's own crash (out of memory, a segfault, an abort): the program's doing, the same step
-# crashes again; its node works. SIGKILL without a word of memory stays a node's (a node crashing)
-_CRASH_WORDS = ("Out Of Memory", "Segmentation fault", "Aborted", "Floating point exception", "Illegal instruction",
-                "Bus error")
-_CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE, signal.SIGILL, signal.SIGBUS)}
+# a rank's own crash (out of memory, a segfault, an abort, a division by zero): the program's
+# doing, the same step crashes again; its node works -- when it is the first death the launcher
+# reports (a survivor that aborts after a peer is lost, as NCCL's watchdog does, comes after).
+# SIGKILL without a word of memory, SIGBUS (a machine check, a full /dev/shm) and SIGILL (a node
+# without an instruction set) stay the node's.
+_CRASH_WORDS = ("Out Of Memory", "Segmentation fault", "Aborted", "Floating point exception")
+_CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE)}
+# NCCL's watchdog ending a rank (SIGABRT) because a peer failed: the aborts after it are not crashes
+_TEARDOWN = ("taking the entire process down", "Process group watchdog thread terminated")
 
 
 class LauncherWords:
     """The nodes a launcher's output says lost ranks to a signal or dropped out, read line by line;
     ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node
     blamed); ``crashes``: the lines that say a rank crashed by itself (out of memory, a segfault, an
-    abort: the program's, no node blamed)."""
+    abort: the program's, no node blamed); ``crash_first``: whether such a line came before any
+    line that blames a node (a crash after a node's failure is its consequence)."""
 
     def __init__(self) -> None:
         self.nodes: List[str] = []
         self.lines: List[str] = []
         self.crashes: List[str] = []
+        self.crash_first = False
+        self._teardown = False
+        self._hydra_banners = 0
+        self._hydra_code_seen = False
         self.warning: Optional[str] = None
         self._hydra_at: Optional[str] = None
         self._srun_ending = False
 
     def _crash(self, line: str) -> None:
+        if self._teardown:  # a survivor ended by its watchdog: the cause is a peer's
+            return
+        if not self.crashes and not self.nodes:
+            self.crash_first = True
         self.crashes.append(line.strip())
 
     def _warn(self, name: str) -> None:
@@ -57,6 +75,8 @@ class LauncherWords:
             self.lines.append(line.strip())
 
     def feed(self, line: str) -> None:
+        if any(w in line for w in _TEARDOWN):
+            self._teardown = True
         if any(w in line for w in _SRUN_ENDING):
             self._srun_ending = True
         m = _SRUN_TASK.search(line)
@@ -83,11 +103,17 @@ class LauncherWords:
         if m and int(m.group(2)) != signal.SIGTERM:
             self._blame(m.group(1), line)
             return
+        if _HYDRA_BANNER in line:
+            self._hydra_banners += 1
         m = _HYDRA_AT.search(line)
-        if m:
+        if m and self._hydra_banners <= 1:  # (the later banners are hydra's own cleanup)
             self._hydra_at = m.group(1)
         m = _HYDRA_SIGNAL.search(line)
-        number = int(m.group(1) or m.group(2)) if m else None
+        number = int(m.group(1)) if m else None
+        m = _HYDRA_EXIT_CODE.search(line)
+        if m and self._hydra_banners == 1 and not self._hydra_code_seen:
+            self._hydra_code_seen = True
+            number = int(m.group(1)) & 0x7F
         if number in WARNING_SIGNALS:
             self._warn(WARNING_SIGNALS[number])
         elif number in _CRASH_SIGNALS:

@@ -113,7 +113,10 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
         first = program[0]
         who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
         return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
-    if words.crashes:  # the program's own crash: the survivors' records blame its healthy node
+    hardware = [r for r in records if r.get("cause") == "hardware"]
+    if hardware:  # a GPU's fault reached the program: its node, whatever the launcher saw die next
+        return Verdict("relaunch", "hardware", _blamed(hardware, majority=False), hardware[0]["detail"])
+    if words.crash_first:  # the program's own crash: the survivors' records blame its healthy node
         return Verdict("stop-program", "crashed", detail=f"a rank crashed ({words.crashes[0]}): the program's own "
                        "crash, its node is not blamed")
     if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
@@ -429,7 +432,10 @@ def slurm_tasks_per_node(env: Dict[str, str]) -> int:
     node fewer: a clear error asking for ``--ntasks-per-node``."""
     if env.get("SLURM_NTASKS_PER_NODE"):
         return int(env["SLURM_NTASKS_PER_NODE"].split("(")[0])
-    counts = set(parse_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "")))
+    try:
+        counts = set(parse_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "")))
+    except ValueError as exc:
+        raise SystemExit(f"hpcsync run: {exc}; give --ntasks-per-node, the ranks each node runs") from None
     if len(counts) > 1:
         raise SystemExit(f"hpcsync run: the allocation has uneven ranks per node (SLURM_TASKS_PER_NODE="
                          f"{env['SLURM_TASKS_PER_NODE']}); give --ntasks-per-node, the ranks each node runs")
