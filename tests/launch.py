@@ -53,8 +53,11 @@ def openmpi() -> Launcher:
     if not exe:
         pytest.fail("Open MPI (mpirun.openmpi) is not installed: run `bash tests/run.sh`")
     return Launcher("openmpi", [exe, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"],
-                    # mpi4py's wheel loads Debian's libmpi.so.40; shared memory only on one node.
-                    {"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader"})
+                    # mpi4py's wheel loads Debian's libmpi.so.40; shared memory only on one node. Ranks
+                    # that wait yield the core: busy-polling ranks starve each other on this loaded
+                    # 2-core machine (1000 syncs of one file on 2 ranks beside two busy cores: 60 s
+                    # polling, 3.4 s yielding).
+                    {"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader", "OMPI_MCA_mpi_yield_when_idle": "1"})
 
 
 def mpich() -> Launcher:
