@@ -117,22 +117,31 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
     return write_json(os.path.join(folder, f"{PREFIX}{job_id()}-{who}-{cause}.json"), record, "failure record")
 
 
-def write_json(path: str, record: Dict[str, Any], what: str) -> Optional[str]:
-    """Write ``record`` to ``path`` whole or not at all (a temporary file, renamed); its path, or
-    None with a warning when it could not be written: a report never raises."""
+def write_whole(path: str, record: Dict[str, Any]) -> None:
+    """Write ``record`` to ``path`` as JSON whole or not at all (a temporary file, renamed; the
+    temporary removed on failure). Raises OSError when it cannot."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(record, f, indent=1, default=str)
         os.replace(tmp, path)
-        return path
-    except OSError as exc:
-        log.warning("hpcsync: could not write the %s %s: %s", what, path, exc)
+    except BaseException:
         try:
             os.remove(tmp)
         except OSError:
             pass
+        raise
+
+
+def write_json(path: str, record: Dict[str, Any], what: str) -> Optional[str]:
+    """:func:`write_whole`; its path, or None with a warning when it could not be written: a
+    report never raises."""
+    try:
+        write_whole(path, record)
+        return path
+    except OSError as exc:
+        log.warning("hpcsync: could not write the %s %s: %s", what, path, exc)
         return None
 
 

@@ -186,7 +186,10 @@ class _Collector:
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """At exit: print until every other rank has sent :data:`BYE` (after its last warning), for
         ``wait_s`` at most, as MPI_Finalize would wait for them; the ranks still logging then are
-        told (:data:`CLOSED`) and print their later warnings on their own stderr, marked."""
+        told (:data:`CLOSED`) and print their later warnings on their own stderr, marked. At N
+        ranks: one small message from each rank to rank 0, the way its warnings already travel;
+        the wait is the same 30 s bound at any size (the ranks reach their exit steps together, as
+        MPI_Finalize has them do anyway)."""
         self.stop.set()
         self.thread.join(timeout=2)
         try:

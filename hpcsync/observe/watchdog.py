@@ -14,9 +14,7 @@ distinct groups, not with the number of ranks.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import os
 import sys
 import threading
@@ -389,16 +387,7 @@ def write_report(rep: Dict[str, Any]) -> str:
     rank = mpi.MPI().COMM_WORLD.Get_rank() if mpi.already_initialized() else -1
     name = f"hpcsync-hang-{failure.job_id()}-{int(time.time())}-r{rank}-{os.getpid()}-{next(_written)}.json"
     path = os.path.join(folder, name)
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(rep, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    failure.write_whole(path, rep)
     return path
 
 
