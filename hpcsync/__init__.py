@@ -80,6 +80,8 @@ _EXPORTS = {
     "AddressError": "core.errors",
     "SyncError": "core.errors",
     "StageError": "core.errors",
+    "StageTimeout": "core.errors",
+    "SyncTimeout": "core.errors",
     "CheckpointError": "core.errors",
     "CollectiveTimeout": "core.errors",
     "MissingDependencyError": "core.errors",

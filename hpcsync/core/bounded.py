@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+import numpy as np
+
 from . import bigmpi, mpi, jobend, settings
 from .errors import CollectiveTimeout
 
@@ -31,20 +33,25 @@ LARGE_BYTES = 64 << 10  # a transfer above this polls without sleeping (MPI prog
 _abandoned: List[Any] = []  # (why, request, buffers): operations MPI may still complete, and write into
 
 
-def wait(req: Any, timeout: float, large: bool = False) -> None:
+def wait(req: Any, timeout: float, large: bool = False, idle: bool = False) -> None:
     """Wait for the MPI request ``req`` at most ``timeout`` seconds, else raise
     :class:`CollectiveTimeout` (the request stays in flight: the caller keeps it and its buffers).
     Spins first, then sleeps a millisecond between tests, unless ``large`` (a transfer that MPI
-    progresses only inside calls: it spins throughout)."""
+    progresses only inside calls: it spins throughout) or ``idle`` (a rank with nothing to do
+    while the others work: it sleeps from the start, 0.5 ms at most, leaving them the cores)."""
     if req.Test():
         return
     now = time.monotonic()
-    deadline, spin_until = now + timeout, now + SPIN_S
+    deadline, spin_until = now + timeout, (now if idle else now + SPIN_S)
+    pause = 0.0002
     while not req.Test():
         now = time.monotonic()
         if now > deadline:
             raise CollectiveTimeout(f"an MPI request waited {timeout:g} s")
-        if not large and now > spin_until:
+        if idle:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.0005)
+        elif not large and now > spin_until:
             time.sleep(0.001)
 
 
@@ -75,6 +82,7 @@ class BoundedComm:
         self.timeout = float(timeout)
         self.what = what
         self._rank, self._size = private.base.Get_rank(), private.base.Get_size()
+        self.received = 0  # bytes that arrived in this rank's receive buffers
 
     def Get_rank(self) -> int:
         return self._rank
@@ -93,9 +101,9 @@ class BoundedComm:
             p.dup = comm
         return p.dup
 
-    def _wait(self, req: Any, op: str, keep: Any, large: bool) -> None:
+    def _wait(self, req: Any, op: str, keep: Any, large: bool, idle: bool = False) -> None:
         try:
-            wait(req, self.timeout, large)
+            wait(req, self.timeout, large, idle)
         except CollectiveTimeout:
             self._p.broken = (f"{self.what}: {op} timed out after {self.timeout:g} s on rank {self._rank} "
                               f"(hpcsync's control communicator of {self._size} ranks is unusable from here)")
@@ -112,30 +120,54 @@ class BoundedComm:
         except TypeError:
             return 0
 
-    def _run(self, op: str, name: str, args: tuple, kwargs: Optional[dict] = None) -> None:
+    def _run(self, op: str, name: str, args: tuple, kwargs: Optional[dict] = None, into: Any = None) -> None:
         comm = self._comm()
         large = any(self._nbytes(a) > LARGE_BYTES for a in args if a is not None)
         self._wait(getattr(comm, name)(*args, **(kwargs or {})), op, args, large)
+        if into is not None:
+            self.received += self._nbytes(into) if not isinstance(into, int) else into
+
+    def raw(self) -> Any:
+        """The private duplicate itself (made on first use), for point-to-point messages that
+        must never match the program's own."""
+        return self._comm()
+
+    def free(self) -> None:
+        """Free the private duplicate of a communicator made by :func:`own` (not after a
+        timeout: an abandoned operation is still in flight on it)."""
+        p = self._p
+        if p.dup is not None and not p.broken:
+            p.dup.Free()
+        p.dup = None
 
     # -- buffer collectives (what bigmpi calls) ------------------------------------------------
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
-        self._run("Allgather", "Iallgather", (sendbuf, recvbuf))
+        self._run("Allgather", "Iallgather", (sendbuf, recvbuf), into=recvbuf)
 
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
-        self._run("Allgatherv", "Iallgatherv", (sendbuf, recvbuf))
+        self._run("Allgatherv", "Iallgatherv", (sendbuf, recvbuf), into=_counted(recvbuf))
 
     def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        self._run("Gatherv", "Igatherv", (sendbuf, recvbuf), {"root": root})
+        self._run("Gatherv", "Igatherv", (sendbuf, recvbuf), {"root": root},
+                  into=_counted(recvbuf) if recvbuf is not None else None)
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
-        self._run("Bcast", "Ibcast", (buf,), {"root": root})
+        self._run("Bcast", "Ibcast", (buf,), {"root": root}, into=_counted(buf) if self._rank != root else None)
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
-        self._run("Allreduce", "Iallreduce", (sendbuf, recvbuf), {"op": op if op is not None else mpi.MPI().SUM})
+        self._run("Allreduce", "Iallreduce", (sendbuf, recvbuf), {"op": op if op is not None else mpi.MPI().SUM},
+                  into=recvbuf)
 
-    def Barrier(self) -> None:
+    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        self._run("Scatter", "Iscatter", (sendbuf, recvbuf), {"root": root}, into=recvbuf)
+
+    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        self._run("Scatterv", "Iscatterv", (sendbuf, recvbuf), {"root": root}, into=_counted(recvbuf))
+
+    def Barrier(self, idle: bool = False) -> None:
+        """``idle``: this rank has nothing to do meanwhile (it sleeps while it waits)."""
         comm = self._comm()
-        self._wait(comm.Ibarrier(), "Barrier", None, large=False)
+        self._wait(comm.Ibarrier(), "Barrier", None, large=False, idle=idle)
 
     # -- object collectives (pickled; any size) -------------------------------------------------
     def allgather(self, obj: Any) -> List[Any]:
@@ -150,8 +182,39 @@ class BoundedComm:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self._rank == root else None
         return pickle.loads(bigmpi.bcast_bytes(self, data, root=root))
 
+    def scatter(self, objs: Any = None, root: int = 0) -> Any:
+        """Object ``i`` of the root's ``objs`` to rank ``i`` (each pickled; sizes first)."""
+        MPI = mpi.MPI()
+        is_root = self._rank == root
+        parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs] if is_root else []
+        sizes = np.array([len(p) for p in parts], dtype=np.int64) if is_root else None
+        mine = np.zeros(1, dtype=np.int64)
+        self.Scatter([sizes, MPI.INT64_T] if is_root else None, [mine, MPI.INT64_T], root=root)
+        buf = bytearray(int(mine[0]))
+        if is_root:
+            displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            self.Scatterv([b"".join(parts), sizes, displs, MPI.BYTE], [buf, int(mine[0]), MPI.BYTE], root=root)
+        else:
+            self.Scatterv(None, [buf, int(mine[0]), MPI.BYTE], root=root)
+        return pickle.loads(buf)
+
     def __repr__(self) -> str:
         return f"BoundedComm({self.what!r}, timeout={self.timeout:g}, rank {self._rank}/{self._size})"
+
+
+def _counted(spec: Any) -> Any:
+    """The bytes a buffer specification ``[buf, counts, displs, type]`` or ``[buf, count, type]``
+    receives (its counts, not its capacity)."""
+    if isinstance(spec, (list, tuple)) and len(spec) >= 3:
+        counts = spec[1]
+        return int(sum(counts)) if isinstance(counts, (list, tuple)) else int(counts)
+    return spec
+
+
+def own(base: Any, what: str, timeout: float) -> BoundedComm:
+    """A :class:`BoundedComm` over an mpi4py communicator ``base`` with a private duplicate of its
+    own (for one call's communicators, split and freed by that call: :meth:`BoundedComm.free`)."""
+    return BoundedComm(_Private(base), timeout, what)
 
 
 def default_timeout() -> float:

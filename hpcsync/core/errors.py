@@ -37,6 +37,16 @@ class CollectiveTimeout(HpcsyncError, TimeoutError):
     other ranks: one raised or is stuck before it, or its node was lost."""
 
 
+class StageTimeout(StageError, CollectiveTimeout):
+    """An exchange of a stage waited past its timeout: a rank or its node stopped (frozen,
+    stuck, lost). Caught as either a :class:`StageError` or a :class:`CollectiveTimeout`."""
+
+
+class SyncTimeout(SyncError, CollectiveTimeout):
+    """A round of a file sync waited past its timeout: a rank or its node stopped (frozen, stuck,
+    lost). Caught as either a :class:`SyncError` or a :class:`CollectiveTimeout`."""
+
+
 def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], what: str) -> None:
     """Collective: if any rank has an ``error``, raise the same ``exc_type`` on every rank.
 

@@ -3,16 +3,22 @@
 Options: JSON in argv[3] or in $HPCSYNC_TEST_STAGE_OPTS (what crosses a namespace node's shell).
 ``_fault``: a list of faults, each ``{"rank": R, "patch": "module:Name.attr", "call": N, "do": D}``:
 on rank R, call N (from 1) of that function raises (``"raise"``: ``OSError(EIO)`` with
-``"error": "EIO"``, else ``RuntimeError``), ends the process as a kill would (``"exit"``), or
-returns ``"value"`` without running it (``"return"``).
+``"error": "EIO"``, else ``RuntimeError``), ends the process as a kill would (``"exit"``),
+returns ``"value"`` without running it (``"return"``), never returns, as a read or write on a
+stuck disk or filesystem (``"block"``), or freezes the whole process as SIGSTOP does
+(``"stop"``). ``_init``: ``hpcsync.init()`` first; ``_again``: after a stage that failed, stage
+once more (the faults were one call each) and report that too (``again``); ``_uncaught``: let
+the error escape (the abort hook's failure report).
 """
 import errno
 import importlib
 import itertools
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 from dataclasses import asdict
 
 import hpcsync
@@ -44,6 +50,11 @@ def inject(fault: dict) -> None:
             os._exit(9)
         if do == "return":
             return fault.get("value")
+        if do == "block":
+            threading.Event().wait()
+        if do == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return real(*args, **kwargs)
         if fault.get("error") == "EIO":
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         raise RuntimeError(f"fault injected into {qualname}")
@@ -54,6 +65,9 @@ def inject(fault: dict) -> None:
 for fault in opts.pop("_fault", []):
     if fault["rank"] == rank:
         inject(fault)
+again, uncaught = opts.pop("_again", False), opts.pop("_uncaught", False)
+if opts.pop("_init", False):
+    hpcsync.init()
 
 out = {"rank": rank, "world_size": size, "hostname": socket.gethostname(),
        "local_rank": comm.get_local_rank(), "node_rank": hpcsync.topology().node_rank}
@@ -61,5 +75,13 @@ try:
     out.update(ok=True, result=asdict(hpcsync.stage(src, dst, **opts)))
 except Exception as exc:  # what a program that catches the error sees (a StageError, nothing else)
     out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    if uncaught:
+        report(rank, out)
+        raise
+    if again:
+        try:
+            out["again"] = {"ok": True, "result": asdict(hpcsync.stage(src, dst, **opts))}
+        except Exception as exc2:
+            out["again"] = {"ok": False, "error": f"{type(exc2).__name__}: {exc2}"}
 report(rank, out)
 sys.exit(0 if out["ok"] else 3)

@@ -57,15 +57,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ...core import bigmpi, mpi
-from ...core.errors import StageError, raise_if_any, raise_if_settings_differ
+from ...core import bigmpi, bounded, mpi
+from ...core.errors import CollectiveTimeout, StageError, StageTimeout, raise_if_any, raise_if_settings_differ
 from ...observe.progress import Progress
 from .destination import MANIFEST, TMP_SUFFIX, Destination
 from .journal import JOURNAL
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
                       stat_names, walk_names)
-from .transfer import (SPLIT_BYTES, Reader, broadcast, copy_blocks, copy_shared, help_on_one_node, identity,
-                       idle_until_all_arrive, unexpected)
+from .broadcast import Reader, broadcast, unexpected
+from .heartbeat import Heartbeat
+from .transfer import SPLIT_BYTES, copy_blocks, copy_shared, help_on_one_node, identity, idle_until_all_arrive
 
 __all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
            "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
@@ -83,8 +84,10 @@ class StageResult:
     bytes: int  # their bytes
     dirs: int
     symlinks: int
-    copied: Tuple[str, ...]  # files some node lacked: read once, written where they were missing
-    skipped: Tuple[str, ...]  # files already up to date on every node
+    copied_files: int  # files some node lacked: read once, written where they were missing
+    skipped_files: int  # files already up to date on every node
+    copied: Optional[Tuple[str, ...]]  # their names, with ``names=True`` (else None)
+    skipped: Optional[Tuple[str, ...]]
     copied_bytes: int
     source_reads: int  # bytes read from the source (== copied_bytes: each byte once)
     broadcasts: int  # broadcast rounds among node leaders (0 on one node)
@@ -92,6 +95,7 @@ class StageResult:
     written: Tuple[Tuple[str, int, int], ...]  # per node: (hostname, files written, bytes written)
     ignored: Tuple[str, ...]  # sockets, FIFOs, devices: not staged
     seconds: float
+    received_bytes: int = 0  # what this rank received from the others (MPI payloads): differs by rank
 
 
 def stage(
@@ -102,6 +106,8 @@ def stage(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     durable: bool = False,
     progress: Optional[bool] = None,
+    timeout: Optional[float] = None,
+    names: bool = False,
     comm: Any = None,
     group: Any = None,
 ) -> StageResult:
@@ -112,59 +118,123 @@ def stage(
     ``dst/<name>``. Each source byte is read once, by ``root``; files already staged and unchanged
     are skipped. ``chunk_bytes`` bounds each of the three pipeline buffers; ``durable`` syncs the
     destination filesystem before recording files; ``progress`` shows a bar on the root (default:
-    when stderr is a terminal). ``group``: the ranks taking part, a torch process group (under MPI)
-or an mpi4py communicator (default: the world; ``comm`` is its older name).
-    Raises :class:`~hpcsync.core.errors.StageError` on every rank if anything fails.
+    when stderr is a terminal). ``timeout`` (default ``HPCSYNC_TIMEOUT``) bounds each exchange
+    among the ranks, not the whole stage: a broadcast round, the listing, the result; a node's
+    own disk or the source gets half of it to make progress on a file, so its error (the node,
+    the file, reading or writing) comes before the others' rounds time out. ``names``: the
+    result lists every file copied and skipped (by default it counts them: the names of a
+    million files on every rank cost memory). ``group``: the ranks taking part, a torch process
+    group (under MPI) or an mpi4py communicator (default: the world; ``comm`` is its older name).
+    Raises :class:`~hpcsync.core.errors.StageError` on every rank if anything fails, and
+    :class:`~hpcsync.core.errors.StageTimeout` (a StageError and a CollectiveTimeout) on the
+    ranks that waited past the timeout for a rank that stopped.
     """
     t0 = time.perf_counter()
     from ...core.comm import group_comm
 
-    comm = _transport(group_comm(group, comm, "stage"))
-    me, size = comm.Get_rank(), comm.Get_size()
+    base = _transport(group_comm(group, comm, "stage"))
+    me, size = base.Get_rank(), base.Get_size()
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    limit = bounded.default_timeout() if timeout is None else float(timeout)
+    if not limit > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
     chunk_bytes = min(int(chunk_bytes), bigmpi.INT_MAX - 16 * MAX_PIECES - 16)  # a round's count fits an int
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes, "durable": durable},
-                             StageError, "stage: ranks called it with different arguments (desync), nothing staged: ")
     what = f"stage of {src} to {dst} failed: "
-    node, leaders = _split(comm, root, dst)
+    host = socket.gethostname()
+    comm = _bounded(base, f"agreeing on the arguments on rank {me} ({host})", limit)
+    made: List[Any] = [comm]
     try:
-        one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
-        entries, ignored, err = _list_source(node, me == root, src, one_node, me)
-        if one_node:  # every rank has the listing's error already
-            if err:
-                raise StageError(f"{what}rank {root}: node {socket.gethostname()}: {err}")
-        else:
-            raise_if_any(comm, err and f"node {socket.gethostname()}: {err}", StageError, what)
-        result = None
-        if leaders is not None:
-            try:
-                result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
-                                               node if one_node else None)
-            except Exception as exc:
-                if not one_node:
-                    raise
-                # the other ranks are past their last exchange with this one (copy_shared sees to
-                # it): they learn this error from the broadcast below
-                result, err = None, f"node {socket.gethostname()}: {unexpected(exc)}"
-        elif one_node:
-            help_on_one_node(node, src, dst, durable, entries, me)
-        idle_until_all_arrive(comm)
-        if one_node:  # the root has every rank's error (the others send theirs to it)
-            result, err = comm.bcast((result, err), root=root)
-            if err:  # (an error another rank of the node reported names that rank already)
-                raise StageError(what + (err if err.startswith("rank ") else f"rank {root}: {err}"))
-        else:
-            raise_if_any(comm, err, StageError, what)
-            result = comm.bcast(result, root=root)
+        raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes,
+                                        "durable": durable, "timeout": limit, "names": names}, StageError,
+                                 "stage: ranks called it with different arguments (desync), nothing staged: ")
+        result = _stage(comm, base, made, src, dst, root, chunk_bytes, durable, progress, limit, names, what, host)
+    except CollectiveTimeout as exc:
+        if isinstance(exc, StageError):
+            raise
+        raise StageTimeout(f"{what}{exc}") from None
     finally:
-        for c in (leaders, node):
-            if c is not None and c is not comm and c != mpi.MPI().COMM_SELF:
-                c.Free()
-    return StageResult(**{**result, "seconds": time.perf_counter() - t0})
+        for c in made:
+            if hasattr(c, "free"):
+                c.free()
+    received = sum(getattr(c, "received", 0) for c in made)
+    return StageResult(**{**result, "seconds": time.perf_counter() - t0, "received_bytes": received})
+
+
+def _stage(comm: Any, base: Any, made: List[Any], src: str, dst: str, root: int, chunk_bytes: int, durable: bool,
+           progress: Optional[bool], limit: float, names: bool, what: str, host: str) -> Dict[str, Any]:
+    """The stage once the ranks agree on what it is: the result (a dict) on every rank. Each
+    communicator it makes goes into ``made`` (bounded; freed by the caller)."""
+    me, size = comm.Get_rank(), comm.Get_size()
+    phase = f"%s on rank {me} ({host})"
+    node_raw, leaders_raw = _split(base, root, dst)
+    node = _bounded(node_raw, phase % "listing the source", limit)
+    leaders = None if leaders_raw is None else _bounded(leaders_raw, phase % "sending the listing to the node leaders",
+                                                         limit)
+    made += [c for c in (node, leaders) if c is not None]
+    made += [c for c in (node_raw, leaders_raw) if c is not None and c is not base and c != mpi.MPI().COMM_SELF]
+    one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
+    entries, ignored, err = _list_source(node, me == root, src, one_node, me)
+    _say(comm, phase % "agreeing on the listing")
+    if one_node:  # every rank has the listing's error already
+        if err:
+            raise StageError(f"{what}rank {root}: node {host}: {err}")
+    else:
+        raise_if_any(comm, err and f"node {host}: {err}", StageError, what)
+    beat = Heartbeat(node, limit, f"{_leader_of(node, me)} ({host})") if size > 1 and not one_node else None
+    result = None
+    if leaders is not None:
+        try:
+            result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
+                                           node if one_node else None, limit, names, beat)
+        except CollectiveTimeout as exc:
+            if beat is not None:
+                beat.done(f"rank {me}: node {host}: {exc}", timed_out=True)
+            raise
+        except Exception as exc:
+            if not one_node:
+                if beat is not None:
+                    beat.done(f"rank {me}: node {host}: {unexpected(exc)}")
+                raise
+            # the other ranks are past their last exchange with this one (copy_shared sees to
+            # it): they learn this error from the broadcast below
+            result, err = None, f"node {host}: {unexpected(exc)}"
+        if beat is not None:
+            beat.done(None)  # this node's own error reaches every rank below, named once
+    elif one_node:
+        help_on_one_node(node, src, dst, durable, entries, me)
+    elif beat is not None:
+        beat.follow(what)
+    _say(comm, phase % "agreeing on the outcome")
+    idle_until_all_arrive(comm)
+    if one_node:  # the root has every rank's error (the others send theirs to it)
+        result, err = comm.bcast((result, err), root=root)
+        if err:  # (an error another rank of the node reported names that rank already)
+            raise StageError(what + (err if err.startswith("rank ") else f"rank {root}: {err}"))
+    else:
+        raise_if_any(comm, err, StageError, what)
+        result = comm.bcast(result, root=root)
+    return result
+
+
+def _say(comm: Any, doing: str) -> None:
+    """What the ranks are doing, for a bounded communicator's timeout error."""
+    if hasattr(comm, "what"):
+        comm.what = doing
+
+
+def _leader_of(node: Any, me: int) -> str:
+    """The node leader's rank in the stage's group, as a non-leader names it."""
+    return str(node.bcast(me, root=0))
+
+
+def _bounded(c: Any, what: str, limit: float) -> Any:
+    """``c`` with every collective bounded by ``limit`` seconds, on a private duplicate (an mpi4py
+    communicator); a torch-backed world as it is (bounded by its process group's timeout)."""
+    return bounded.own(c, what, limit) if hasattr(c, "Idup") else c
 
 
 def _transport(comm: Any) -> Any:
@@ -271,10 +341,21 @@ def _guarded(listing: Any, src: str, nothing: Tuple[Any, Any]) -> Tuple[Any, ...
 
 
 def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
-                     durable: bool, progress: Optional[bool], helpers: Any = None
+                     durable: bool, progress: Optional[bool], helpers: Any = None, limit: Optional[float] = None,
+                     names: bool = False, beat: Optional[Heartbeat] = None
                      ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """Listing to every leader, what each node lacks, the transfer; the result on the root.
-    ``helpers``: a one-node job's communicator, whose ranks share the copying."""
+    ``helpers``: a one-node job's communicator, whose ranks share the copying; ``limit``: the
+    exchanges' timeout (the node's own reads and writes get half); ``beat``: tells the node's
+    other ranks of each step."""
+    tick = beat.beat if beat is not None else (lambda: None)
+    phase = getattr(leaders, "what", "")
+
+    def now(doing: str) -> None:
+        if hasattr(leaders, "what"):
+            leaders.what = phase.replace("sending the listing to the node leaders", doing)
+        tick()
+
     is_root = leaders.Get_rank() == 0
     many = leaders.Get_size() > 1
     token = uuid.uuid4().hex[:12]
@@ -284,6 +365,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
         entries, ignored, token = pickle.loads(blob)
     host = socket.gethostname()
     node = Destination(dst, src, entries, durable, host)
+    now("looking at the destination")
     err = node.open_destination(token, leaders.Get_rank())
     try:
         if many and not any(leaders.allgather(err)):
@@ -304,6 +386,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
             helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
     union = node.need.copy()
+    now("agreeing on which files the nodes lack")
     if many:
         leaders.Allreduce(node.need, union, op=mpi.MPI().MAX)
     todo = [(i, entries[i].size) for i in np.flatnonzero(union).tolist()]
@@ -320,7 +403,8 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
         node.note(unexpected(exc))
     try:
         if many:
-            rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar)
+            now("the transfer")
+            rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar, limit / 2 if limit else None, tick)
         elif helpers is not None:
             copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
         elif todo:
@@ -337,15 +421,18 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     except Exception as exc:  # every leader must still reach the gather below
         err = f"node {host}: {unexpected(exc)}"
     stats = (host, node.files_written, node.bytes_written)
+    now("gathering what each node wrote")
     every = leaders.gather(stats, root=0) if many else [stats]
     if not is_root:
         return None, err
     files = [e for e in entries if e.kind == FILE]
-    copied = {entries[i].rel for i, _ in todo}
+    copied = union.view(bool)
     result = dict(
         source=src, destination=dst, files=len(files), bytes=sum(e.size for e in files),
         dirs=sum(e.kind == DIR for e in entries), symlinks=sum(e.kind == LINK for e in entries),
-        copied=tuple(entries[i].rel for i, _ in todo), skipped=tuple(e.rel for e in files if e.rel not in copied),
+        copied_files=len(todo), skipped_files=len(files) - len(todo),
+        copied=tuple(entries[i].rel for i, _ in todo) if names else None,
+        skipped=tuple(e.rel for i, e in enumerate(entries) if e.kind == FILE and not copied[i]) if names else None,
         copied_bytes=total, source_reads=reader.read_bytes, broadcasts=rounds,  # type: ignore[union-attr]
         nodes=leaders.Get_size(), written=tuple(tuple(s) for s in every), ignored=tuple(ignored))
     return result, err

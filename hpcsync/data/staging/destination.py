@@ -52,6 +52,8 @@ class Destination:
         self.links: List[int] = []  # links to make (see start)
         self.more: List[str] = []  # other ranks' records, as JSON objects (see add_records)
         self.more_files = 0
+        self.writing: Optional[int] = None  # the file the writer thread is at (for a stall's error)
+        self.stalled: Optional[str] = None  # the writer made no progress: nothing more touches dst
 
     def path(self, idx: int) -> str:
         rel = self.entries[idx].rel
@@ -204,8 +206,11 @@ class Destination:
         for j, (idx, off, n) in enumerate(pieces):
             view = mv[pos: pos + n]
             pos += n
+            if self.stalled is not None:  # the buffer may be another round's by now: write nothing
+                return
             if not self.need[idx]:
                 continue
+            self.writing = idx
             if trailer[2 * j + 1]:  # the root could not read it: its error fails the stage
                 self.fail(idx, None)
                 continue
@@ -219,6 +224,8 @@ class Destination:
                 continue
             crc = zlib.crc32(view, self.crcs[idx]) if verify else int(trailer[2 * j])
             self.crcs[idx] = crc
+            if self.stalled is not None:  # given up while this write hung: no file is completed
+                return
             if crc != int(trailer[2 * j]):
                 self.fail(idx, f"{self.path(idx)}: checksum mismatch at byte {off + n} (corrupted in transfer)")
             elif off + n == self.entries[idx].size:
@@ -304,6 +311,17 @@ class Destination:
             self.broken = self.broken or error
         return error
 
+    def stall(self, why: str) -> None:
+        """The writer thread made no progress (``why`` names the file): the node's error, and from
+        now on nothing touches ``dst`` (a stuck disk would hang whatever did); the files begun
+        stay under their temporary names, which the next stage removes."""
+        self.stalled = self.stalled or why
+        self.note(why)
+
+    def writing_what(self) -> str:
+        """The file the writer thread is at, for an error."""
+        return self.path(self.writing) if self.writing is not None else f"into {self.dst}"
+
     # - after the transfer
 
     def finish(self) -> Optional[str]:
@@ -311,6 +329,8 @@ class Destination:
         mtimes. Returns this node's first error, named."""
         if not self.writes:
             return None
+        if self.stalled is not None:
+            return self._where(self.stalled)
         for idx in list(self.fds):
             self.fail(idx, f"{self.path(idx)}: incomplete")
         try:

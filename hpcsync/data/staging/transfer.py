@@ -1,4 +1,4 @@
-"""Moving the bytes: broadcast rounds among node leaders, and the kernel copies of a one-node job."""
+"""Moving the bytes on one node: the kernel copies of a one-node job, shared by its ranks."""
 from __future__ import annotations
 
 import json
@@ -7,177 +7,18 @@ import os
 import shutil
 import socket
 import time
-import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from ...core import mpi
 from ...observe.progress import Progress
+from .broadcast import Reader, unexpected
 from .destination import _JOURNAL_SECONDS, Destination
 from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
-from .listing import DEFAULT_CHUNK_BYTES, Entry, Piece, blocks, chunks, source_path, trailer_at
+from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, source_path
 
 log = logging.getLogger("hpcsync.staging")
 
 SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
-
-
-def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reader: Optional["Reader"],
-              node: "Destination", bar: Optional[Progress]) -> int:
-    """The pipelined transfer among node leaders; returns the number of broadcast rounds.
-
-    Nothing raised on a leader, here or in its threads, leaves another waiting in a broadcast: an
-    error of a writer thread is its node's (:meth:`Destination.note`; the leader still takes part
-    in every round), one of the root's reader thread or of its own loop ends the transfer for all
-    (:meth:`Reader.stop`: one more round goes out, flagged as the last). Either reaches every rank
-    as the stage's error."""
-    MPI = mpi.MPI()
-    plan = list(chunks(todo, chunk_bytes))
-    if not plan:
-        return 0
-    pipe = _Pipeline(plan, reader, node)
-    try:
-        if not leaders.allreduce(pipe.allocate(), op=MPI.LAND):  # a leader without them: none starts
-            return 0
-        for k, pieces in enumerate(plan):
-            buf, n = pipe.take(k), round_bytes(pieces)
-            leaders.Bcast([buf, n, MPI.BYTE], root=0)
-            if _flag(buf, n)[0]:  # the root stopped: nothing more comes
-                pipe.stopped()
-                return k + 1
-            pipe.write(k, buf)
-            if bar is not None:
-                try:
-                    bar.update(sum(p[2] for p in pieces))
-                except Exception as exc:  # (stderr gone): an error like any other, the next round is the last
-                    reader.stop(unexpected(exc))  # type: ignore[union-attr]
-                    bar = None
-    finally:
-        pipe.close()
-    return len(plan)
-
-
-def round_bytes(pieces: Sequence[Piece]) -> int:
-    """The bytes of a broadcast round: the data, a CRC and a flag per piece, the round's flag (1:
-    the root stopped, this round is the last and carries nothing)."""
-    return trailer_at(pieces) + 16 * len(pieces) + 8
-
-
-def _flag(buf: Any, n: int) -> Any:
-    return np.frombuffer(buf, dtype=np.int64, count=1, offset=n - 8)
-
-
-class _Pipeline:
-    """A leader's three round buffers, its writer thread and, on the root, its reader thread.
-    Nothing here raises: an error is the node's (the writer's) or stops the root's reader."""
-
-    def __init__(self, plan: List[List[Piece]], reader: Optional["Reader"], node: "Destination") -> None:
-        self.plan, self.reader, self.node = plan, reader, node
-        self.cap = max(round_bytes(p) for p in plan)
-        self.bufs: List[Any] = [None] * 3
-        self.reads: Dict[int, Future] = {}
-        self.writes: Dict[int, Future] = {}
-        self.read_pool = None if reader is None else ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-read")
-        self.write_pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-stage-write")
-
-    def allocate(self) -> bool:
-        """The round buffers, made before the first round (False: this node's error, noted)."""
-        try:
-            for k in range(min(3, len(self.plan))):
-                self.buffer(k)
-            return True
-        except Exception as exc:  # MemoryError: up to three times chunk_bytes
-            self.node.note(f"cannot allocate the broadcast's buffers ({min(3, len(self.plan))} x {self.cap} bytes): "
-                           f"{unexpected(exc)}")
-            return False
-
-    def buffer(self, k: int) -> Any:
-        """Round ``k``'s buffer, once the round that last used it is written."""
-        if k - 3 in self.writes:
-            self.writes.pop(k - 3).result()
-        if self.bufs[k % 3] is None:
-            self.bufs[k % 3] = np.empty(self.cap, dtype=np.uint8)  # no zero-fill: every byte sent is written first
-        return self.bufs[k % 3]
-
-    def take(self, k: int) -> Any:
-        """Round ``k`` to broadcast: on the root, read from the source (the next round is read while
-        this one travels), or flagged as the last once the reader stopped."""
-        reader = self.reader
-        if reader is None:
-            return self.buffer(k)
-        try:
-            if reader.stopped is None:
-                if k == 0:
-                    self._read(0)
-                buf = self.reads.pop(k).result()
-                if reader.stopped is None:
-                    self._read(k + 1)
-                    return buf
-        except Exception as exc:
-            reader.stop(unexpected(exc))
-        self.drain()
-        buf = self.buffer(k)
-        _flag(buf, round_bytes(self.plan[k]))[0] = 1
-        return buf
-
-    def _read(self, k: int) -> None:
-        if k < len(self.plan):
-            self.reads[k] = self.read_pool.submit(self._fill, self.plan[k], self.buffer(k))  # type: ignore[union-attr]
-
-    def _fill(self, pieces: List[Piece], buf: Any) -> Any:
-        try:
-            self.reader.fill(pieces, buf)  # type: ignore[union-attr]
-        except Exception as exc:
-            self.reader.stop(unexpected(exc))  # type: ignore[union-attr]
-        _flag(buf, round_bytes(pieces))[0] = 0
-        return buf
-
-    def write(self, k: int, buf: Any) -> None:
-        try:
-            self.writes[k] = self.write_pool.submit(self._write, self.plan[k], buf)
-        except Exception as exc:
-            self.drain()
-            self._broken(exc)
-
-    def _write(self, pieces: List[Piece], buf: Any) -> None:
-        try:
-            self.node.write_round(pieces, buf, self.reader is None)
-        except Exception as exc:
-            self._broken(exc)
-
-    def _broken(self, exc: Exception) -> None:
-        """A round not written whole: the node's error, and every file begun is dropped -- its
-        later pieces would complete it around a hole (the root, which takes each checksum from
-        the round, would not see it)."""
-        self.node.note(unexpected(exc))
-        self._drop_begun()
-
-    def drain(self) -> None:
-        """Wait for the reads and writes under way (none raises)."""
-        for f in [*self.reads.values(), *self.writes.values()]:
-            f.result()
-        self.reads.clear()
-        self.writes.clear()
-
-    def stopped(self) -> None:
-        """The root stopped the transfer (its error is the stage's): drop the files begun."""
-        self.drain()
-        self._drop_begun()
-
-    def _drop_begun(self) -> None:
-        for idx in list(self.node.fds):
-            self.node.fail(idx, None)
-
-    def close(self) -> None:
-        self.drain()
-        if self.reader is not None:
-            self.reader.close()
-        if self.read_pool is not None:
-            self.read_pool.shutdown(wait=True)
-        self.write_pool.shutdown(wait=True)
 
 
 def copy_blocks(plan: List[Tuple[int, List[int]]], src: str, entries: List[Entry], node: "Destination",
@@ -277,6 +118,9 @@ def idle_until_all_arrive(comm: Any) -> None:
     """Ranks with nothing to do wait here without spinning a core that the working ranks need (a
     blocking MPI collective busy-polls): called before a collective that follows uneven work."""
     if comm.Get_size() == 1:
+        return
+    if hasattr(comm, "raw"):  # a BoundedComm: its barrier waits the same way, within its timeout
+        comm.Barrier(idle=True)
         return
     req = comm.Ibarrier()
     pause = 0.0002
@@ -423,15 +267,6 @@ def _all_failed(entries: List[Entry], ranges: Sequence["Range"], why: str) -> Di
     return {entries[i].rel: why for i, *_ in ranges}
 
 
-def unexpected(exc: Exception) -> str:
-    """An error no part of the stage expected, as words for the StageError every rank raises
-    (its traceback goes to the log of the rank where it happened)."""
-    log.error("stage: unexpected error", exc_info=exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _copy_ranges(src: str, entries: List[Entry], ranges: Sequence[Range]) -> Dict[str, str]:
     """Copy byte ranges of split files in the kernel; returns ``{rel: error}`` for the ranges that
     failed (the root then drops those files)."""
@@ -509,75 +344,3 @@ def _help(rank: int, src: str, dst: str, durable: bool, entries: List[Entry], pl
     records = json.dumps(node.records, separators=(",", ":"))  # JSON for the manifest, made here in parallel
     return (copied, records, list(node.failed.values()), list(reader.failed.values()), reader.read_bytes,
             node.bytes_written, bad_ranges)
-
-
-class Reader:
-    """The root's side of the transfer: fills each round's buffer from the source files."""
-
-    def __init__(self, src: str, entries: List[Entry]) -> None:
-        self.src, self.entries = src, entries
-        self.fd, self.crc = -1, 0
-        self.read_bytes = 0
-        self.failed: Dict[Any, str] = {}
-        self.stopped: Optional[str] = None
-
-    @property
-    def error(self) -> Optional[str]:
-        if not self.failed:
-            return None
-        first = next(iter(self.failed.values()))
-        more = f" (and {len(self.failed) - 1} more file(s))" if len(self.failed) > 1 else ""
-        return f"node {socket.gethostname()}: {first}{more}"
-
-    def fail(self, idx: Any, why: str) -> None:
-        self.failed.setdefault(idx, why)
-
-    def stop(self, why: str) -> None:
-        """An error that no file explains: nothing more is read, the transfer ends (see broadcast)."""
-        self.stopped = self.stopped or why
-        self.fail(("stop",), why)
-
-    def close(self) -> None:
-        """Close the file that a stop left open (no read is under way)."""
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
-
-    def fill(self, pieces: Sequence[Piece], buf: Any) -> Any:
-        trailer = np.frombuffer(buf, dtype=np.int64, count=2 * len(pieces), offset=trailer_at(pieces))
-        mv, pos = memoryview(buf), 0
-        for j, (idx, off, n) in enumerate(pieces):
-            e = self.entries[idx]
-            view = mv[pos: pos + n]
-            ok = idx not in self.failed
-            if ok:
-                path = source_path(self.src, self.entries, e)
-                try:
-                    if off == 0:
-                        self.fd, self.crc = os.open(path, os.O_RDONLY | os.O_CLOEXEC), 0
-                    got = 0
-                    while got < n:
-                        k = os.preadv(self.fd, [view[got:]], off + got)
-                        if k == 0:
-                            raise OSError(0, f"{path} shrank while being staged")
-                        got += k
-                    self.read_bytes += n
-                    self.crc = zlib.crc32(view, self.crc)
-                    if off + n == e.size:
-                        why = source_changed(self.fd, e)
-                        if why:
-                            raise OSError(0, why)
-                except OSError as exc:
-                    self.fail(idx, exc.strerror if exc.errno == 0 else f"reading {path}: {exc.strerror}")
-                    ok = False
-            if not ok:
-                np.frombuffer(view, dtype=np.uint8)[:] = 0
-            if self.fd >= 0 and (off + n == e.size or not ok):
-                os.close(self.fd)
-                self.fd = -1
-            trailer[2 * j], trailer[2 * j + 1] = (self.crc, 0) if ok else (0, 1)
-            pos += n
-        return buf

@@ -1,0 +1,87 @@
+"""A node's other ranks wait for their leader's transfer, bounded by its progress, not its length.
+
+Across nodes only the node leaders move the bytes; the other ranks of a node wait until their
+leader is done, which takes as long as the dataset takes. A plain deadline on that wait would
+either cut a large stage short or let a frozen leader hold its node for ever. Instead the leader
+sends its node's ranks a small message whenever it makes progress (a broadcast round, a new
+phase; at most every ``timeout / 4`` seconds) and a last one with its outcome. A rank that hears
+nothing for twice the timeout raises :class:`~hpcsync.core.errors.StageTimeout` naming its
+leader and node; one whose leader failed raises that failure at once, without waiting for an
+exchange the leader will never reach.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional, Tuple
+
+from ...core import bounded
+from ...core.errors import StageError, StageTimeout
+
+TAG = 0x5EA1  # on the node's private duplicate: never matches the program's own messages
+MAX_WORDS = 4000  # a leader's error, as sent (the receive buffer's size bounds a message)
+
+
+class Heartbeat:
+    """Between a node leader (rank 0 of ``node``) and the node's other ranks."""
+
+    def __init__(self, node: Any, timeout: float, leader_names: str) -> None:
+        self.node, self.timeout, self.leader = node, timeout, leader_names
+        self.interval = max(0.05, min(timeout / 4, 5.0))
+        self.last = time.monotonic()
+        self.sends: List[Any] = []
+        self.alone = node.Get_size() == 1
+
+    def beat(self) -> None:
+        """The leader made progress: tell the node (at most every ``interval`` seconds)."""
+        now = time.monotonic()
+        if self.alone or now - self.last < self.interval:
+            return
+        self.last = now
+        self._send(("alive", None, False))
+
+    def done(self, error: Optional[str], timed_out: bool = False) -> None:
+        """The leader's last word: ``error`` (None: its part went well), and whether that error is
+        a timeout (the node's ranks then raise :class:`StageTimeout` too)."""
+        if self.alone:
+            return
+        self._send(("done", error[:MAX_WORDS] if error else None, timed_out))
+        deadline = time.monotonic() + self.timeout  # a few bytes each: sent at once unless a rank is gone
+        while self.sends and time.monotonic() < deadline:
+            self.sends = [r for r in self.sends if not r.Test()]
+            time.sleep(0.001)
+        for r in self.sends:
+            bounded.abandon("a stage's last message to a rank of this node was never received", r)
+
+    def _send(self, msg: Tuple[Any, ...]) -> None:
+        raw = self.node.raw()
+        self.sends = [r for r in self.sends if not r.Test()]
+        self.sends += [raw.isend(msg, dest=r, tag=TAG) for r in range(1, self.node.Get_size())]
+
+    def follow(self, what: str) -> None:
+        """A non-leader's wait: returns when the leader is done and its part went well; raises its
+        error as this rank's, or :class:`StageTimeout` after ``2 * timeout`` seconds of silence."""
+        raw = self.node.raw()
+        patience = 2 * self.timeout
+        deadline = time.monotonic() + patience
+        req = raw.irecv(bytearray(MAX_WORDS + 512), source=0, tag=TAG)
+        pause = 0.0002
+        while True:
+            ok, msg = req.test()
+            now = time.monotonic()
+            if ok:
+                kind, error, timed_out = msg
+                if kind == "done":
+                    if error is not None:
+                        raise (StageTimeout if timed_out else StageError)(f"{what}{error}")
+                    return
+                deadline, pause = now + patience, 0.0002
+                req = raw.irecv(bytearray(MAX_WORDS + 512), source=0, tag=TAG)
+                continue
+            if now > deadline:
+                req.Cancel()  # a receive not yet matched can be cancelled: nothing stays in flight
+                req.Wait()
+                raise StageTimeout(f"{what}this node's leader, rank {self.leader}, showed no progress for {patience:g} s "
+                                   "while it staged for the node (twice the timeout): it is frozen or stuck, or "
+                                   "its node lost")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
