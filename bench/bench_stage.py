@@ -71,7 +71,7 @@ def worker(src: str, dst: str) -> None:
     imported = MPI.COMM_WORLD.allreduce(imported, op=MPI.MAX)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(json.dumps({"seconds": seconds, "source_reads": r.source_reads, "bytes": r.bytes, "import_seconds": imported,
-                          "broadcasts": r.broadcasts, "nodes": r.nodes, "copied": len(r.copied)}), flush=True)
+                          "broadcasts": r.broadcasts, "nodes": r.nodes, "copied": r.copied_files}), flush=True)
 
 
 def make_big(folder: Path, mib: int) -> None:

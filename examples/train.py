@@ -75,7 +75,7 @@ def load_dataset(args: argparse.Namespace) -> TensorDataset:
     if args.stage_to:  # one read of the source, one copy per node, skipped when already there
         r = hpcsync.stage(args.data, args.stage_to)
         log.info("staged %s to %s on %d node(s): %d file(s) copied, %d up to date, %.2fs", r.source,
-                 r.destination, r.nodes, len(r.copied), len(r.skipped), r.seconds)
+                 r.destination, r.nodes, r.copied_files, r.skipped_files, r.seconds)
         path = os.path.join(args.stage_to, "spirals.npz")
     with np.load(path) as z:
         return TensorDataset(torch.from_numpy(z["x"]), torch.from_numpy(z["y"]))

@@ -72,7 +72,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     if get_rank() == 0:
         print(f"staged {r.source} to {r.destination} on {r.nodes} node(s): {r.files} file(s), {r.bytes} bytes; "
-              f"copied {len(r.copied)} ({r.copied_bytes} bytes, read once), {len(r.skipped)} up to date, "
+              f"copied {r.copied_files} ({r.copied_bytes} bytes, read once), {r.skipped_files} up to date, "
               f"{r.broadcasts} broadcast(s), {r.seconds:.2f}s"
               + (f"; ignored {len(r.ignored)} special file(s)" if r.ignored else ""))
     return 0

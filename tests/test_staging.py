@@ -117,13 +117,15 @@ def test_chunks_cover_every_byte_once_within_bounds():
 def test_one_process_stage_is_exact_idempotent_and_repairs(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     make_tree(src)
-    r = hpcsync.stage(src, dst)
+    r = hpcsync.stage(src, dst, names=True)
     assert snapshot(dst) == expected(src)
     assert r.ignored == ("a_fifo",) and r.files == len(r.copied) == 44 and r.skipped == ()
     assert r.source_reads == r.copied_bytes == r.bytes and r.nodes == 1 and r.broadcasts == 0
     before, manifest = inodes(dst), os.stat(dst / staging.MANIFEST).st_mtime_ns
-    r2 = hpcsync.stage(src, dst)  # nothing to do: nothing rewritten
+    r2 = hpcsync.stage(src, dst, names=True)  # nothing to do: nothing rewritten
     assert r2.copied == () and len(r2.skipped) == 44 and r2.source_reads == 0
+    summary = hpcsync.stage(src, dst)  # by default a summary: counts, no names
+    assert summary.copied is None and summary.skipped is None and (summary.copied_files, summary.skipped_files) == (0, 44)
     assert inodes(dst) == before and os.stat(dst / staging.MANIFEST).st_mtime_ns == manifest
     # repair: changed at the source, truncated, deleted, rewritten in place at the destination
     changed, truncated, deleted, touched = "d0/e0/f000.bin", "d1/e1/f001.bin", "d2/e2/f002.bin", "empty.txt"
@@ -131,7 +133,7 @@ def test_one_process_stage_is_exact_idempotent_and_repairs(tmp_path):
     os.truncate(dst / truncated, 1)
     os.unlink(dst / deleted)
     (dst / touched).write_bytes(b"")  # same size, same content: only its ctime/mtime tell
-    r3 = hpcsync.stage(src, dst)
+    r3 = hpcsync.stage(src, dst, names=True)
     assert sorted(r3.copied) == sorted([changed, truncated, deleted, touched])
     assert snapshot(dst) == expected(src)
     after = inodes(dst)
@@ -148,7 +150,7 @@ def test_single_file_source_and_interrupted_leftovers(tmp_path):
     (dst / staging.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n")
     tag = hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]
     (dst / f".one.bin.{tag}{staging.TMP_SUFFIX}").write_bytes(b"partial")
-    r = hpcsync.stage(src, dst)
+    r = hpcsync.stage(src, dst, names=True)
     assert r.copied == ("one.bin",) and (dst / "one.bin").read_bytes() == src.read_bytes()
     assert no_temporaries(dst) and not (dst / staging.JOURNAL).exists()
 
@@ -169,7 +171,7 @@ def test_one_process_errors_name_the_path(tmp_path):
 def _ranks_ok(res, n):
     results = [d["result"] for d in res.ranks]
     assert all(d["ok"] for d in res.ranks), res
-    stripped = [{k: v for k, v in r.items() if k != "seconds"} for r in results]
+    stripped = [{k: v for k, v in r.items() if k not in ("seconds", "received_bytes")} for r in results]
     assert all(s == stripped[0] for s in stripped), "ranks got different results"
     return results[0]
 

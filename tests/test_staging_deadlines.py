@@ -70,7 +70,7 @@ def test_a_hung_disk_or_source_ends_the_stage_naming_node_file_and_phase(cluster
         t0 = time.monotonic()
         res = run(cluster.openmpi([2, 1]), 3, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False,
                   timeout=120, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_STAGE_OPTS": json.dumps(
-                      {"chunk_bytes": 64 * 1024, "timeout": TIMEOUT, "_again": True, "_fault": [fault]})})
+                      {"chunk_bytes": 64 * 1024, "timeout": TIMEOUT, "names": False, "_again": True, "_fault": [fault]})})
         took = time.monotonic() - t0
         assert all(d is not None for d in res.ranks), res
         errors = {d["error"] for d in res.ranks}
@@ -78,7 +78,9 @@ def test_a_hung_disk_or_source_ends_the_stage_naming_node_file_and_phase(cluster
         (error,) = errors
         assert error.startswith("StageError: ") and all(s in error for s in needles), error
         assert all(d["again"]["ok"] for d in res.ranks), [d["again"] for d in res.ranks]
-        assert res.ranks[0]["again"]["result"]["copied_files"] > 0
+        again = [d["again"]["result"] for d in res.ranks]
+        assert again[0]["copied_files"] > 0, again
+        assert all(a["copied_files"] == again[0]["copied_files"] and a["copied"] is None for a in again), again
         assert took < TIMEOUT + 45, took
         _exact(cluster, src)
     finally:

@@ -39,8 +39,8 @@ def test_an_unexpected_error_amid_the_broadcast_is_one_error_on_every_rank(clust
                         "error": "EIO"},
              "root-writer": {"rank": 0, "patch": "hpcsync.data.staging.destination:Destination.write_round", "call": 3,
                              "error": "EIO"},
-             "reader": {"rank": 0, "patch": "hpcsync.data.staging.transfer:Reader.fill", "call": 4},
-             "buffers": {"rank": 2, "patch": "hpcsync.data.staging.transfer:_Pipeline.buffer", "call": 1}}[where]
+             "reader": {"rank": 0, "patch": "hpcsync.data.staging.broadcast:Reader.fill", "call": 4},
+             "buffers": {"rank": 2, "patch": "hpcsync.data.staging.broadcast:_Pipeline.buffer", "call": 1}}[where]
     needle = {"writer": f"rank 2: node {cluster.names[1]}: Input/output error",
               "root-writer": f"rank 0: node {cluster.names[0]}: Input/output error",
               "reader": f"rank 0: node {cluster.names[0]}: RuntimeError: fault injected into Reader.fill",

@@ -82,7 +82,7 @@ def test_default_acl_on_the_destination_does_not_change_modes(tmp_path):
             os.chmod(dst / rel, 0o600)
             doc["files"][rel][5] = os.lstat(dst / rel).st_ctime_ns
         (dst / staging.MANIFEST).write_text(json.dumps(doc))
-        r = hpcsync.stage(src, dst)
+        r = hpcsync.stage(src, dst, names=True)
         assert sorted(r.copied) == ["d0/e0/f000.bin", "many/m0"] and snapshot(dst) == expected(src)
     finally:
         os.umask(old)
@@ -184,7 +184,7 @@ def test_killed_before_its_first_checkpoint_leaves_no_temporary_behind(tmp_path)
     _kill_when(lambda: temporary(dst, "a_big.bin"), proc)
     assert not journal_records(dst)  # killed before its first checkpoint
     os.unlink(src / "a_big.bin")
-    r = hpcsync.stage(src, dst)
+    r = hpcsync.stage(src, dst, names=True)
     assert no_temporaries(dst) and snapshot(dst) == snapshot(src) and r.copied == ("z_small.txt",)
 
 
@@ -350,12 +350,12 @@ def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
     filled = []
     real = transfer.fill_folder
     monkeypatch.setattr(transfer, "fill_folder", lambda *a: filled.append(a[4]) or real(*a))
-    r = hpcsync.stage(src, dst)
+    r = hpcsync.stage(src, dst, names=True)
     assert snapshot(dst) == expected(src) and no_temporaries(dst) and len(r.copied) == r.files
     assert sorted(os.path.relpath(f, src) for f in filled) == ["many"]  # the other folders hold 2 or 3 files
     doc = json.loads((dst / staging.MANIFEST).read_text())
     assert all(doc["files"][f"many/m{i:02d}"][4] == os.lstat(dst / "many" / f"m{i:02d}").st_ino for i in range(len(MODES)))
-    r = hpcsync.stage(src, dst)
+    r = hpcsync.stage(src, dst, names=True)
     assert r.copied == () and len(filled) == 1
 
 
@@ -434,7 +434,7 @@ def test_a_rank_that_sees_another_destination_gets_its_own_copy(tmp_path):
     ranks = stage_with_rank1_bind(tmp_path, src, dst, private, dst)
     assert all(d["ok"] for d in ranks), ranks
     r = ranks[0]["result"]
-    assert r == {**ranks[1]["result"], "seconds": r["seconds"]} and r["nodes"] == 2
+    assert r == {**ranks[1]["result"], "seconds": r["seconds"], "received_bytes": r["received_bytes"]} and r["nodes"] == 2
     assert [w[1:] for w in r["written"]] == [[r["files"], r["bytes"]]] * 2
     for folder in (dst, private):
         assert snapshot(folder) == expected(src) and no_temporaries(folder), folder
@@ -455,7 +455,7 @@ def test_journal_lines_old_and_new_are_both_read(tmp_path):
     (dst / staging.JOURNAL).write_text(head + "".join(json.dumps([r, records[r]]) + "\n" for r in old)
                                        + json.dumps([[r, records[r]] for r in batch]) + "\n"
                                        + json.dumps([[torn, records[torn]]]))
-    r = hpcsync.stage(src, dst)
+    r = hpcsync.stage(src, dst, names=True)
     assert sorted(r.copied) == sorted(set(rels) - set(old) - set(batch))
     assert snapshot(dst) == expected(src) and not (dst / staging.JOURNAL).exists()
 
@@ -478,6 +478,6 @@ def test_a_kill_amid_the_rewrite_of_a_resumed_journal_loses_nothing(tmp_path):
               expect_ok=False)
     assert res.returncode == 9 and res.ranks == [None], res
     assert journal_records(dst) == set(done)
-    r = hpcsync.stage(src, dst)
+    r = hpcsync.stage(src, dst, names=True)
     assert sorted(r.copied) == sorted(set(records) - set(done))
     assert snapshot(dst) == expected(src) and no_temporaries(dst)

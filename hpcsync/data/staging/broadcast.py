@@ -64,6 +64,9 @@ def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reade
                 except Exception as exc:  # (stderr gone): an error like any other, the next round is the last
                     reader.stop(unexpected(exc))  # type: ignore[union-attr]
                     bar = None
+    except BaseException:  # a round timed out (a leader stopped): the files begun here are dropped
+        pipe.stopped()
+        raise
     finally:
         pipe.close()
         if hasattr(leaders, "what"):
