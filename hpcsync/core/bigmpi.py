@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .errors import ranks_by_value
+from .worker import Stalled, Worker
+from .worker import result as worker_result
 
 INT_MAX = 2**31 - 1
 DEFAULT_ROUND_BYTES = 256 * 2**20
@@ -119,13 +121,18 @@ def iter_gatherv_rounds(
     round_bytes: int = DEFAULT_ROUND_BYTES,
     direct: Optional[memoryview] = None,
     pipeline: bool = False,
+    read_timeout: Optional[float] = None,
+    stalled: Optional[Callable[[float], None]] = None,
 ) -> Iterator[List[Tuple[int, int, memoryview]]]:
     """Like :func:`iter_gatherv`, one list of ``(rank, offset, chunk)`` per round (root only).
 
     ``pipeline=True`` overlaps the stages: senders fill round k+1 from a helper thread while
     round k is in flight, and the root receives into two alternating buffers of half the budget
     each (memory stays within ``round_bytes``). A round's chunks then stay valid until the
-    generator is resumed *twice*, so the root can write round k while round k+1 arrives.
+    generator is resumed *twice*, so the root can write round k while round k+1 arrives. A fill
+    that takes longer than ``read_timeout`` seconds (a stuck disk) is left behind: ``stalled``
+    is told, and this rank sends zeros in the rounds that remain (so no rank waits for it; the
+    caller fails the merge).
     """
     me, is_root = comm.Get_rank(), comm.Get_rank() == root
     if not hasattr(comm, "Gatherv"):  # TorchComm: the same rounds, as pickled objects (always fresh)
@@ -147,9 +154,7 @@ def iter_gatherv_rounds(
     recvs: List[Optional[bytearray]] = [None] * nbuf
     pool = None
     if pipeline and direct is None and mine_max:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcsync-read")
+        pool = Worker("hpcsync-read")
 
     def payload(k: int) -> memoryview:
         n, off = rounds[k][me], starts[k][me]
@@ -165,7 +170,18 @@ def iter_gatherv_rounds(
     try:
         ahead = pool.submit(payload, 0) if pool is not None and rounds else None
         for k, counts in enumerate(rounds):
-            view = ahead.result() if ahead is not None else payload(k)
+            if ahead is None:
+                view = payload(k)
+            else:
+                try:
+                    view = worker_result(ahead, read_timeout, lambda: "a read")
+                except Stalled:
+                    if stalled is not None:
+                        stalled(read_timeout)  # type: ignore[arg-type]
+                    pool.shutdown()  # type: ignore[union-attr]
+                    pool, ahead, fill = None, None, _zeros
+                    bounces = [None] * nbuf  # the stuck read may still write into the old ones
+                    view = payload(k)
             if pool is not None and k + 1 < len(rounds):
                 ahead = pool.submit(payload, k + 1)  # read the next round while this one travels
             sendbuf = [view, counts[me], MPI.BYTE]
@@ -181,7 +197,12 @@ def iter_gatherv_rounds(
                 comm.Gatherv(sendbuf, None, root=root)
     finally:
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown()
+
+
+def _zeros(view: memoryview, offset: int) -> None:
+    """What a rank whose reads stalled sends: zeros (its error fails the merge)."""
+    view[:] = bytes(len(view))
 
 
 def _object_rounds(comm: Any, sizes: Sequence[int], fill: Fill, root: int, round_bytes: int,

@@ -90,6 +90,11 @@ class BoundedComm:
     def Get_size(self) -> int:
         return self._size
 
+    @property
+    def base(self) -> Any:
+        """The communicator this one bounds (for what has no non-blocking form: MPI-IO's open)."""
+        return self._p.base
+
     # -- the deadline ---------------------------------------------------------------------------
     def _comm(self) -> Any:
         p = self._p

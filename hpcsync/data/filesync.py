@@ -32,14 +32,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..core import bigmpi, settings
+from ..core import bigmpi, bounded, settings
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else SELF
-from ..core.errors import SyncError, raise_if_any, raise_if_settings_differ
+from ..core.errors import CollectiveTimeout, SyncError, SyncTimeout, raise_if_any, raise_if_settings_differ
 from .transports import _choose_method, _Part, _Source, _write_copy, _write_gather, _write_mpiio
 from ..observe.progress import Progress
 
@@ -184,25 +185,55 @@ def merge_parts(
     method: str = "auto",
     round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES,
     progress: Optional[bool] = None,
+    timeout: Optional[float] = None,
     group: Any = None,
     comm: Any = None,
 ) -> SyncResult:
     """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order).
     ``group``: the ranks taking part (a torch process group or an mpi4py communicator; default the
-    world; ``comm`` is its older name)."""
+    world; ``comm`` is its older name). ``timeout``: as for :func:`sync_file`."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     t0 = time.perf_counter()
     from ..core.comm import group_comm
 
-    comm = group_comm(group, comm, "merge_parts")
-    size, me = comm.Get_size(), comm.Get_rank()
+    base = group_comm(group, comm, "merge_parts")
+    size, me = base.Get_size(), base.Get_rank()
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
+    limit = bounded.default_timeout() if timeout is None else float(timeout)
+    if not limit > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
     target = os.path.abspath(os.fspath(target))
+    comm = _bounded(base, f"sync of {target} on rank {me} ({socket.gethostname()})", limit)
+    try:
+        return _merge(comm, target, my_parts, root, strip_header, check_headers, text, allow_missing, keep_parts,
+                      method, round_bytes, progress, limit, t0)
+    except CollectiveTimeout as exc:
+        if isinstance(exc, SyncError):
+            raise
+        raise SyncTimeout(f"sync of {target} failed, nothing deleted: {exc}") from None
+    finally:
+        if comm is not base:
+            comm.free()
+
+
+def _bounded(c: Any, what: str, limit: float) -> Any:
+    """``c`` with every collective bounded by ``limit`` seconds (an mpi4py communicator, on a
+    private duplicate); a communicator already bounded, or a torch-backed one, as it is."""
+    return bounded.own(c, what, limit) if hasattr(c, "Idup") else c
+
+
+def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, strip_header: bool, check_headers: bool,
+           text: bool, allow_missing: bool, keep_parts: bool, method: str, round_bytes: int,
+           progress: Optional[bool], limit: float, t0: float) -> SyncResult:
+    """:func:`merge_parts` on a bounded communicator: every round waits at most ``limit``
+    seconds; a rank's own read or the root's write gets half of it."""
+    size, me = comm.Get_size(), comm.Get_rank()
     raise_if_settings_differ(  # every rank must mean the same merge
         comm, {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
-               "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method},
+               "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method,
+               "timeout": limit},
         SyncError, "sync_file: ranks called it with different arguments (desync), nothing merged or deleted: ")
 
     src, err = _Source(), None
@@ -229,9 +260,11 @@ def merge_parts(
         elif chosen == "mpiio":
             err = _write_mpiio(comm, tmp, src, sizes, round_bytes, bar)
         else:
-            err = _write_gather(comm, tmp, src, sizes, root, round_bytes, bar)
-        err = err or src.error
-        if me == root and err is None:
+            err = _write_gather(comm, tmp, src, sizes, root, round_bytes, bar, limit / 2)
+        # every rank's error first: a rank whose read failed sent zeros, which must not become the target
+        _agree(comm, err or src.error, f"sync of {target}")
+        err = None
+        if me == root:
             try:
                 os.replace(tmp, target)  # type: ignore[arg-type]
                 fsync_dir(os.path.dirname(target))
@@ -239,7 +272,7 @@ def merge_parts(
                 err = f"cannot rename into {target}: {exc}"
         _agree(comm, err, f"sync of {target}")
     except BaseException:
-        if me == root and tmp and os.path.exists(tmp):
+        if me == root and tmp and os.path.exists(tmp) and not src.stalled:  # (a stuck disk: touch nothing)
             os.unlink(tmp)
         raise
     finally:
@@ -271,6 +304,7 @@ def sync_file(
     method: str = "auto",
     round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES,
     progress: Optional[bool] = None,
+    timeout: Optional[float] = None,
 ) -> SyncResult:
     """Join every rank's part of ``path`` into ``path`` on the root rank (collective).
 
@@ -282,11 +316,16 @@ def sync_file(
     contributes nothing instead of failing. ``keep_parts``: do not delete the parts. ``method``:
     ``auto``, ``copy`` (the root reads the parts), ``gather`` (MPI ``Gatherv``) or ``mpiio``.
     ``round_bytes``: bytes per gather round (bounds the root's memory). ``progress``: a progress
-    bar on the root (default: when stderr is a terminal).
+    bar on the root (default: when stderr is a terminal). ``timeout`` (default
+    ``HPCSYNC_TIMEOUT``): how long each exchange waits for the other ranks -- a gather round, not
+    the whole merge; a rank's own part read or the root's write gets half of it, so a stuck disk
+    is named (the rank, its node, the file, reading or writing) in the same
+    :class:`~hpcsync.core.errors.SyncError` on every rank, before any round times out. A rank that
+    stops (frozen, lost) makes the others raise :class:`~hpcsync.core.errors.SyncTimeout`.
     """
     options = dict(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
                    allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
-                   progress=progress)
+                   progress=progress, timeout=timeout)
     comm = _world()
     rank = comm.Get_rank()
     if part is None:
@@ -299,12 +338,20 @@ def sync_file(
         # create its next part there) before every rank's rmdir is done: without the second
         # barrier a fast rank's next SyncedFile raced a slow rank's rmdir (FileNotFoundError).
         folder = os.path.dirname(mine)
-        comm.Barrier()
+        done = _bounded(comm, f"sync of {os.fspath(path)}: removing the parts folder on rank {rank}",
+                        bounded.default_timeout() if timeout is None else float(timeout))
         try:
-            os.rmdir(folder)
-        except OSError:
-            pass
-        comm.Barrier()
+            done.Barrier(idle=True) if done is not comm else comm.Barrier()
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+            done.Barrier(idle=True) if done is not comm else comm.Barrier()
+        except CollectiveTimeout as exc:
+            raise SyncTimeout(f"sync of {os.fspath(path)}: the merge is done, but {exc}") from None
+        finally:
+            if done is not comm:
+                done.free()
     return result
 
 
@@ -323,7 +370,8 @@ class SyncedFile:
     def __init__(self, path: PathLike, *, parts_dir: Optional[PathLike] = None, mode: str = "w",
                  root: int = 0, strip_header: bool = False, check_headers: bool = True, text: bool = True,
                  allow_missing: bool = False, keep_parts: bool = False, method: str = "auto",
-                 round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES, progress: Optional[bool] = None) -> None:
+                 round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES, progress: Optional[bool] = None,
+                 timeout: Optional[float] = None) -> None:
         """``mode``: ``"w"`` starts a new part, ``"a"`` appends to this rank's existing one; the
         other arguments are :func:`sync_file`'s."""
         if mode not in ("w", "a"):
@@ -332,7 +380,7 @@ class SyncedFile:
         self.options: Dict[str, Any] = dict(
             root=root, strip_header=strip_header, check_headers=check_headers, text=text,
             allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
-            progress=progress)
+            progress=progress, timeout=timeout)
         self.parts_dir = parts_dir
         self.path = part_path(self.target, None, parts_dir)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -357,11 +405,21 @@ class SyncedFile:
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
         if exc_type is not None and comm.Get_size() == 1:
             return False
+        limit = self.options["timeout"]
+        agree = _bounded(comm, f"SyncedFile({self.target}): agreeing that every rank is done with its part",
+                         bounded.default_timeout() if limit is None else float(limit))
         try:
-            _agree(comm, failed, f"SyncedFile({self.target})")
+            _agree(agree, failed, f"SyncedFile({self.target})")
         except SyncError:
             if exc_type is not None:
                 return False  # re-raise this rank's own exception
             raise
+        except CollectiveTimeout as exc:
+            if exc_type is not None:
+                return False
+            raise SyncTimeout(f"SyncedFile({self.target}): nothing merged or deleted: {exc}") from None
+        finally:
+            if agree is not comm:
+                agree.free()
         self.sync()
         return False

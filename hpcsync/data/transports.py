@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple, Union
 
-from ..core import bigmpi, mpi
-from ..core.errors import SyncError
+from ..core import bigmpi, bounded, mpi
+from ..core.errors import CollectiveTimeout, SyncError
+from ..core.worker import Stalled, Worker
+from ..core.worker import result as worker_result
 from ..observe.progress import Progress
 
 log = logging.getLogger("hpcsync.filesync")  # the name users configure, as before the packages
@@ -36,6 +39,8 @@ class _Source:
 
     parts: List[_Part] = field(default_factory=list)
     error: Optional[str] = None
+    reading: str = ""  # the part being read (for a stall's error)
+    stalled: bool = False  # a read or the root's write made no progress: the merge fails
 
     @property
     def pieces(self) -> List[Tuple[Optional[str], int, int]]:
@@ -67,6 +72,7 @@ class _Source:
             if path is None:
                 view[pos:pos + take] = b"\n" * take
             else:
+                self.reading = path
                 try:
                     with open(path, "rb", buffering=0) as f:
                         f.seek(skip + lo)
@@ -175,8 +181,9 @@ def _on_nfs(path: str) -> bool:
 
 
 def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int, round_bytes: int,
-                  bar: Optional[Progress]) -> Optional[str]:
-    """Root copies its own part file-to-file in the kernel, then receives the others in rounds."""
+                  bar: Optional[Progress], local_s: Optional[float] = None) -> Optional[str]:
+    """Root copies its own part file-to-file in the kernel, then receives the others in rounds.
+    ``local_s``: how long a rank's own read, or the root's write, may make no progress."""
     me = comm.Get_rank()
     fd, err = (os.open(tmp, os.O_WRONLY), None) if me == root else (-1, None)
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
@@ -185,24 +192,35 @@ def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int
             err = _copy_own(src, fd, starts[root], tmp, bar)
         if comm.Get_size() > 1:
             others = [0 if r == root else n for r, n in enumerate(sizes)]  # same schedule on every rank
-            err = _receive_and_write(comm, others, src, root, round_bytes, fd, starts, tmp, bar) or err
+            err = _receive_and_write(comm, others, src, root, round_bytes, fd, starts, tmp, bar, local_s) or err
         if me == root and err is None:
             os.fsync(fd)
+    except CollectiveTimeout:  # (a TimeoutError, so an OSError: not this file's error)
+        raise
     except OSError as exc:
         err = err or f"writing {tmp}: {exc}"
     finally:
-        if fd >= 0:
+        if fd >= 0 and not src.stalled:  # (a stuck write still holds it)
             os.close(fd)
     return err
 
 
 def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, round_bytes: int, fd: int,
-                       starts: List[int], tmp: str, bar: Optional[Progress]) -> Optional[str]:
-    """Pipelined: a writer thread writes round k while round k+1 is gathered (and read ahead)."""
-    from concurrent.futures import ThreadPoolExecutor
+                       starts: List[int], tmp: str, bar: Optional[Progress], local_s: Optional[float] = None
+                       ) -> Optional[str]:
+    """Pipelined: a writer thread writes round k while round k+1 is gathered (and read ahead).
+    A write or read that makes no progress for ``local_s`` seconds is left behind, named, and
+    this rank keeps taking part in the rounds (the merge fails on every rank afterwards)."""
+    host = socket.gethostname()
 
-    rounds = bigmpi.iter_gatherv_rounds(comm, sizes, src.fill, root, round_bytes, pipeline=True)
-    pipeline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcsync-write")
+    def read_stalled(seconds: float) -> None:
+        src.stalled = True
+        src.error = src.error or (f"node {host}: reading {src.reading}: no progress for {seconds:g} s "
+                                  "(a stuck disk or filesystem?)")
+
+    rounds = bigmpi.iter_gatherv_rounds(comm, sizes, src.fill, root, round_bytes, pipeline=True,
+                                        read_timeout=local_s, stalled=read_stalled)
+    pipeline = Worker("hpcsync-write")
     errors: List[str] = []
 
     def write(chunks: List[Tuple[int, int, memoryview]]) -> None:
@@ -218,14 +236,25 @@ def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, rou
     pending: List[Any] = []
     try:
         for chunks in rounds:
+            if src.stalled:
+                continue  # this rank's disk stopped: the rounds still go by, unwritten
             pending.append(pipeline.submit(write, chunks))
             if len(pending) == 2:  # round k-1's buffer is reused by the next Gatherv: finish it first
-                pending.pop(0).result()
+                _finish_write(pending.pop(0), local_s, src, errors, tmp, host)
         for fut in pending:
-            fut.result()
+            if not src.stalled:
+                _finish_write(fut, local_s, src, errors, tmp, host)
     finally:
-        pipeline.shutdown(wait=True)
+        pipeline.shutdown()
     return errors[0] if errors else None
+
+
+def _finish_write(fut: Any, local_s: Optional[float], src: _Source, errors: List[str], tmp: str, host: str) -> None:
+    try:
+        worker_result(fut, local_s, lambda: f"node {host}: writing {tmp}")
+    except Stalled as exc:
+        src.stalled = True
+        errors.insert(0, str(exc))  # the root's own stuck disk, before any error its writes gave
 
 
 def _copy_own(src: _Source, fd: int, offset: int, tmp: str, bar: Optional[Progress] = None) -> Optional[str]:
@@ -264,8 +293,9 @@ def _write_mpiio(comm: Any, tmp: str, src: _Source, sizes: List[int], round_byte
     step = max(1, min(round_bytes, bigmpi.INT_MAX))
     rounds = max((s + step - 1) // step for s in sizes)
     err: Optional[str] = None
+    base, limit = getattr(comm, "base", comm), getattr(comm, "timeout", None)
     try:
-        fh = MPI.File.Open(comm, tmp, MPI.MODE_WRONLY)
+        fh = MPI.File.Open(base, tmp, MPI.MODE_WRONLY)  # (every rank is here: the exchanges before were bounded)
     except MPI.Exception as exc:
         return f"MPI-IO cannot open {tmp}: {exc}"
     buf = bytearray(min(step, max(sizes[me], 1)))
@@ -277,7 +307,18 @@ def _write_mpiio(comm: Any, tmp: str, src: _Source, sizes: List[int], round_byte
             if cnt:
                 src.fill(view, lo)
             try:
-                fh.Write_at_all(offset + lo, [view, cnt, MPI.BYTE])
+                if limit is None:
+                    fh.Write_at_all(offset + lo, [view, cnt, MPI.BYTE])
+                else:  # the collective write, bounded like every other round
+                    req = fh.Iwrite_at_all(offset + lo, [view, cnt, MPI.BYTE])
+                    try:
+                        bounded.wait(req, limit, large=True)
+                    except bounded.CollectiveTimeout:
+                        why = f"{comm.what}: MPI-IO round {k + 1} of {rounds} timed out after {limit:g} s"
+                        bounded.abandon(why, req, (buf, fh))
+                        fh = None  # not closed: the write is still in flight
+                        raise bounded.CollectiveTimeout(f"{why} (rank {me}): a rank is stuck or frozen, or its "
+                                                        "node or the filesystem stopped answering") from None
             except MPI.Exception as exc:  # keep calling: Write_at_all is collective
                 err = err or f"MPI-IO write at {offset + lo}: {exc}"
             if bar is not None:
@@ -286,7 +327,8 @@ def _write_mpiio(comm: Any, tmp: str, src: _Source, sizes: List[int], round_byte
     except MPI.Exception as exc:
         err = err or f"MPI-IO sync of {tmp}: {exc}"
     finally:
-        fh.Close()
+        if fh is not None:
+            fh.Close()
     return err
 
 

@@ -1,28 +1,19 @@
 """hpcsync.stage(SRC, DST, **options) on every rank; report the result or the error.
 
 Options: JSON in argv[3] or in $HPCSYNC_TEST_STAGE_OPTS (what crosses a namespace node's shell).
-``_fault``: a list of faults, each ``{"rank": R, "patch": "module:Name.attr", "call": N, "do": D}``:
-on rank R, call N (from 1) of that function raises (``"raise"``: ``OSError(EIO)`` with
-``"error": "EIO"``, else ``RuntimeError``), ends the process as a kill would (``"exit"``),
-returns ``"value"`` without running it (``"return"``), never returns, as a read or write on a
-stuck disk or filesystem (``"block"``), or freezes the whole process as SIGSTOP does
-(``"stop"``). ``_init``: ``hpcsync.init()`` first; ``_again``: after a stage that failed, stage
+``_fault``: a list of faults (see ``_fault.py``). ``_init``: ``hpcsync.init()`` first; ``_again``: after a stage that failed, stage
 once more (the faults were one call each) and report that too (``again``); ``_uncaught``: let
 the error escape (the abort hook's failure report).
 """
-import errno
-import importlib
-import itertools
 import json
 import os
-import signal
 import socket
 import sys
-import threading
 from dataclasses import asdict
 
 import hpcsync
 from hpcsync import comm
+from _fault import inject_faults
 from _report import report
 
 src, dst = sys.argv[1], sys.argv[2]
@@ -34,37 +25,7 @@ opts.pop("_rank1", None)
 src, dst = opts.pop("src", src), opts.pop("dst", dst)
 
 
-def inject(fault: dict) -> None:
-    module, _, qualname = fault["patch"].partition(":")
-    owner = importlib.import_module(module)
-    *path, name = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    real, calls = getattr(owner, name), itertools.count(1)
-
-    def patched(*args, **kwargs):
-        if next(calls) != fault.get("call", 1):
-            return real(*args, **kwargs)
-        do = fault.get("do", "raise")
-        if do == "exit":
-            os._exit(9)
-        if do == "return":
-            return fault.get("value")
-        if do == "block":
-            threading.Event().wait()
-        if do == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-            return real(*args, **kwargs)
-        if fault.get("error") == "EIO":
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        raise RuntimeError(f"fault injected into {qualname}")
-
-    setattr(owner, name, patched)
-
-
-for fault in opts.pop("_fault", []):
-    if fault["rank"] == rank:
-        inject(fault)
+inject_faults(opts.pop("_fault", []), rank)
 again, uncaught = opts.pop("_again", False), opts.pop("_uncaught", False)
 opts.setdefault("names", True)  # the tests compare names; "names": false checks the summary
 if opts.pop("_init", False):

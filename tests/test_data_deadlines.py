@@ -72,7 +72,7 @@ def test_a_hung_disk_or_source_ends_the_stage_naming_node_file_and_phase(cluster
                   timeout=120, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_STAGE_OPTS": json.dumps(
                       {"chunk_bytes": 64 * 1024, "timeout": TIMEOUT, "names": False, "_again": True, "_fault": [fault]})})
         took = time.monotonic() - t0
-        assert all(d is not None for d in res.ranks), res
+        assert all(d is not None for d in res.ranks), res.stderr[-3000:]
         errors = {d["error"] for d in res.ranks}
         assert len(errors) == 1 and all(not d["ok"] for d in res.ranks), res.ranks
         (error,) = errors
@@ -115,3 +115,71 @@ def test_a_frozen_node_leader_ends_the_stage_with_a_report_naming_it(cluster, tm
         assert no_temporaries(node_dir(cluster, 0, "dst"))
     finally:
         _clean(cluster)
+
+
+# -- file sync ------------------------------------------------------------------------------------
+
+def _sync_parts(cluster, tmp_path, per_node):
+    """Random parts of 300 kB for each rank, in its own node's local folder; the target on a
+    folder every node sees. Returns (target, parts_dir, parts)."""
+    from hpcsync.data.filesync import part_path
+
+    target, parts_dir = tmp_path / "merged.bin", os.path.join(cluster.node_local, "parts")
+    parts, rank = [], 0
+    for node, n in enumerate(per_node):
+        for _ in range(n):
+            data = os.urandom(300_000 + rank)
+            rel = os.path.relpath(part_path(str(target), rank, parts_dir), cluster.node_local)
+            p = node_dir(cluster, node, rel)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+            parts.append(p)
+            rank += 1
+    return target, parts_dir, parts
+
+
+@pytest.mark.parametrize("where", ["disk", "part"])
+def test_a_hung_write_or_part_read_ends_the_sync_naming_node_file_and_phase(cluster, tmp_path, where):
+    """The root's writer hangs in a write (its disk), or rank 2's read of its part hangs (its
+    node's disk): every rank raises the same SyncError naming the node, the file and whether it
+    was reading or writing, within the timeout and 45 s; no target appears and every part is kept."""
+    target, parts_dir, parts = _sync_parts(cluster, tmp_path, [2, 1])
+    fault = {"disk": {"rank": 0, "patch": "hpcsync.data.transports:_pwrite_all", "call": 2, "do": "block"},
+             "part": {"rank": 2, "patch": "hpcsync.data.transports:_Source.fill", "call": 2, "do": "block"}}[where]
+    needles = {"disk": [f"rank 0: node {cluster.names[0]}: writing {tmp_path}/", "no progress for 3 s"],
+               "part": [f"rank 2: node {cluster.names[1]}: reading {cluster.node_local}/parts/", "no progress for 3 s"]
+               }[where]
+    t0 = time.monotonic()
+    res = run(cluster.openmpi([2, 1]), 3, "sync.py", str(target), tmp_path=tmp_path, expect_ok=False, timeout=120,
+              env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_SYNC_OPTS": json.dumps(
+                  {"text": False, "method": "gather", "round_bytes": 100_000, "parts_dir": parts_dir,
+                   "timeout": TIMEOUT, "_fault": [fault]})})
+    took = time.monotonic() - t0
+    assert all(d is not None for d in res.ranks), res.stderr[-3000:]
+    errors = {d["error"] for d in res.ranks}
+    assert len(errors) == 1 and all(not d["ok"] for d in res.ranks), res.ranks
+    (error,) = errors
+    assert error.startswith("SyncError: ") and all(s in error for s in needles), error
+    assert took < TIMEOUT + 45, took
+    assert not target.exists() and all(p.exists() for p in parts)
+
+
+def test_a_rank_frozen_mid_gather_ends_the_sync_with_a_report_naming_it(cluster, tmp_path):
+    """Rank 2 freezes (SIGSTOP) while it reads its part for the second gather round, in a job
+    that called hpcsync.init() and lets the error escape: the ranks waiting for it raise
+    SyncTimeout within the timeout, the failure report names rank 2 and its node as silent, and
+    the job ends within the timeout and 45 s; no target appears."""
+    target, parts_dir, parts = _sync_parts(cluster, tmp_path, [2, 1])
+    fault = {"rank": 2, "patch": "hpcsync.data.transports:_Source.fill", "call": 2, "do": "stop"}
+    t0 = time.monotonic()
+    res = run(cluster.openmpi([2, 1]), 3, "sync.py", str(target), tmp_path=tmp_path, expect_ok=False, timeout=150,
+              env={"HPCSYNC_TEST_SYNC_OPTS": json.dumps(
+                  {"text": False, "method": "gather", "round_bytes": 100_000, "parts_dir": parts_dir,
+                   "timeout": TIMEOUT, "_init": True, "_uncaught": True, "_fault": [fault]})})
+    took = time.monotonic() - t0
+    assert res.returncode != 0 and took < TIMEOUT + 45, (took, res)
+    assert res.ranks[0] is not None and res.ranks[0]["error"].startswith("SyncTimeout: "), res.ranks[0]
+    assert "within 6 s" in res.ranks[0]["error"], res.ranks[0]
+    report = res.stderr[res.stderr.index("[hpcsync] ====="):]
+    assert f"ranks 2 on {cluster.names[1]}: no answer" in report, report
+    assert not target.exists() and all(p.exists() for p in parts)
