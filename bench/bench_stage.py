@@ -226,17 +226,20 @@ def targets(rows: list) -> list:
 # The model of stage vs cp across N nodes (docs/filesync.md, "Across nodes: a model"): assumed
 # figures of a typical cluster, ImageNet-1k's training set; --model prints the table.
 MODEL = {"S": 140e9, "F": 1.28e6, "B_client": 3e9, "B_fs": 50e9, "R_md": 50e3, "c_open": 0.2e-3, "c_stat": 0.1e-3,
-         "B_net": 12.5e9, "alpha": 10e-6, "beta": 2.0, "c_file": 35e-6, "B_disk": 2e9, "C": 16 * 2**20,
-         "p": 4}
+         "B_net": 12.5e9, "alpha": 10e-6, "bubble": 50e-6, "seg": 32768, "c_file": 35e-6, "B_disk": 2e9,
+         "C": 16 * 2**20, "p": 4}
 
 
 def model(n: int, m: dict = MODEL) -> dict:
-    """Seconds for stage and for ``cp`` from the shared filesystem on every node, ``n`` nodes."""
-    levels = (n - 1).bit_length()  # ceil(log2 n)
+    """Seconds for stage and for ``cp`` from the shared filesystem on every node, ``n`` nodes.
+    The broadcast is Open MPI's non-blocking one (libnbc) for stage's rounds of ``C`` bytes: a
+    chain of 32 KiB segments, pipelined, so its bandwidth term is S/B_net at any N, plus a fill of
+    (n - 1) hops once, plus a bubble per round per rank (the round's end noticed, the next posted)."""
     rounds = max(m["S"] / m["C"], m["F"] / 4096)
     t_list = m["F"] * m["c_stat"] / m["p"]
     t_read = m["S"] / m["B_client"] + m["F"] * m["c_open"]  # the root alone, one file at a time
-    t_bcast = rounds * levels * m["alpha"] + (m["beta"] * m["S"] / m["B_net"] if n > 1 else 0.0)
+    t_bcast = (m["S"] / m["B_net"] + rounds * m["bubble"] + (n - 1) * (m["alpha"] + m["seg"] / m["B_net"])
+               if n > 1 else 0.0)
     t_write = m["S"] / m["B_disk"] + m["F"] * m["c_file"]  # every node at once
     stage = t_list + max(t_read, t_bcast, t_write)
     per_node = m["F"] * (m["c_open"] + m["c_file"]) + m["S"] / min(m["B_client"], m["B_fs"] / n)
@@ -245,14 +248,22 @@ def model(n: int, m: dict = MODEL) -> dict:
             "list_s": t_list, "cp_metadata_s": n * m["F"] / m["R_md"], "cp_per_node_s": per_node}
 
 
+def crossover(m: dict = MODEL) -> int:
+    """The fewest nodes from which ``cp`` from the shared filesystem is slower than stage by more
+    than a tenth (below it the two are within 10 %)."""
+    return next(n for n in range(1, 100_000) if model(n, m)["cp_s"] > 1.1 * model(n, m)["stage_s"])
+
+
 def print_model() -> None:
     print("| nodes | stage (list + max(read, broadcast, write)) | cp -a from the shared filesystem | stage speed-up |")
     print("|---|---|---|---|")
-    rows = [model(n) for n in (1, 2, 8, 16, 64, 256)]
+    rows = [model(n) for n in (1, 2, 8, 16, 64, 256, 1000)]
     for r in rows:
         print(f"| {r['nodes']} | {r['stage_s']:.0f} s ({r['list_s']:.0f} + max({r['read_s']:.0f}, {r['bcast_s']:.0f}, "
               f"{r['write_s']:.0f})) | {r['cp_s']:.0f} s | {r['cp_s'] / r['stage_s']:.2f} |")
-    save_json(str(ROOT / "bench" / "results" / "stage-model.json"), "rows", rows, assumed=MODEL)
+    print(f"crossover: from {crossover()} nodes cp -a is more than 10 % slower than stage")
+    save_json(str(ROOT / "bench" / "results" / "stage-model.json"), "rows", rows, assumed=MODEL,
+              crossover_nodes=crossover())
 
 
 def slopes(rows: list) -> list:
@@ -286,12 +297,20 @@ def main() -> None:
                     "COMMIT hpcsync | tar -x -C DIR`): staged too, as 'hpcsync.stage (baseline)', in the same rounds")
     ap.add_argument("--model", action="store_true", help="print the model across nodes (assumed cluster figures), "
                     "write bench/results/stage-model.json, measure nothing")
+    ap.add_argument("--files", type=int, help="instead: memory and bytes per rank at this many 1 KiB files "
+                    "(bench/stage_scale.py; --nodes 1 2, --baseline, --where apply)")
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker)
         return
     if args.model:
         print_model()
+        return
+    if args.files:
+        import stage_scale
+
+        stage_scale.main(args.files, args.nodes, os.path.abspath(args.baseline) if args.baseline else "", args.where,
+                         str(ROOT / "bench" / "results" / "stage_scale.json"))
         return
     if args.quick:
         args.nodes, args.big_mib, args.small, args.tiny, args.repeat = [1, 2], 64, 500, 2000, 1
