@@ -1,5 +1,9 @@
 """In process, no mpirun: the backend's pure pieces (fingerprints, aliasing, chunking) and the
 gather round schedule."""
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -135,3 +139,25 @@ def test_one_name_per_concept():
 
     with pytest.raises(TypeError, match="give group= .comm= is its older name., not both"):
         group_comm(object(), object(), "x")
+
+
+def test_a_stuck_background_call_is_named_and_does_not_hold_the_exit():
+    """A pipeline's reader or writer thread stuck in a call (a hung disk): the wait for it ends
+    after its deadline with Stalled naming what it did, and the process still exits at once (a
+    concurrent.futures worker would be joined at exit: the process would hang for ever)."""
+    code = (
+        "import threading, time\n"
+        "from hpcsync.core.worker import Stalled, Worker, result\n"
+        "w = Worker('stuck')\n"
+        "fut = w.submit(threading.Event().wait)\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    result(fut, 0.5, lambda: 'writing /x/f.bin')\n"
+        "except Stalled as exc:\n"
+        "    print('stalled after', round(time.monotonic() - t0, 1), exc)\n"
+        "w.shutdown()\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "writing /x/f.bin: no progress for 0.5 s" in proc.stdout, proc.stdout
+    assert time.monotonic() - t0 < 20
