@@ -8,7 +8,8 @@ nodes of 2 ranks each (node leaders move the bytes; the other ranks wait). Per r
 its peak resident memory during the call (``ru_maxrss`` after minus before), the bytes it
 received from the other ranks (the stage's own count, ``StageResult.received_bytes``; versions
 without it report none), and the size of the result it was handed (pickled). ``--baseline`` runs
-another hpcsync version in the same way, side by side. Writes ``bench/results/stage_scale.json``.
+another hpcsync version in the same way, side by side. Adds its rows to
+``bench/results/stage_scale.json`` (replacing earlier rows of the same files and nodes).
 """
 from __future__ import annotations
 
@@ -103,8 +104,13 @@ def main(files: int, nodes: List[int], baseline: str, where: Optional[str], out:
             for name, package in versions:
                 work = base / f"w-{name}-{n}"
                 work.mkdir()
-                ranks = run_one(name, package, n, src, work)
-                shutil.rmtree(work, ignore_errors=True)
+                try:
+                    ranks = run_one(name, package, n, src, work)
+                except RuntimeError as exc:  # (e.g. the folder too small for this many copies): say so, go on
+                    print(str(exc)[-1500:], flush=True)
+                    ranks = []
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
                 for r in ranks:
                     rows.append({"version": name, "files": files, "nodes": n, **r})
         print(f"\n| version | files | nodes | rank | node | peak memory growth (MiB) | received (MiB) | "
@@ -113,7 +119,16 @@ def main(files: int, nodes: List[int], baseline: str, where: Optional[str], out:
             rec = "-" if r["received_bytes"] is None else f"{r['received_bytes'] / 2**20:.2f}"
             print(f"| {r['version']} | {r['files']} | {r['nodes']} | {r['rank']} | {r['host']} | "
                   f"{r['rss_growth_mib']:.0f} | {rec} | {r['result_bytes'] / 2**20:.2f} | {r['seconds']:.1f} |")
-        save_json(out, "rows", rows, files=files, where=where or tempfile.gettempdir())
+        where = where or tempfile.gettempdir()
+        try:  # rows of other runs (other file counts or node counts) are kept
+            with open(out) as f:
+                kept = [r for r in json.load(f)["rows"] if (r["files"], r["nodes"]) not in
+                        {(x["files"], x["nodes"]) for x in rows}]
+        except (OSError, ValueError, KeyError):
+            kept = []
+        for r in rows:
+            r["where"] = where
+        save_json(out, "rows", kept + rows)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

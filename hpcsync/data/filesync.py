@@ -272,7 +272,7 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, stri
                 err = f"cannot rename into {target}: {exc}"
         _agree(comm, err, f"sync of {target}")
     except BaseException:
-        if me == root and tmp and os.path.exists(tmp) and not src.stalled:  # (a stuck disk: touch nothing)
+        if me == root and tmp and not src.stalled and os.path.exists(tmp):  # (a stuck disk: touch nothing)
             os.unlink(tmp)
         raise
     finally:
