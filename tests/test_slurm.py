@@ -97,7 +97,8 @@ def test_sbatch_job_scripts_train(slurm, tmp_path, script, env):
 
 
 def test_sbatch_stages_the_dataset_before_training(slurm, tmp_path):
-    """DATA=... sbatch jobs/slurm_pmix.sbatch: `hpcsync stage` under srun, then training reads the copy."""
+    """DATA=... sbatch jobs/slurm_pmix.sbatch: `hpcsync stage` under srun into a fresh private
+    folder whose name nobody can guess (no $SLURM_TMPDIR here), then training reads the copy."""
     import numpy as np
 
     data = tmp_path / "data"
@@ -107,10 +108,13 @@ def test_sbatch_stages_the_dataset_before_training(slurm, tmp_path):
     np.savez(data / "spirals.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
     jid, info, log = sbatch(slurm, ROOT / "jobs" / "slurm_pmix.sbatch", tmp_path, {"DATA": str(data)})
     out = ROOT / "runs" / f"slurm-{jid}"
-    local = Path(f"/tmp/hpcsync-{jid}/data")
+    name = out / "stage-name"  # the fresh folder's name, drawn by the job script
+    local = Path(f"/tmp/hpcsync-{jid}-{name.read_text().strip() if name.exists() else 'missing'}/data")
     try:
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-3000:]}"
         assert log.count("staged ") == 1 and "copied 1 " in log, log[-3000:]
+        assert len(name.read_text().strip()) == 16 and (name.stat().st_mode & 0o777) == 0o600
+        assert (local.parent.stat().st_mode & 0o777) == 0o700  # made private by stage
         assert (local / "spirals.npz").read_bytes() == (data / "spirals.npz").read_bytes()
         summary = json.loads((out / "summary.json").read_text())
         assert summary["world_size"] == 4 and summary["loss_last"] < summary["loss_first"]
