@@ -109,11 +109,11 @@ def test_stage_benchmark_quick(tmp_path):
     rows = data["rows"]
     assert {(r["nodes"], r["method"]) for r in rows} == {(n, m) for n in (1, 2) for m in
                                                         ("hpcsync.stage", "cp -a per node", "cp -a per rank")}
-    assert all(r["seconds"] > 0 and r["bytes"] > 0 for r in rows)
+    assert all(r["seconds"] > 0 and r["bytes"] > 0 and len(r["ratios"]) == 1 for r in rows)
     stage = [r for r in rows if r["method"] == "hpcsync.stage"]
     assert len(stage) == 6 and all(r["source_reads"] == 1 for r in stage)  # read once, whatever the nodes
     assert {r["source_reads"] for r in rows if r["method"] == "cp -a per node"} == {1, 2}
-    assert [t["target"].split(" (")[0] for t in data["targets"]] == ["small"] and data["anchor"] == "cp -a per node"
+    assert [t["target"].split(" (")[0] for t in data["targets"]] == ["small", "tiny"] and data["anchor"] == "cp -a per node"
     assert "| hpcsync.stage |" in stdout and "target: small" in stdout
 
 

@@ -188,6 +188,27 @@ def test_killed_before_its_first_checkpoint_leaves_no_temporary_behind(tmp_path)
     assert no_temporaries(dst) and snapshot(dst) == snapshot(src) and r.copied == ("z_small.txt",)
 
 
+def test_the_collector_is_paused_only_inside_and_restored_whatever_happens():
+    """The listing and the copies run with Python's cyclic garbage collector off (a tree of small
+    files would start full collections of the whole heap); it is on again afterwards, after an
+    error too, and a collector the program turned off stays off."""
+    import gc
+
+    seen = []
+    paused = listing.collector_paused()(lambda fail: seen.append(gc.isenabled()) or (fail and 1 / 0))
+    assert gc.isenabled()
+    paused(False)
+    with pytest.raises(ZeroDivisionError):
+        paused(True)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        paused(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_listing_in_shares_matches_one_walk(tmp_path):
     """The names walked once and stat'ed in any split give the listing of a single scan; a name
     whose kind changed since the walk is an error, not a wrong listing."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal
 from .journal import JOURNAL, Journal, journals, read_journals
-from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, Entry, Piece, trailer_at, whole
+from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, Entry, Piece, collector_paused, trailer_at, whole
 
 log = logging.getLogger("hpcsync.staging")
 
@@ -32,7 +32,7 @@ class Destination:
                  journal: str = JOURNAL) -> None:
         self.dst, self.src, self.entries, self.durable, self.host = dst, src, entries, durable, host
         self.need = np.zeros(len(entries), dtype=np.uint8)
-        self.records: Dict[str, list] = {}
+        self.records: Dict[str, Any] = {}  # rel -> [size, mtime, mode, crc, inode, ctime] (a tuple once recorded here)
         self.fds: Dict[int, int] = {}
         self.crcs: Dict[int, int] = {}
         self.failed: Dict[Any, str] = {}
@@ -113,6 +113,7 @@ class Destination:
                 pass
             self.probe = None
 
+    @collector_paused()
     def prepare(self, whole_folders: bool = False) -> Optional[str]:
         """Create the directories, check there is room, mark the files this node lacks and the
         links to make (:meth:`start` makes them); with ``whole_folders``, also pick the folders
@@ -130,30 +131,36 @@ class Destination:
         need_bytes = replaced = largest = 0
         made = set()
         links = []
+        records = self.records
+        needed: List[int] = []  # marked in self.need at once
         try:
             for i, e in enumerate(self.entries):
-                path = self.path(i)
-                if e.kind == DIR:
-                    if _ensure_dir(path):
-                        made.add(i)
-                elif e.kind == LINK:
-                    links.append(i)
-                elif e.rel not in self.records:  # never staged here: needed, whatever lies there now
-                    self.need[i] = 1
-                    need_bytes += e.size
-                else:
+                kind = e.kind
+                if kind == FILE:
+                    rec = records.get(e.rel)
+                    if rec is None:  # never staged here: needed, whatever lies there now
+                        needed.append(i)
+                        need_bytes += e.size
+                        continue
+                    path = self.path(i)
                     try:
                         have: Optional[os.stat_result] = os.lstat(path)
                     except FileNotFoundError:
                         have = None
                     if have is not None and st.S_ISDIR(have.st_mode):
                         return self._where(f"{path} is a directory, the source has a file there")
-                    if not _up_to_date(e, self.records.get(e.rel), have):
-                        self.need[i] = 1
+                    if not _up_to_date(e, rec, have):
+                        needed.append(i)
                         need_bytes += e.size
                         if have is not None:
                             replaced += have.st_size
                             largest = max(largest, have.st_size)
+                elif kind == DIR:
+                    if _ensure_dir(self.path(i)):
+                        made.add(i)
+                else:  # a link
+                    links.append(i)
+            self.need[needed] = 1
             vfs = os.statvfs(dst)
             if whole_folders:
                 self.units = whole(self.entries, self.need, lambda i: i in made or not os.listdir(self.path(i)))
@@ -244,18 +251,38 @@ class Destination:
 
     def record(self, idx: int, done: os.stat_result, crc: Optional[int]) -> None:
         """Entry ``idx`` is in place as ``done``: remember it for the journal and the manifest."""
-        self.record_all([(idx, done)], crc)
+        self.record_all([(idx, done.st_ino, done.st_ctime_ns)], crc)
 
-    def record_all(self, done: Sequence[Tuple[int, os.stat_result]], crc: Optional[int] = None) -> None:
-        """:meth:`record` for each ``(entry index, its copy's stat)``."""
+    def record_all(self, done: Sequence[Tuple[int, int, int]], crc: Optional[int] = None) -> None:
+        """:meth:`record` for each ``(entry index, its copy's inode, its copy's ctime)``. A record
+        is a tuple of numbers (written as a JSON list): the garbage collector stops tracking it, so
+        the records of a tree of small files do not make it sweep the heap over and over."""
         entries, records, unjournaled = self.entries, self.records, self.unjournaled
-        for idx, s in done:
+        written = 0
+        for idx, ino, ctime in done:
             e = entries[idx]
-            rec = [e.size, e.mtime_ns, e.mode, crc, s.st_ino, s.st_ctime_ns]
+            size = e.size
+            rec = (size, e.mtime_ns, e.mode, crc, ino, ctime)
             records[e.rel] = rec
             unjournaled.append((e.rel, rec))
-            self.bytes_written += e.size
+            written += size
+        self.bytes_written += written
         self.files_written += len(done)
+
+    def encode_records(self, files: Sequence[int]) -> None:
+        """Encode the records of ``files`` (entry indexes this rank copied and recorded) for the
+        manifest now, as :meth:`add_records` takes another rank's: the root of a one-node copy
+        does it before it waits for the other ranks, which encode theirs at the same time."""
+        records, entries = self.records, self.entries
+        mine = {}
+        for i in files:
+            rel = entries[i].rel
+            rec = records.pop(rel, None)
+            if rec is not None:
+                mine[rel] = rec
+        if mine:
+            self.more.append(json.dumps(mine, separators=(",", ":")))
+            self.more_files += len(mine)
 
     def add_records(self, records: str, files: int) -> None:
         """Records of ``files`` files another rank of the node copied, as the JSON object it made
@@ -374,8 +401,10 @@ def _load_manifest(dst: str, src: str, host: str) -> Dict[str, list]:
 def _write_manifest(node: Destination) -> None:
     """Replace ``node``'s manifest with its records (its own and the other ranks'), then remove
     the journals."""
-    current = {e.rel for e in node.entries if e.kind == FILE}
-    mine = json.dumps({rel: rec for rel, rec in node.records.items() if rel in current}, separators=(",", ":"))
+    mine = "{}"
+    if node.records:  # (the records of the files copied here may be encoded already: add_records, encode_records)
+        current = {e.rel for e in node.entries if e.kind == FILE}
+        mine = json.dumps({rel: rec for rel, rec in node.records.items() if rel in current}, separators=(",", ":"))
     files = ",".join(part[1:-1] for part in (mine, *node.more) if part != "{}")  # objects joined
     if node.durable:
         _syncfs(node.dst)

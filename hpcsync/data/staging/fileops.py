@@ -129,25 +129,29 @@ def new_folder(path: str) -> None:
 
 
 def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry], files: Sequence[int], source: str,
-                hidden: str) -> Tuple[List[Tuple[int, os.stat_result]], int, List[Failure]]:
+                hidden: str) -> Tuple[List[Tuple[int, int, int]], int, List[Failure]]:
     """Copy ``files`` (entry indexes, all in the folder ``source``) into the new folder ``hidden``
     under their own names: nothing there is visible until the caller renames the folder, so no
     file needs a temporary name (no rename per file), and every name resolves in an open folder.
-    Returns ``(copies made with their stat, bytes read, failures)``; a failed copy is removed, a
-    failure to write stops the rest."""
-    done: List[Tuple[int, os.stat_result]] = []
+    Returns ``(copies made, as (entry index, inode, ctime), bytes read, failures)``; a failed copy
+    is removed, a failure to write stops the rest. (Plain tuples of numbers, not stat results:
+    the garbage collector stops tracking them, so a tree of small files does not make it sweep
+    the heap over and over.)"""
+    done: List[Tuple[int, int, int]] = []
     failed: List[Failure] = []
     read = 0
     modes: Dict[int, Tuple[int, bool]] = {}
-    cfr, fstat, opn = os.copy_file_range, os.fstat, os.open  # the loop below is the cost of a small file
+    cfr, fstat, opn, close, utime = os.copy_file_range, os.fstat, os.open, os.close, os.utime  # the loop below is
+    range_copy = copier.range_copy  # the cost of a small file
+    cut = entries[files[0]].rel.rfind("/") + 1 if files else 0  # where the names start (one folder)
     sdir = opn(source, _FOLDER)
     try:
         hdir = opn(hidden, _FOLDER)
         try:
             for i in files:
                 e = entries[i]
-                name = e.rel.rpartition("/")[2]
-                size = e.size
+                rel, _, emode, atime, mtime, size, _ = e
+                name = rel[cut:]
                 try:
                     sfd = opn(name, _READ, dir_fd=sdir)
                 except OSError as exc:
@@ -155,10 +159,13 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
                     continue
                 fd = -1
                 try:
-                    mode, chmod = modes.get(e.mode) or modes.setdefault(e.mode, creation_mode(e.mode, umask))
+                    how = modes.get(emode)
+                    if how is None:
+                        how = modes[emode] = creation_mode(emode, umask)
+                    mode, chmod = how
                     fd = opn(name, _NEW, mode, dir_fd=hdir)
                     copied = -1
-                    if copier.range_copy:
+                    if range_copy:
                         try:
                             copied = cfr(sfd, fd, size, 0, 0)
                         except OSError:
@@ -166,22 +173,23 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
                     if copied != size:
                         copied = max(copied, 0)
                         copied += copier.copy(sfd, fd, size - copied, copied)
+                        range_copy = copier.range_copy
                     read += copied
                     if copied == size:
                         s = fstat(sfd)
-                        why = None if s.st_size == size and s.st_mtime_ns == e.mtime_ns else \
+                        why = None if s.st_size == size and s.st_mtime_ns == mtime else \
                             f"source file {source}/{name} changed while being staged"
                     else:
                         why = f"source file {source}/{name} shrank while being staged"
                     if why is None:
                         if chmod:
-                            os.fchmod(fd, e.mode)
-                        os.utime(fd, ns=(e.atime_ns, e.mtime_ns))
+                            os.fchmod(fd, emode)
+                        utime(fd, ns=(atime, mtime))
                         s = fstat(fd)
-                        if not chmod and s.st_mode & 0o7777 != e.mode:  # a default ACL on the folder
-                            s = _chmod(fd, e.mode)
+                        if not chmod and s.st_mode & 0o7777 != emode:  # a default ACL on the folder
+                            s = _chmod(fd, emode)
                         if s.st_size == size:  # a safety net: the copy counts every byte
-                            done.append((i, s))
+                            done.append((i, s.st_ino, s.st_ctime_ns))
                             continue
                         why = f"{hidden}/{name}: wrote {s.st_size} bytes, the source has {size}"
                     failed.append((i, why, True))
@@ -189,8 +197,8 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
                     failed.append((i, f"writing {hidden}/{name}: {exc.strerror}", False))
                 finally:
                     if fd >= 0:
-                        os.close(fd)
-                    os.close(sfd)
+                        close(fd)
+                    close(sfd)
                 try:  # only a complete copy stays
                     os.unlink(name, dir_fd=hdir)
                 except OSError:
@@ -198,9 +206,9 @@ def fill_folder(copier: "Copier", umask: Optional[int], entries: Sequence[Entry]
                 if not failed[-1][2]:
                     break
         finally:
-            os.close(hdir)
+            close(hdir)
     finally:
-        os.close(sdir)
+        close(sdir)
     return done, read, failed
 
 

@@ -14,7 +14,7 @@ from .broadcast import Reader, unexpected
 from .destination import _JOURNAL_SECONDS, Destination
 from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
-from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, source_path
+from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, collector_paused, source_path
 
 log = logging.getLogger("hpcsync.staging")
 
@@ -98,7 +98,7 @@ def _copy_folder(node: "Destination", p: int, files: List[int], source: str, rea
         try:
             os.rename(hidden, final)
         except OSError:  # the folder is no longer empty (written meanwhile): one file at a time
-            done = [(i, _move(f"{hidden}/{os.path.basename(node.path(i))}", node.path(i))) for i, _ in done]
+            done = [(i, *_move(f"{hidden}/{os.path.basename(node.path(i))}", node.path(i))) for i, *_ in done]
             os.rmdir(hidden)
     except OSError as exc:
         node.fail(files[0], f"moving {hidden} into place: {exc.strerror}")
@@ -109,9 +109,11 @@ def _copy_folder(node: "Destination", p: int, files: List[int], source: str, rea
         bar.update(sum(node.entries[i].size for i in files))
 
 
-def _move(tmp: str, final: str) -> os.stat_result:
+def _move(tmp: str, final: str) -> Tuple[int, int]:
+    """Rename ``tmp`` to ``final``; the copy's inode and ctime after the rename."""
     os.replace(tmp, final)
-    return os.stat(final)
+    s = os.stat(final)
+    return s.st_ino, s.st_ctime_ns
 
 
 def idle_until_all_arrive(comm: Any) -> None:
@@ -141,6 +143,7 @@ def identity(path: str) -> Optional[Tuple[int, int]]:
 Range = Tuple[int, str, int, int]  # (entry index, temporary file, offset, bytes)
 
 
+@collector_paused()
 def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "Destination",
                  reader: "Reader", bar: Optional[Progress]) -> None:
     """One node, several ranks (each holding the listing): the node's ranks share the copying.
@@ -170,10 +173,12 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
     ids = (identity(src), identity(node.dst))
     ranks.scatter([(ids, plan, claims, r) for r in ranges], root=0)
     try:
-        copy_blocks(plan, src, entries, node, reader, bar, claims)
+        mine = copy_blocks(plan, src, entries, node, reader, bar, claims)
         if sealing:
             node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
         range_errors = _copy_ranges(src, entries, ranges[0])
+        if node.broken is None and not reader.failed:  # the manifest's part of them, while the others make theirs
+            node.encode_records([i for k in mine for i in plan[k][1]])
     except Exception as exc:
         range_errors = _all_failed(entries, ranges[0], node.note(unexpected(exc)))  # type: ignore[arg-type]
     idle_until_all_arrive(ranks)
@@ -229,8 +234,9 @@ def _gathered(every: List[Any], src: str, entries: List[Entry], ranges: List[Lis
             range_errors.update(_copy_ranges(src, entries, ranges[r]))
             continue
         copied, records, failed, unreadable, read_bytes, written, bad_ranges = done
-        for i in copied:  # the helper's record replaces what an earlier stage recorded
-            node.records.pop(entries[i].rel, None)
+        if node.records:  # (none left on a first stage: the root's own are encoded already)
+            for i in copied:  # the helper's record replaces what an earlier stage recorded
+                node.records.pop(entries[i].rel, None)
         node.add_records(records, len(copied))
         for k, why in enumerate(failed):  # named already (rank and node): see Destination.finish
             node.failed.setdefault(("rank", r, k), why)
@@ -301,6 +307,7 @@ def _source_unchanged(source: str, e: Entry) -> Optional[str]:
         os.close(fd)
 
 
+@collector_paused()
 def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry], rank: int) -> None:
     """A non-root rank's part of :func:`copy_shared` (``rank``: its rank in the stage's group).
     Its errors travel to the root in the gather, which it reaches whatever fails here (the root
