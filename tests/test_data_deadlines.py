@@ -55,7 +55,7 @@ def test_a_hung_disk_or_source_ends_the_stage_naming_node_file_and_phase(cluster
     """Node 1's writer thread hangs in a write (a stuck local disk), or the root's reader hangs in
     a read (a stuck network filesystem under the source): every rank raises the same StageError
     naming the node, the file and whether it was reading or writing, within the timeout and 45 s
-    (the node's own thread gets half the timeout, so its error comes before any round times out);
+    (the node's own thread gets a quarter of the timeout, so its error comes before any round times out);
     nothing incomplete is at a final name; a second stage in the same job completes exactly."""
     src = _source(tmp_path)
     fault = {"disk": {"rank": 2, "patch": "hpcsync.data.staging.destination:Destination.write_round", "call": 2,
@@ -63,9 +63,9 @@ def test_a_hung_disk_or_source_ends_the_stage_naming_node_file_and_phase(cluster
              "source": {"rank": 0, "patch": "hpcsync.data.staging.broadcast:Reader.fill", "call": 3,
                         "do": "block"}}[where]
     dst = Path(cluster.node_local, "dst")
-    needles = {"disk": [f"rank 2: node {cluster.names[1]}: writing {dst}/f", "no progress for 3 s"],
+    needles = {"disk": [f"rank 2: node {cluster.names[1]}: writing {dst}/f", "no progress for 1.5 s"],
                "source": [f"rank 0: node {cluster.names[0]}: reading {src}/f", "from the source",
-                          "no progress for 3 s"]}[where]
+                          "no progress for 1.5 s"]}[where]
     try:
         t0 = time.monotonic()
         res = run(cluster.openmpi([2, 1]), 3, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False,
@@ -146,8 +146,8 @@ def test_a_hung_write_or_part_read_ends_the_sync_naming_node_file_and_phase(clus
     target, parts_dir, parts = _sync_parts(cluster, tmp_path, [2, 1])
     fault = {"disk": {"rank": 0, "patch": "hpcsync.data.transports:_pwrite_all", "call": 2, "do": "block"},
              "part": {"rank": 2, "patch": "hpcsync.data.transports:_Source.fill", "call": 2, "do": "block"}}[where]
-    needles = {"disk": [f"rank 0: node {cluster.names[0]}: writing {tmp_path}/", "no progress for 3 s"],
-               "part": [f"rank 2: node {cluster.names[1]}: reading {cluster.node_local}/parts/", "no progress for 3 s"]
+    needles = {"disk": [f"rank 0: node {cluster.names[0]}: writing {tmp_path}/", "no progress for 1.5 s"],
+               "part": [f"rank 2: node {cluster.names[1]}: reading {cluster.node_local}/parts/", "no progress for 1.5 s"]
                }[where]
     t0 = time.monotonic()
     res = run(cluster.openmpi([2, 1]), 3, "sync.py", str(target), tmp_path=tmp_path, expect_ok=False, timeout=120,

@@ -228,7 +228,7 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, stri
            text: bool, allow_missing: bool, keep_parts: bool, method: str, round_bytes: int,
            progress: Optional[bool], limit: float, t0: float) -> SyncResult:
     """:func:`merge_parts` on a bounded communicator: every round waits at most ``limit``
-    seconds; a rank's own read or the root's write gets half of it."""
+    seconds; a rank's own read or the root's write gets a quarter of it."""
     size, me = comm.Get_size(), comm.Get_rank()
     raise_if_settings_differ(  # every rank must mean the same merge
         comm, {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
@@ -260,7 +260,7 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, stri
         elif chosen == "mpiio":
             err = _write_mpiio(comm, tmp, src, sizes, round_bytes, bar)
         else:
-            err = _write_gather(comm, tmp, src, sizes, root, round_bytes, bar, limit / 2)
+            err = _write_gather(comm, tmp, src, sizes, root, round_bytes, bar, limit / 4)
         # every rank's error first: a rank whose read failed sent zeros, which must not become the target
         _agree(comm, err or src.error, f"sync of {target}")
         err = None
@@ -318,7 +318,7 @@ def sync_file(
     ``round_bytes``: bytes per gather round (bounds the root's memory). ``progress``: a progress
     bar on the root (default: when stderr is a terminal). ``timeout`` (default
     ``HPCSYNC_TIMEOUT``): how long each exchange waits for the other ranks -- a gather round, not
-    the whole merge; a rank's own part read or the root's write gets half of it, so a stuck disk
+    the whole merge; a rank's own part read or the root's write gets a quarter of it, so a stuck disk
     is named (the rank, its node, the file, reading or writing) in the same
     :class:`~hpcsync.core.errors.SyncError` on every rank, before any round times out. A rank that
     stops (frozen, lost) makes the others raise :class:`~hpcsync.core.errors.SyncTimeout`.

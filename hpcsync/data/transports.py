@@ -241,10 +241,10 @@ def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, rou
             pending.append(pipeline.submit(write, chunks))
             if len(pending) == 2:  # round k-1's buffer is reused by the next Gatherv: finish it first
                 _finish_write(pending.pop(0), local_s, src, errors, tmp, host)
+    finally:  # (also when a round timed out: the file is closed only once no write is under way)
         for fut in pending:
             if not src.stalled:
                 _finish_write(fut, local_s, src, errors, tmp, host)
-    finally:
         pipeline.shutdown()
     return errors[0] if errors else None
 

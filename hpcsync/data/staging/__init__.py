@@ -76,7 +76,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 @dataclass(frozen=True)
 class StageResult:
-    """What a stage did (the same on every rank)."""
+    """What a stage did (the same on every rank, but ``received_bytes``)."""
 
     source: str
     destination: str
@@ -120,8 +120,8 @@ def stage(
     destination filesystem before recording files; ``progress`` shows a bar on the root (default:
     when stderr is a terminal). ``timeout`` (default ``HPCSYNC_TIMEOUT``) bounds each exchange
     among the ranks, not the whole stage: a broadcast round, the listing, the result; a node's
-    own disk or the source gets half of it to make progress on a file, so its error (the node,
-    the file, reading or writing) comes before the others' rounds time out. ``names``: the
+    own disk or the source gets a quarter of it to make progress on a file, so its error (the
+    node, the file, reading or writing) comes before the others' rounds time out. ``names``: the
     result lists every file copied and skipped (by default it counts them: the names of a
     million files on every rank cost memory). ``group``: the ranks taking part, a torch process
     group (under MPI) or an mpi4py communicator (default: the world; ``comm`` is its older name).
@@ -346,7 +346,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
                      ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """Listing to every leader, what each node lacks, the transfer; the result on the root.
     ``helpers``: a one-node job's communicator, whose ranks share the copying; ``limit``: the
-    exchanges' timeout (the node's own reads and writes get half); ``beat``: tells the node's
+    exchanges' timeout (the node's own reads and writes get a quarter); ``beat``: tells the node's
     other ranks of each step."""
     tick = beat.beat if beat is not None else (lambda: None)
     phase = getattr(leaders, "what", "")
@@ -364,7 +364,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
                                    root=0)
         entries, ignored, token = pickle.loads(blob)
     host = socket.gethostname()
-    node = Destination(dst, src, entries, durable, host)
+    node = Destination(dst, src, entries, durable, host, call=uuid.uuid4().hex)
     now("looking at the destination")
     err = node.open_destination(token, leaders.Get_rank())
     try:
@@ -404,7 +404,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
     try:
         if many:
             now("the transfer")
-            rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar, limit / 2 if limit else None, tick)
+            rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar, limit / 4 if limit else None, tick)
         elif helpers is not None:
             copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
         elif todo:

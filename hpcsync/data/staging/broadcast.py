@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import zlib
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,7 +33,8 @@ def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reade
     in every round), one of the root's reader thread or of its own loop ends the transfer for all
     (:meth:`Reader.stop`: one more round goes out, flagged as the last). Either reaches every rank
     as the stage's error. A reader or writer thread that makes no progress for ``local_s``
-    seconds (a stuck source or disk) is left behind the same way: its node's error, or the end
+    seconds (a quarter of the rounds' timeout: the root may wait for a read, then a write, then
+    the writes under way, and still post its round before the others' wait ends) (a stuck source or disk) is left behind the same way: its node's error, or the end
     of the transfer, naming the file. ``leaders`` bounds each round by its own timeout (a
     :class:`~hpcsync.core.bounded.BoundedComm`); ``beat`` tells the node's other ranks of each
     round."""
@@ -72,6 +74,11 @@ def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reade
         if hasattr(leaders, "what"):
             leaders.what = phase
     return len(plan)
+
+
+def _left(end: Optional[float]) -> Optional[float]:
+    """Seconds left until ``end`` (None: no end), at least a millisecond."""
+    return None if end is None else max(0.001, end - time.monotonic())
 
 
 def _files(entries: List[Entry], pieces: Sequence[Piece]) -> str:
@@ -127,10 +134,11 @@ class _Pipeline:
             bufs[k % len(bufs)] = np.empty(self.cap, dtype=np.uint8)  # no zero-fill: every byte sent is written first
         return bufs[k % len(bufs)]
 
-    def _wait_write(self, k: int) -> None:
+    def _wait_write(self, k: int, limit: Optional[float] = None) -> None:
         fut = self.writes.pop(k)
         try:
-            worker_result(fut, self.local_s, lambda: f"writing {self.node.writing_what()} (round {k + 1})")
+            worker_result(fut, self.local_s if limit is None else limit,
+                          lambda: f"writing {self.node.writing_what()} (round {k + 1})")
         except Stalled as exc:
             self.write_stuck = True
             self.node.stall(str(exc))
@@ -198,17 +206,20 @@ class _Pipeline:
         self._drop_begun()
 
     def drain(self) -> None:
-        """Wait for the reads and writes under way (none raises; a stuck one is left behind)."""
+        """Wait for the reads and writes under way, ``local_s`` for all of them together (none
+        raises; a stuck one is left behind with the buffers it may still touch)."""
+        end = None if self.local_s is None else time.monotonic() + self.local_s
         for k in sorted(self.reads):
             try:
-                worker_result(self.reads[k], self.local_s, lambda: f"reading {self.reader.reading} from the source")  # type: ignore[union-attr]
+                worker_result(self.reads[k], _left(end), lambda: f"reading {self.reader.reading} from the source")  # type: ignore[union-attr]
             except Stalled as exc:
                 self.read_stuck = True
+                self.bufs = [None, None]  # the stuck reader may still write into the old ones
                 self.reader.stop(str(exc))  # type: ignore[union-attr]
                 break
         for k in sorted(self.writes):
             if k in self.writes:
-                self._wait_write(k)
+                self._wait_write(k, _left(end))
         self.reads.clear()
         self.writes.clear()
 

@@ -29,8 +29,11 @@ class Destination:
     """A node leader's copy: what it lacks, temporary files, checks, renames, manifest and journal."""
 
     def __init__(self, dst: str, src: str, entries: List[Entry], durable: bool, host: str,
-                 journal: str = JOURNAL) -> None:
+                 journal: str = JOURNAL, call: str = "") -> None:
+        """``call``: a mark of this stage call, in the temporary names of its files: a writer
+        thread of an earlier call, stuck on a hung disk and then let go, cannot touch this one's."""
         self.dst, self.src, self.entries, self.durable, self.host = dst, src, entries, durable, host
+        self.call = f"{call[:6]}." if call else ""
         self.need = np.zeros(len(entries), dtype=np.uint8)
         self.records: Dict[str, Any] = {}  # rel -> [size, mtime, mode, crc, inode, ctime] (a tuple once recorded here)
         self.fds: Dict[int, int] = {}
@@ -38,7 +41,7 @@ class Destination:
         self.failed: Dict[Any, str] = {}
         self.unjournaled: List[Tuple[str, list]] = []
         self.tag = hashlib.sha1(host.encode()).hexdigest()[:8]  # temporary names never collide between nodes
-        self.journal = Journal(dst, journal, src, durable, self.tmp_path(os.path.join(dst, journal)))
+        self.journal = Journal(dst, journal, src, durable, self.tmp_path(os.path.join(dst, journal), mine=False))
         self.last_journal = time.monotonic()
         self.files_written = self.bytes_written = 0
         self.broken: Optional[str] = None  # first write error: later files are not even tried
@@ -59,11 +62,14 @@ class Destination:
         rel = self.entries[idx].rel
         return f"{self.dst}/{rel}" if rel else self.dst
 
-    def tmp_path(self, final: str) -> str:
+    def tmp_path(self, final: str, mine: bool = True) -> str:
+        """The temporary name of ``final`` on this node (``mine``: of this call; the journal's and
+        the manifest's are the node's, found again by the next call). All end in the node's
+        suffix, which the next call removes after a killed one."""
         folder, _, name = final.rpartition("/")
         if len(name) > 200:  # keep the temporary name within NAME_MAX
             name = hashlib.sha1(name.encode()).hexdigest()
-        return f"{folder}/.{name}.{self.tag}{TMP_SUFFIX}"
+        return f"{folder}/.{name}.{self.call if mine else ''}{self.tag}{TMP_SUFFIX}"
 
     def claims_path(self) -> str:
         """The folder where a one-node copy's ranks claim blocks of work (removed at the end)."""
@@ -408,7 +414,7 @@ def _write_manifest(node: Destination) -> None:
     files = ",".join(part[1:-1] for part in (mine, *node.more) if part != "{}")  # objects joined
     if node.durable:
         _syncfs(node.dst)
-    tmp = node.tmp_path(os.path.join(node.dst, MANIFEST))
+    tmp = node.tmp_path(os.path.join(node.dst, MANIFEST), mine=False)
     with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
         f.write(f'{{"version":1,"source":{json.dumps(node.src)},"files":{{{files}}}}}')
         if node.durable:

@@ -18,7 +18,7 @@ from ...core import bounded
 from ...core.errors import StageError, StageTimeout
 
 TAG = 0x5EA1  # on the node's private duplicate: never matches the program's own messages
-MAX_WORDS = 4000  # a leader's error, as sent (the receive buffer's size bounds a message)
+MAX_BYTES = 2000  # a leader's error, as sent, in UTF-8 (the receive buffer bounds a message; small: sent eagerly)
 
 
 class Heartbeat:
@@ -44,7 +44,8 @@ class Heartbeat:
         a timeout (the node's ranks then raise :class:`StageTimeout` too)."""
         if self.alone:
             return
-        self._send(("done", error[:MAX_WORDS] if error else None, timed_out))
+        words = error.encode()[:MAX_BYTES].decode(errors="ignore") if error else None
+        self._send(("done", words, timed_out))
         deadline = time.monotonic() + self.timeout  # a few bytes each: sent at once unless a rank is gone
         while self.sends and time.monotonic() < deadline:
             self.sends = [r for r in self.sends if not r.Test()]
@@ -63,7 +64,7 @@ class Heartbeat:
         raw = self.node.raw()
         patience = 2 * self.timeout
         deadline = time.monotonic() + patience
-        req = raw.irecv(bytearray(MAX_WORDS + 512), source=0, tag=TAG)
+        req = raw.irecv(bytearray(MAX_BYTES + 512), source=0, tag=TAG)
         pause = 0.0002
         while True:
             ok, msg = req.test()
@@ -75,7 +76,7 @@ class Heartbeat:
                         raise (StageTimeout if timed_out else StageError)(f"{what}{error}")
                     return
                 deadline, pause = now + patience, 0.0002
-                req = raw.irecv(bytearray(MAX_WORDS + 512), source=0, tag=TAG)
+                req = raw.irecv(bytearray(MAX_BYTES + 512), source=0, tag=TAG)
                 continue
             if now > deadline:
                 req.Cancel()  # a receive not yet matched can be cancelled: nothing stays in flight

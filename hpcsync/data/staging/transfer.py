@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import time
+import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...observe.progress import Progress
@@ -338,7 +339,7 @@ def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: Lis
 def _help(rank: int, src: str, dst: str, durable: bool, entries: List[Entry], plan: List[Tuple[int, List[int]]],
           claims: str, ranges: List["Range"]) -> Tuple[Any, ...]:
     """Copy the blocks this rank claims and its byte ranges; returns its report for the root."""
-    node = Destination(dst, src, entries, durable, socket.gethostname(), f"{JOURNAL}.{rank}")
+    node = Destination(dst, src, entries, durable, socket.gethostname(), f"{JOURNAL}.{rank}", call=uuid.uuid4().hex)
     reader = Reader(src, entries)
     try:
         mine = copy_blocks(plan, src, entries, node, reader, None, claims)
