@@ -151,9 +151,11 @@ def test_source_on_another_filesystem(tmp_path):
         shutil.rmtree(dst, ignore_errors=True)
 
 
-def test_leftover_temporary_without_journal_is_replaced(tmp_path):
-    """A stage killed before its first journal leaves a temporary file and no journal: the next
-    call creates the copy afresh (its mode from creation, not the leftover's)."""
+def test_leftover_temporary_without_journal_is_never_taken_for_data(tmp_path):
+    """A temporary file with no journal beside it (no stage leaves one: each starts its journal
+    before its first temporary name; an older version's, or a copy's): the next call creates the
+    copy afresh under its own temporary name (its mode from creation, not the leftover's) and
+    leaves the stray one alone."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     (src / "f.bin").write_bytes(os.urandom(5000))
@@ -164,7 +166,10 @@ def test_leftover_temporary_without_journal_is_replaced(tmp_path):
     leftover.write_bytes(b"partial")
     os.chmod(leftover, 0o600)
     hpcsync.stage(src, dst)
-    assert snapshot(dst) == snapshot(src) and no_temporaries(dst)
+    assert leftover.read_bytes() == b"partial"
+    assert (dst / "f.bin").read_bytes() == (src / "f.bin").read_bytes()
+    assert os.stat(dst / "f.bin").st_mode & 0o777 == 0o644
+    assert [p.name for p in dst.iterdir() if p.name.endswith(staging.TMP_SUFFIX)] == [leftover.name]
 
 
 def test_killed_before_its_first_checkpoint_leaves_no_temporary_behind(tmp_path):
