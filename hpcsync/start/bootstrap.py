@@ -7,7 +7,6 @@ the launcher's environment is used.
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import logging
 import os
 import sys
@@ -274,11 +273,6 @@ def init(
         jobend.at_exit("torch", shutdown)
         if jobend.abort_on_error():
             install_abort_hook()  # again: on top of the hook torch's init_process_group wrapped around it
-        # Importing torch and making the group leave ~150,000 objects that no full collection has
-        # seen yet: the next few thousand objects that anything keeps start one, which walks them
-        # all (65 ms here), inside whatever runs next (a stage of 10,000 files: a third of its
-        # time). It is done now, once, as part of the start-up.
-        gc.collect()
         if topo.rank == 0:
             log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
                      topo.num_nodes, f"{choice.address}:{port} ({choice.reason})" if choice else "none (MPI)")
