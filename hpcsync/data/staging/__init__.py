@@ -62,8 +62,8 @@ from ...core.errors import CollectiveTimeout, StageError, StageTimeout, raise_if
 from ...observe.progress import Progress
 from .destination import MANIFEST, TMP_SUFFIX, Destination
 from .journal import JOURNAL
-from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks, scan,
-                      stat_names, walk_names)
+from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks,
+                      collector_paused, scan, stat_names, walk_names)
 from .broadcast import Reader, broadcast, unexpected
 from .heartbeat import Heartbeat
 from .transfer import SPLIT_BYTES, copy_blocks, copy_shared, help_on_one_node, identity, idle_until_all_arrive
@@ -98,6 +98,7 @@ class StageResult:
     received_bytes: int = 0  # what this rank received from the others (MPI payloads): differs by rank
 
 
+@collector_paused()  # its objects live to its end and form no cycles: no collection walks them all
 def stage(
     src: PathLike,
     dst: PathLike,

@@ -16,7 +16,7 @@ import numpy as np
 
 from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal
 from .journal import JOURNAL, Journal, journals, read_journals
-from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, Entry, Piece, collector_paused, trailer_at, whole
+from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, Entry, Piece, trailer_at, whole
 
 log = logging.getLogger("hpcsync.staging")
 
@@ -119,7 +119,6 @@ class Destination:
                 pass
             self.probe = None
 
-    @collector_paused()
     def prepare(self, whole_folders: bool = False) -> Optional[str]:
         """Create the directories, check there is room, mark the files this node lacks and the
         links to make (:meth:`start` makes them); with ``whole_folders``, also pick the folders

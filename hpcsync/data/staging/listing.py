@@ -103,7 +103,6 @@ def walk_names(src: str) -> Tuple[Names, bytearray, Optional[str]]:
 Stat = Optional[Tuple[str, int, int, int, int, str]]  # (kind, mode, atime, mtime, size, link target); None: ignored
 
 
-@collector_paused()
 def stat_names(src: str, names: Names, dirs: bytearray, lo: int, hi: int) -> Tuple[List[Stat], Optional[str]]:
     """``stat`` of names ``[lo, hi)`` from :func:`walk_names`: what :func:`assemble` makes entries
     of, or the first error (a name that cannot be read, or that changed kind since it was listed).
@@ -156,7 +155,6 @@ def stat_names(src: str, names: Names, dirs: bytearray, lo: int, hi: int) -> Tup
     return out, None
 
 
-@collector_paused()
 def assemble(names: Names, stats: Sequence[Stat]) -> Tuple[List[Entry], List[str]]:
     """The listing (entries) and the special files left out (``ignored``), from every name's stat."""
     entries: List[Entry] = []

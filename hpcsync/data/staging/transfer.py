@@ -15,7 +15,7 @@ from .broadcast import Reader, unexpected
 from .destination import _JOURNAL_SECONDS, Destination
 from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
-from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, collector_paused, source_path
+from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, source_path
 
 log = logging.getLogger("hpcsync.staging")
 
@@ -144,7 +144,6 @@ def identity(path: str) -> Optional[Tuple[int, int]]:
 Range = Tuple[int, str, int, int]  # (entry index, temporary file, offset, bytes)
 
 
-@collector_paused()
 def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int, int]], node: "Destination",
                  reader: "Reader", bar: Optional[Progress]) -> None:
     """One node, several ranks (each holding the listing): the node's ranks share the copying.
@@ -308,7 +307,6 @@ def _source_unchanged(source: str, e: Entry) -> Optional[str]:
         os.close(fd)
 
 
-@collector_paused()
 def help_on_one_node(ranks: Any, src: str, dst: str, durable: bool, entries: List[Entry], rank: int) -> None:
     """A non-root rank's part of :func:`copy_shared` (``rank``: its rank in the stage's group).
     Its errors travel to the root in the gather, which it reaches whatever fails here (the root
