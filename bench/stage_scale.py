@@ -113,7 +113,7 @@ def main(files: int, nodes: List[int], baseline: str, where: Optional[str], out:
                     shutil.rmtree(work, ignore_errors=True)
                 for r in ranks:
                     rows.append({"version": name, "files": files, "nodes": n, **r})
-        print(f"\n| version | files | nodes | rank | node | peak memory growth (MiB) | received (MiB) | "
+        print("\n| version | files | nodes | rank | node | peak memory growth (MiB) | received (MiB) | "
               "result (MiB) | seconds |\n|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             rec = "-" if r["received_bytes"] is None else f"{r['received_bytes'] / 2**20:.2f}"

@@ -70,7 +70,8 @@ def test_a_hung_disk_or_source_ends_the_stage_naming_node_file_and_phase(cluster
         t0 = time.monotonic()
         res = run(cluster.openmpi([2, 1]), 3, "stage.py", str(src), str(dst), tmp_path=tmp_path, expect_ok=False,
                   timeout=120, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0", "HPCSYNC_TEST_STAGE_OPTS": json.dumps(
-                      {"chunk_bytes": 64 * 1024, "timeout": TIMEOUT, "names": False, "_again": True, "_fault": [fault]})})
+                      {"chunk_bytes": 64 * 1024, "timeout": TIMEOUT, "names": False, "_again": True,
+                       "_fault": [fault]})})
         took = time.monotonic() - t0
         assert all(d is not None for d in res.ranks), res.stderr[-3000:]
         errors = {d["error"] for d in res.ranks}
@@ -147,7 +148,8 @@ def test_a_hung_write_or_part_read_ends_the_sync_naming_node_file_and_phase(clus
     fault = {"disk": {"rank": 0, "patch": "hpcsync.data.transports:_pwrite_all", "call": 2, "do": "block"},
              "part": {"rank": 2, "patch": "hpcsync.data.transports:_Source.fill", "call": 2, "do": "block"}}[where]
     needles = {"disk": [f"rank 0: node {cluster.names[0]}: writing {tmp_path}/", "no progress for 1.5 s"],
-               "part": [f"rank 2: node {cluster.names[1]}: reading {cluster.node_local}/parts/", "no progress for 1.5 s"]
+               "part": [f"rank 2: node {cluster.names[1]}: reading {cluster.node_local}/parts/",
+                        "no progress for 1.5 s"]
                }[where]
     t0 = time.monotonic()
     res = run(cluster.openmpi([2, 1]), 3, "sync.py", str(target), tmp_path=tmp_path, expect_ok=False, timeout=120,

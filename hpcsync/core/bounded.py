@@ -222,6 +222,13 @@ def own(base: Any, what: str, timeout: float) -> BoundedComm:
     return BoundedComm(_Private(base), timeout, what)
 
 
+def over(c: Any, what: str, timeout: float) -> Any:
+    """``c`` with every collective bounded by ``timeout`` seconds on a private duplicate of its own
+    (:func:`own`) when it is an mpi4py communicator; a torch-backed or already bounded one as it
+    is (bounded by its process group's timeout, or already)."""
+    return own(c, what, timeout) if hasattr(c, "Idup") else c
+
+
 def default_timeout() -> float:
     """``HPCSYNC_TIMEOUT``: how long a control collective waits for the other ranks."""
     return settings.number("HPCSYNC_TIMEOUT")

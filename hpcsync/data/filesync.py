@@ -205,7 +205,7 @@ def merge_parts(
     if not limit > 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     target = os.path.abspath(os.fspath(target))
-    comm = _bounded(base, f"sync of {target} on rank {me} ({socket.gethostname()})", limit)
+    comm = bounded.over(base, f"sync of {target} on rank {me} ({socket.gethostname()})", limit)
     try:
         return _merge(comm, target, my_parts, root, strip_header, check_headers, text, allow_missing, keep_parts,
                       method, round_bytes, progress, limit, t0)
@@ -216,12 +216,6 @@ def merge_parts(
     finally:
         if comm is not base:
             comm.free()
-
-
-def _bounded(c: Any, what: str, limit: float) -> Any:
-    """``c`` with every collective bounded by ``limit`` seconds (an mpi4py communicator, on a
-    private duplicate); a communicator already bounded, or a torch-backed one, as it is."""
-    return bounded.own(c, what, limit) if hasattr(c, "Idup") else c
 
 
 def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, strip_header: bool, check_headers: bool,
@@ -338,7 +332,7 @@ def sync_file(
         # create its next part there) before every rank's rmdir is done: without the second
         # barrier a fast rank's next SyncedFile raced a slow rank's rmdir (FileNotFoundError).
         folder = os.path.dirname(mine)
-        done = _bounded(comm, f"sync of {os.fspath(path)}: removing the parts folder on rank {rank}",
+        done = bounded.over(comm, f"sync of {os.fspath(path)}: removing the parts folder on rank {rank}",
                         bounded.default_timeout() if timeout is None else float(timeout))
         try:
             done.Barrier(idle=True) if done is not comm else comm.Barrier()
@@ -406,7 +400,7 @@ class SyncedFile:
         if exc_type is not None and comm.Get_size() == 1:
             return False
         limit = self.options["timeout"]
-        agree = _bounded(comm, f"SyncedFile({self.target}): agreeing that every rank is done with its part",
+        agree = bounded.over(comm, f"SyncedFile({self.target}): agreeing that every rank is done with its part",
                          bounded.default_timeout() if limit is None else float(limit))
         try:
             _agree(agree, failed, f"SyncedFile({self.target})")

@@ -146,7 +146,7 @@ def stage(
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     what = f"stage of {src} to {dst} failed: "
     host = socket.gethostname()
-    comm = _bounded(base, f"agreeing on the arguments on rank {me} ({host})", limit)
+    comm = bounded.over(base, f"agreeing on the arguments on rank {me} ({host})", limit)
     made: List[Any] = [comm]
     try:
         raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes,
@@ -172,9 +172,9 @@ def _stage(comm: Any, base: Any, made: List[Any], src: str, dst: str, root: int,
     me, size = comm.Get_rank(), comm.Get_size()
     phase = f"%s on rank {me} ({host})"
     node_raw, leaders_raw = _split(base, root, dst)
-    node = _bounded(node_raw, phase % "listing the source", limit)
-    leaders = None if leaders_raw is None else _bounded(leaders_raw, phase % "sending the listing to the node leaders",
-                                                         limit)
+    node = bounded.over(node_raw, phase % "listing the source", limit)
+    leaders = None if leaders_raw is None else \
+        bounded.over(leaders_raw, phase % "sending the listing to the node leaders", limit)
     made += [c for c in (node, leaders) if c is not None]
     made += [c for c in (node_raw, leaders_raw) if c is not None and c is not base and c != mpi.MPI().COMM_SELF]
     one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
@@ -190,7 +190,7 @@ def _stage(comm: Any, base: Any, made: List[Any], src: str, dst: str, root: int,
     if leaders is not None:
         try:
             result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
-                                           node if one_node else None, limit, names, beat)
+                                           node if one_node else None, limit, names, beat, phase)
         except CollectiveTimeout as exc:
             if beat is not None:
                 beat.done(f"rank {me}: node {host}: {exc}", timed_out=True)
@@ -230,12 +230,6 @@ def _say(comm: Any, doing: str) -> None:
 def _leader_of(node: Any, me: int) -> str:
     """The node leader's rank in the stage's group, as a non-leader names it."""
     return str(node.bcast(me, root=0))
-
-
-def _bounded(c: Any, what: str, limit: float) -> Any:
-    """``c`` with every collective bounded by ``limit`` seconds, on a private duplicate (an mpi4py
-    communicator); a torch-backed world as it is (bounded by its process group's timeout)."""
-    return bounded.own(c, what, limit) if hasattr(c, "Idup") else c
 
 
 def _transport(comm: Any) -> Any:
@@ -343,18 +337,16 @@ def _guarded(listing: Any, src: str, nothing: Tuple[Any, Any]) -> Tuple[Any, ...
 
 def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
                      durable: bool, progress: Optional[bool], helpers: Any = None, limit: Optional[float] = None,
-                     names: bool = False, beat: Optional[Heartbeat] = None
+                     names: bool = False, beat: Optional[Heartbeat] = None, phase: str = "%s"
                      ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """Listing to every leader, what each node lacks, the transfer; the result on the root.
     ``helpers``: a one-node job's communicator, whose ranks share the copying; ``limit``: the
     exchanges' timeout (the node's own reads and writes get a quarter); ``beat``: tells the node's
-    other ranks of each step."""
+    other ranks of each step; ``phase``: what a timeout says the ranks were doing (``%s``: the step)."""
     tick = beat.beat if beat is not None else (lambda: None)
-    phase = getattr(leaders, "what", "")
 
     def now(doing: str) -> None:
-        if hasattr(leaders, "what"):
-            leaders.what = phase.replace("sending the listing to the node leaders", doing)
+        _say(leaders, phase % doing)
         tick()
 
     is_root = leaders.Get_rank() == 0

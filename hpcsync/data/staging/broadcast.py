@@ -33,9 +33,10 @@ def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reade
     in every round), one of the root's reader thread or of its own loop ends the transfer for all
     (:meth:`Reader.stop`: one more round goes out, flagged as the last). Either reaches every rank
     as the stage's error. A reader or writer thread that makes no progress for ``local_s``
-    seconds (a quarter of the rounds' timeout: the root may wait for a read, then a write, then
-    the writes under way, and still post its round before the others' wait ends) (a stuck source or disk) is left behind the same way: its node's error, or the end
-    of the transfer, naming the file. ``leaders`` bounds each round by its own timeout (a
+    seconds (a stuck source or disk) is left behind the same way: its node's error, or the end
+    of the transfer, naming the file (``local_s`` is a quarter of the rounds' timeout: the root
+    may wait for a read, then a write, then the writes under way, and still post its round
+    before the others' wait ends). ``leaders`` bounds each round by its own timeout (a
     :class:`~hpcsync.core.bounded.BoundedComm`); ``beat`` tells the node's other ranks of each
     round."""
     MPI = mpi.MPI()
@@ -155,7 +156,8 @@ class _Pipeline:
             if reader.stopped is None:
                 if k == 0:
                     self._read(0)
-                buf = worker_result(self.reads.pop(k), self.local_s, lambda: f"reading {reader.reading} from the source")
+                buf = worker_result(self.reads.pop(k), self.local_s,
+                                    lambda: f"reading {reader.reading} from the source")
                 if reader.stopped is None:
                     self._read(k + 1)
                     return buf
@@ -211,7 +213,8 @@ class _Pipeline:
         end = None if self.local_s is None else time.monotonic() + self.local_s
         for k in sorted(self.reads):
             try:
-                worker_result(self.reads[k], _left(end), lambda: f"reading {self.reader.reading} from the source")  # type: ignore[union-attr]
+                worker_result(self.reads[k], _left(end),
+                              lambda: f"reading {self.reader.reading} from the source")  # type: ignore[union-attr]
             except Stalled as exc:
                 self.read_stuck = True
                 self.bufs = [None, None]  # the stuck reader may still write into the old ones

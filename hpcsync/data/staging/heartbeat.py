@@ -81,7 +81,8 @@ class Heartbeat:
             if now > deadline:
                 req.Cancel()  # a receive not yet matched can be cancelled: nothing stays in flight
                 req.Wait()
-                raise StageTimeout(f"{what}this node's leader, rank {self.leader}, showed no progress for {patience:g} s "
+                raise StageTimeout(f"{what}this node's leader, rank {self.leader}, showed no progress for "
+                                   f"{patience:g} s "
                                    "while it staged for the node (twice the timeout): it is frozen or stuck, or "
                                    "its node lost")
             time.sleep(pause)
