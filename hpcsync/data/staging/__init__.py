@@ -291,15 +291,27 @@ def _list_source(node: Any, is_root: bool, src: str, one_node: bool, me: int
         return _guarded(scan, src, ([], [])) if is_root else ([], [], None)
     names, dirs, err = _guarded(walk_names, src, ([], bytearray())) if is_root else ([], bytearray(), None)
     idle_until_all_arrive(node)  # the others wait for the walk without spinning a core
-    plan = node.bcast((names, dirs, identity(src)) if is_root and err is None else err, root=0)
+    n = node.Get_size()
+    cut = [len(names) * r // n for r in range(n + 1)]
+    single = len(names) == 1 and not dirs[0]
+    if one_node:  # every rank copies: every rank gets the whole listing
+        plan = node.bcast((names, dirs, identity(src), single) if is_root and err is None else err, root=0)
+    else:  # the others only stat: each gets the names of its share, and keeps none of them
+        plan = node.scatter(None if not is_root else [err] * n if err is not None else
+                            [(names[cut[r]:cut[r + 1]], dirs[cut[r]:cut[r + 1]], identity(src), single)
+                             for r in range(n)], root=0)
     if not isinstance(plan, tuple):  # the walk failed
         return [], [], plan if one_node or is_root else None
-    names, dirs, ident = plan
-    n = node.Get_size()
+    if one_node or not is_root:
+        names, dirs, ident, single = plan
+    else:
+        ident = plan[2]
+    whole = one_node or is_root  # holds every name (a share's names are numbered from 0)
+    cut = [len(names) * r // n for r in range(n + 1)]
 
     def share(r: int) -> Any:
         try:
-            return stat_names(src, names, dirs, len(names) * r // n, len(names) * (r + 1) // n)
+            return stat_names(src, names, dirs, *((cut[r], cut[r + 1]) if whole else (0, len(names))), single)
         except Exception as exc:
             return [], f"{unexpected(exc)} (on rank {me})"
 

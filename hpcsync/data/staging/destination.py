@@ -274,21 +274,6 @@ class Destination:
         self.bytes_written += written
         self.files_written += len(done)
 
-    def encode_records(self, files: Sequence[int]) -> None:
-        """Encode the records of ``files`` (entry indexes this rank copied and recorded) for the
-        manifest now, as :meth:`add_records` takes another rank's: the root of a one-node copy
-        does it before it waits for the other ranks, which encode theirs at the same time."""
-        records, entries = self.records, self.entries
-        mine = {}
-        for i in files:
-            rel = entries[i].rel
-            rec = records.pop(rel, None)
-            if rec is not None:
-                mine[rel] = rec
-        if mine:
-            self.more.append(json.dumps(mine, separators=(",", ":")))
-            self.more_files += len(mine)
-
     def add_records(self, records: str, files: int) -> None:
         """Records of ``files`` files another rank of the node copied, as the JSON object it made
         (so the manifest is encoded in parallel); they go into the manifest as they are."""
@@ -389,6 +374,22 @@ class Destination:
         return len(self.records) + self.more_files != sum(e.kind == FILE for e in self.entries)
 
 
+def encode_records(node: "Destination", files: Sequence[int]) -> None:
+    """Encode the records of ``files`` (entry indexes this rank copied and recorded) for the
+    manifest now, as :meth:`Destination.add_records` takes another rank's: the root of a one-node
+    copy does it before it waits for the other ranks, which encode theirs at the same time."""
+    records, entries = node.records, node.entries
+    mine = {}
+    for i in files:
+        rel = entries[i].rel
+        rec = records.pop(rel, None)
+        if rec is not None:
+            mine[rel] = rec
+    if mine:
+        node.more.append(json.dumps(mine, separators=(",", ":")))
+        node.more_files += len(mine)
+
+
 def _load_manifest(dst: str, src: str, host: str) -> Dict[str, list]:
     """The records of the manifest in ``dst``, when it is one of a stage of ``src``."""
     try:
@@ -407,7 +408,7 @@ def _write_manifest(node: Destination) -> None:
     """Replace ``node``'s manifest with its records (its own and the other ranks'), then remove
     the journals."""
     mine = "{}"
-    if node.records:  # (the records of the files copied here may be encoded already: add_records, encode_records)
+    if node.records:  # (the records of the files copied here may be encoded already: add_records, encode_records())
         current = {e.rel for e in node.entries if e.kind == FILE}
         mine = json.dumps({rel: rec for rel, rec in node.records.items() if rel in current}, separators=(",", ":"))
     files = ",".join(part[1:-1] for part in (mine, *node.more) if part != "{}")  # objects joined

@@ -103,12 +103,14 @@ def walk_names(src: str) -> Tuple[Names, bytearray, Optional[str]]:
 Stat = Optional[Tuple[str, int, int, int, int, str]]  # (kind, mode, atime, mtime, size, link target); None: ignored
 
 
-def stat_names(src: str, names: Names, dirs: bytearray, lo: int, hi: int) -> Tuple[List[Stat], Optional[str]]:
+def stat_names(src: str, names: Names, dirs: bytearray, lo: int, hi: int, single: Optional[bool] = None
+               ) -> Tuple[List[Stat], Optional[str]]:
     """``stat`` of names ``[lo, hi)`` from :func:`walk_names`: what :func:`assemble` makes entries
     of, or the first error (a name that cannot be read, or that changed kind since it was listed).
-    A folder's names are stat'ed in the open folder (one path component each)."""
+    A folder's names are stat'ed in the open folder (one path component each). ``single``: the
+    source is one file (default: ``names`` says so; a share of a listing cannot)."""
     out: List[Stat] = []
-    single = len(names) == 1 and not dirs[0]
+    single = (len(names) == 1 and not dirs[0]) if single is None else single
     euid = os.geteuid()
     folder, fd = None, -1
     try:

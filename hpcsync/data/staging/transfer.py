@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...observe.progress import Progress
 from .broadcast import Reader, unexpected
-from .destination import _JOURNAL_SECONDS, Destination
+from .destination import _JOURNAL_SECONDS, Destination, encode_records
 from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
 from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, source_path
@@ -178,7 +178,7 @@ def copy_shared(ranks: Any, src: str, entries: List[Entry], todo: List[Tuple[int
             node.checkpoint()  # the root's whole files are recorded before the long ranges and the wait
         range_errors = _copy_ranges(src, entries, ranges[0])
         if node.broken is None and not reader.failed:  # the manifest's part of them, while the others make theirs
-            node.encode_records([i for k in mine for i in plan[k][1]])
+            encode_records(node, [i for k in mine for i in plan[k][1]])
     except Exception as exc:
         range_errors = _all_failed(entries, ranges[0], node.note(unexpected(exc)))  # type: ignore[arg-type]
     idle_until_all_arrive(ranks)
