@@ -14,7 +14,7 @@ import pytest
 
 from launch import run
 from netns_cluster import ROUTED, Cluster
-from test_staging import no_temporaries, node_dir
+from test_staging import _same_error_everywhere, no_temporaries, node_dir
 
 pytestmark = pytest.mark.alone  # wall-time bounds
 
@@ -73,11 +73,7 @@ def test_a_hung_disk_or_source_ends_the_stage_naming_node_file_and_phase(cluster
                       {"chunk_bytes": 64 * 1024, "timeout": TIMEOUT, "names": False, "_again": True,
                        "_fault": [fault]})})
         took = time.monotonic() - t0
-        assert all(d is not None for d in res.ranks), res.stderr[-3000:]
-        errors = {d["error"] for d in res.ranks}
-        assert len(errors) == 1 and all(not d["ok"] for d in res.ranks), res.ranks
-        (error,) = errors
-        assert error.startswith("StageError: ") and all(s in error for s in needles), error
+        _same_error_everywhere(res, 3, *needles)
         assert all(d["again"]["ok"] for d in res.ranks), [d["again"] for d in res.ranks]
         again = [d["again"]["result"] for d in res.ranks]
         assert again[0]["copied_files"] > 0, again
@@ -157,11 +153,7 @@ def test_a_hung_write_or_part_read_ends_the_sync_naming_node_file_and_phase(clus
                   {"text": False, "method": "gather", "round_bytes": 100_000, "parts_dir": parts_dir,
                    "timeout": TIMEOUT, "_fault": [fault]})})
     took = time.monotonic() - t0
-    assert all(d is not None for d in res.ranks), res.stderr[-3000:]
-    errors = {d["error"] for d in res.ranks}
-    assert len(errors) == 1 and all(not d["ok"] for d in res.ranks), res.ranks
-    (error,) = errors
-    assert error.startswith("SyncError: ") and all(s in error for s in needles), error
+    _same_error_everywhere(res, 3, *needles, kind="SyncError")
     assert took < TIMEOUT + 45, took
     assert not target.exists() and all(p.exists() for p in parts)
 

@@ -205,12 +205,14 @@ def test_cli_under_mpirun(tmp_path):
     assert snapshot(dst) == expected(src)
 
 
-def _same_error_everywhere(res, n, *needles):
+def _same_error_everywhere(res, n, *needles, kind="StageError"):
+    """Every rank reported, and reported the same ``kind`` of error holding each of ``needles``."""
     assert res.returncode != 0
+    assert all(d is not None for d in res.ranks), res.stderr[-3000:]
     errors = {d["error"] for d in res.ranks}
     assert len(errors) == 1 and all(not d["ok"] for d in res.ranks), res.ranks
     (error,) = errors
-    assert error.startswith("StageError: ") and all(s in error for s in needles), error
+    assert error.startswith(f"{kind}: ") and all(s in error for s in needles), error
     return error
 
 

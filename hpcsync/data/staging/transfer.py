@@ -119,17 +119,10 @@ def _move(tmp: str, final: str) -> Tuple[int, int]:
 
 def idle_until_all_arrive(comm: Any) -> None:
     """Ranks with nothing to do wait here without spinning a core that the working ranks need (a
-    blocking MPI collective busy-polls): called before a collective that follows uneven work."""
-    if comm.Get_size() == 1:
-        return
-    if hasattr(comm, "raw"):  # a BoundedComm: its barrier waits the same way, within its timeout
+    blocking MPI collective busy-polls), within the timeout of ``comm`` (a stage's
+    :class:`~hpcsync.core.bounded.BoundedComm`): called before a collective that follows uneven work."""
+    if comm.Get_size() > 1:
         comm.Barrier(idle=True)
-        return
-    req = comm.Ibarrier()
-    pause = 0.0002
-    while not req.Test():
-        time.sleep(pause)
-        pause = min(pause * 2, 0.0005)  # a wake-up every 0.5 ms costs little, and oversleeps by 0.5 ms at most
 
 
 def identity(path: str) -> Optional[Tuple[int, int]]:
