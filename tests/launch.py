@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -88,8 +91,13 @@ class Result:
 
 def run(launcher: Optional[Launcher], n: int, program: str, *args: str, tmp_path: Path,
         timeout: float = 180, env: Optional[Dict[str, str]] = None, expect_ok: bool = True,
-        cwd: Optional[Path] = None) -> Result:
-    """Run ``tests/programs/<program>`` on ``n`` ranks and collect each rank's JSON report."""
+        cwd: Optional[Path] = None, watch: Optional[Tuple[str, Callable[[], None]]] = None) -> Result:
+    """Run ``tests/programs/<program>`` on ``n`` ranks and collect each rank's JSON report.
+
+    ``watch=(text, end)``: once ``text`` shows in the job's stderr, the job has ``WATCH_GRACE``
+    seconds to end by itself; then ``end()`` runs (e.g. scancel) and the launcher's whole process
+    group is killed, and the result is what the job left (a start failure that hangs, bounded).
+    """
     out = tmp_path / f"out-{program.replace('.py', '')}-{launcher.name if launcher else 'python'}-{n}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -97,10 +105,14 @@ def run(launcher: Optional[Launcher], n: int, program: str, *args: str, tmp_path
     python = [] if launcher and launcher.name == "torchrun" else [PY]  # torchrun adds its own
     full_env = clean_env({**(launcher.env if launcher else {}), "HPCSYNC_TEST_OUT": str(out), **(env or {})})
     cmd = [*(launcher.command(n, full_env) if launcher else []), *python, prog, *args]
-    try:
-        proc = subprocess.run(cmd, env=full_env, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\nstdout:{exc.stdout}\nstderr:{exc.stderr}")
+    if watch is None:
+        try:
+            proc = subprocess.run(cmd, env=full_env, cwd=cwd or tmp_path, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\nstdout:{exc.stdout}\nstderr:{exc.stderr}")
+    else:
+        proc = _watched(cmd, full_env, cwd or tmp_path, timeout, *watch)
     ranks = []
     for r in range(n):
         f = out / f"rank{r}.json"
@@ -112,3 +124,35 @@ def run(launcher: Optional[Launcher], n: int, program: str, *args: str, tmp_path
         sizes = {r.get("world_size") for r in ranks}
         assert sizes == {n}, f"ranks saw world sizes {sizes}, expected {n} (degraded run?): {res}"
     return res
+
+
+WATCH_GRACE = 15.0
+
+
+def _watched(cmd: List[str], env: Dict[str, str], cwd: Path, timeout: float, text: str,
+             end: Callable[[], None]) -> subprocess.CompletedProcess:
+    """:func:`run`'s ``watch``: the job in a session of its own, its stderr read as it comes."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+    readers = [threading.Thread(target=lambda f=f, k=k: out[k].extend(iter(f.readline, "")), daemon=True)
+               for f, k in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    for t in readers:
+        t.start()
+    deadline, seen = time.monotonic() + timeout, None
+    while proc.poll() is None:
+        now = time.monotonic()
+        if seen is None and text in "".join(out["stderr"]):
+            seen = now
+        if now > deadline or (seen is not None and now - seen > WATCH_GRACE):
+            end()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if now > deadline:
+                pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\nstdout:{''.join(out['stdout'])}\n"
+                            f"stderr:{''.join(out['stderr'])}")
+            break
+        time.sleep(0.2)
+    for t in readers:
+        t.join(10)
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out["stdout"]), "".join(out["stderr"]))
