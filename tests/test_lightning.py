@@ -33,18 +33,21 @@ def test_lightning_fabric_under_mpirun(backend, tmp_path):
     assert res.ranks[0]["weights"] == res.ranks[1]["weights"], "DDP kept the replicas identical"
 
 
-def test_a_stop_wins_over_min_epochs_and_skips_validation(tmp_path):
+@pytest.mark.parametrize("form", ["ddp", "sharded"])
+def test_a_stop_wins_over_min_epochs_and_skips_validation(tmp_path, form):
     """Trainer(min_epochs=max_epochs=60) with validation, 2 ranks, SIGUSR1 to one of them while it
     trains: both stop after the same batch (Lightning would go on until min_epochs), no validation
     batch runs after the stop, one complete hpc_ckpt_1.ckpt is left, and the job exits 0 (not a
-    Slurm job: nothing to requeue)."""
+    Slurm job: nothing to requeue). ``sharded``: FSDP2 under ModelParallelStrategy, whose
+    checkpoint is a directory of every rank's shard: it is made whole and renamed the same way."""
     root = tmp_path / "root"
     root.mkdir()
     out = tmp_path / "out"
     out.mkdir()
     lau = openmpi()
     env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
-    proc = subprocess.Popen([*lau.command(2, env), PY, str(PROGRAMS / "lightning_stop.py"), str(root)], env=env,
+    extra = ["sharded"] if form == "sharded" else []
+    proc = subprocess.Popen([*lau.command(2, env), PY, str(PROGRAMS / "lightning_stop.py"), str(root), *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (root / "pid1").exists():
@@ -59,4 +62,7 @@ def test_a_stop_wins_over_min_epochs_and_skips_validation(tmp_path):
     for d in ranks:
         assert d["global_step"] == d["stopped_at"] and d["epochs"] < 60 and d["val_after_stop"] == 0, d
         assert [n for n in d["listing"] if n.endswith(".ckpt")] == ["hpc_ckpt_1.ckpt"], d
+    if form == "sharded":  # every rank's shard and Lightning's metadata, under the final name
+        saved = sorted(p.name for p in (root / "hpc_ckpt_1.ckpt").iterdir())
+        assert "meta.pt" in saved and sum(n.endswith(".distcp") for n in saved) == 2, saved
     assert "not a Slurm job, nothing to requeue" in stdout + stderr

@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 
 class TorchComm:
-    """``Get_rank``/``Get_size``/``allgather``/``gather``/``bcast``/``Barrier`` over a torch group
+    """``Get_rank``/``Get_size``/``allgather``/``gather``/``bcast``/``scatter``/``Barrier`` over a torch group
     (default: the world). ``root`` is a rank within the group, as in MPI."""
 
     def __init__(self, group: Any = None) -> None:
@@ -45,6 +45,13 @@ class TorchComm:
         self._dist.broadcast_object_list(box, src=self._global(root), group=self.group)
         return box[0]
 
+    def scatter(self, objs: Optional[List[Any]] = None, root: int = 0) -> Any:
+        """Item ``r`` of ``objs`` (given on ``root``) to rank ``r``, and to it alone."""
+        box: List[Any] = [None]
+        self._dist.scatter_object_list(box, objs if self.Get_rank() == root else None, src=self._global(root),
+                                       group=self.group)
+        return box[0]
+
     def Barrier(self) -> None:
         self._dist.barrier(group=self.group)
 
@@ -68,6 +75,9 @@ class SelfComm:
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return obj
+
+    def scatter(self, objs: Optional[List[Any]] = None, root: int = 0) -> Any:
+        return None if objs is None else objs[0]
 
     def Barrier(self) -> None:
         pass

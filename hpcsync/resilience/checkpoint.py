@@ -34,14 +34,11 @@ must resume from the same one. :class:`Checkpoints` keeps ``ROOT/step-<N>/`` dir
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
 import re
 import shutil
-import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -50,15 +47,14 @@ from ..core import bounded, comm
 from ..observe import failure
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
+from . import checkpoint_io
+from .checkpoint_io import dumps, from_rank0, loads, numpy_safe_globals  # noqa: F401  (the API's)
+from .root_owner import OWNER, claim, job_running, this_job  # noqa: F401  (the API's)
 
 log = logging.getLogger("hpcsync.checkpoint")  # the name users configure, as before the packages
 
 MARKER = "COMPLETE"
-OWNER = "OWNER"
 _NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
-_SQUEUE_TIMEOUT_S = 30.0
-_FINISHED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-             "OUT_OF_MEMORY", "")
 
 
 @dataclass(frozen=True)
@@ -71,107 +67,6 @@ class Checkpoint:
     shared: Any
     local: Any
     seq: int = -1
-
-
-def _dumps(obj: Any) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def numpy_safe_globals() -> List[Any]:
-    """What ``torch.load(weights_only=True)`` needs to rebuild numpy arrays, dtypes and scalars
-    (numpy's RNG state is an array): data, no code."""
-    import numpy as np
-
-    try:
-        from numpy._core import multiarray
-    except ImportError:  # numpy 1
-        from numpy.core import multiarray  # type: ignore[no-redef]
-    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")] if hasattr(np, "dtypes") else []
-    return [np.dtype, np.ndarray, multiarray.scalar, multiarray._reconstruct, *dtypes]
-
-
-def _loads(data: bytes, extra: Sequence[Any]) -> Any:
-    import torch
-
-    with torch.serialization.safe_globals([*numpy_safe_globals(), *extra]):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
-def _write_file(path: str, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _from_rank0(ctl: Any, fn: Any, failed: str) -> Any:
-    """Collective: ``fn()`` on rank 0, its result on every rank; its error as one
-    :class:`CheckpointError` on every rank (``failed`` with ``{}`` for the error)."""
-    value, error = None, None
-    if ctl.Get_rank() == 0:
-        try:
-            value = fn()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    value, error = ctl.bcast((value, error), root=0)
-    if error:
-        raise CheckpointError(f"hpcsync.checkpoint: {failed.format(error)}; the previous complete checkpoint is untouched")
-    return value
-
-
-# -- which job uses a root ---------------------------------------------------------------------
-def _start_ticks(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-        return int(text[text.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def this_job() -> Dict[str, Any]:
-    """Who this job is, for ``OWNER``: its Slurm job id (the same across requeues; each array
-    task has its own), and rank 0's host and process."""
-    pid = os.getpid()
-    return {"slurm_job": os.environ.get("SLURM_JOB_ID") or None, "host": socket.gethostname(), "pid": pid,
-            "start": _start_ticks(pid)}
-
-
-def _describe_job(job: Dict[str, Any]) -> str:
-    if job.get("slurm_job"):
-        return f"Slurm job {job['slurm_job']}"
-    return f"process {job.get('pid')} on {job.get('host')}"
-
-
-def _same_job(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    if a.get("slurm_job") or b.get("slurm_job"):
-        return a.get("slurm_job") == b.get("slurm_job")
-    return (a.get("host"), a.get("pid"), a.get("start")) == (b.get("host"), b.get("pid"), b.get("start"))
-
-
-def job_running(job: Dict[str, Any]) -> Optional[bool]:
-    """Whether the job that wrote an ``OWNER`` record still runs: True, False, or None when this
-    machine cannot tell (no ``squeue``; a process on another host)."""
-    if job.get("slurm_job"):
-        squeue = shutil.which("squeue")
-        if squeue is None:
-            return None
-        try:
-            proc = subprocess.run([squeue, "-h", "-t", "all", "-j", str(job["slurm_job"]), "-o", "%T"], capture_output=True,
-                                  text=True, timeout=_SQUEUE_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if proc.returncode != 0:  # "Invalid job id specified": gone from the queue
-            return False if "Invalid job id" in proc.stderr else None
-        return proc.stdout.strip().upper() not in _FINISHED
-    if job.get("host") != socket.gethostname():
-        return None
-    pid = job.get("pid")
-    return isinstance(pid, int) and _start_ticks(pid) is not None and _start_ticks(pid) == job.get("start")
 
 
 class Checkpoints:
@@ -195,6 +90,8 @@ class Checkpoints:
         self._pending: Optional[int] = None  # the step a background save is writing (every rank)
         self._future: Any = None  # rank 0: that write
         self._pool: Any = None
+        self._pending_sharded = False  # the pending save is sharded: every rank has a future
+        self._group_for_thread: Any = None  # the process group of sharded saves in the background
 
     def _ctl(self, what: str) -> Any:
         return bounded.control(f"hpcsync.checkpoint: {what}", self._group, self.timeout)
@@ -204,45 +101,6 @@ class Checkpoints:
         return os.path.join(self.root, f"step-{step:08d}")
 
     # -- rank 0 only ---------------------------------------------------------------------------
-    def _claim(self) -> None:
-        """Record this job in ``ROOT/OWNER``, unless another job that still runs holds the root."""
-        owner_path = os.path.join(self.root, OWNER)
-        try:
-            with open(owner_path) as f:
-                owner = json.load(f)
-        except FileNotFoundError:
-            owner = None
-        except (OSError, ValueError) as exc:
-            log.warning("hpcsync.checkpoint: %s unreadable (%s); taking the root over", owner_path, exc)
-            owner = None
-        if owner is not None and _same_job(owner, self._job):
-            return
-        if owner is not None:
-            running = job_running(owner)
-            if running:
-                raise CheckpointError(
-                    f"{self.root} is in use by {_describe_job(owner)}, which is still running: two jobs on one "
-                    "checkpoint root would load and prune each other's checkpoints; give each job its own root "
-                    "(e.g. a folder per SLURM_ARRAY_TASK_ID)")
-            if running is None:
-                log.warning("hpcsync.checkpoint: %s was used by %s, which this machine cannot tell is over; "
-                            "taking it over", self.root, _describe_job(owner))
-        os.makedirs(self.root, exist_ok=True)
-        tmp = f"{owner_path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self._job, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if owner is not None:  # taking over from a job that ended
-            os.replace(tmp, owner_path)
-            return
-        try:  # a root nobody claimed: of two jobs starting together, one creates OWNER (link is atomic)
-            os.link(tmp, owner_path)
-        except FileExistsError:
-            self._claim()  # the other job was first: judge it like any owner
-        finally:
-            os.unlink(tmp)
-
     def _marker(self, folder: str) -> Optional[dict]:
         """The marker of a complete checkpoint directory, or None (warned once) when it is not."""
         try:
@@ -287,29 +145,44 @@ class Checkpoints:
                     continue
         return max(seqs) + 1
 
-    def _plan(self, step: int, shared: bytes, locals_: List[bytes]) -> Tuple[str, str, Dict[str, bytes], dict]:
+    def _name(self, step: int) -> Tuple[str, str, int]:
         """Claim the root, clear what an interrupted save left, and name the new checkpoint:
-        ``(temporary dir, final dir, files, marker)``."""
-        self._claim()
+        ``(temporary dir, final dir, sequence number)``."""
+        claim(self.root, self._job)
         for name in os.listdir(self.root):  # what an earlier, interrupted save of this root left
             if name.startswith(".step-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         seq = self._next_seq()
         tmp = os.path.join(self.root, f".step-{step:08d}.{seq}.tmp")
-        files = {"shared.pt": shared, **{f"rank-{r:05d}.pt": data for r, data in enumerate(locals_)}}
-        marker = {"step": step, "seq": seq, "world_size": len(locals_), "files": {n: len(d) for n, d in files.items()},
-                  "job": self._job, "time": time.time()}
         final = self.path(step)
         if os.path.lexists(final):  # the same step saved again: a name of its own, the old one stays
             final = f"{final}.{seq}"
-        return tmp, final, files, marker
+        return tmp, final, seq
+
+    def _plan(self, step: int, shared: bytes, locals_: List[bytes]) -> Tuple[str, str, Dict[str, bytes], dict]:
+        """:meth:`_name`, and the files rank 0 writes: ``(temporary dir, final dir, files, marker)``."""
+        tmp, final, seq = self._name(step)
+        files = {"shared.pt": shared, **{f"rank-{r:05d}.pt": data for r, data in enumerate(locals_)}}
+        return tmp, final, files, {"step": step, "seq": seq, "world_size": len(locals_)}
+
+    def _plan_sharded(self, step: int) -> Tuple[str, str, int]:
+        """:meth:`_name`, the temporary directory made for every rank to write its part into."""
+        tmp, final, seq = self._name(step)
+        os.makedirs(os.path.join(tmp, "sharded"))
+        return tmp, final, seq
 
     def _write(self, tmp: str, final: str, files: Dict[str, bytes], marker: dict) -> str:
         """Write, flush, mark complete, rename into place, prune (rank 0; maybe in the background)."""
         os.makedirs(tmp)
         for name, data in files.items():
-            _write_file(os.path.join(tmp, name), data)
-        _write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+            checkpoint_io.write_file(os.path.join(tmp, name), data)
+        return self._seal(tmp, final, {n: len(d) for n, d in files.items()}, marker)
+
+    def _seal(self, tmp: str, final: str, sizes: Dict[str, int], fields: dict) -> str:
+        """The files in ``tmp`` are on disk: write the marker (every file's size and ``fields``),
+        rename into place, prune (rank 0)."""
+        marker = {**fields, "files": sizes, "job": self._job, "time": time.time()}
+        checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
         fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(self.root)
@@ -318,8 +191,9 @@ class Checkpoints:
                 shutil.rmtree(folder, ignore_errors=True)
         return final
 
-    def _read(self, step: Optional[int], size: int) -> Optional[Tuple[int, str, int, bytes, List[bytes]]]:
-        self._claim()
+    def _choose(self, step: Optional[int], sharded: bool) -> Optional[Tuple[int, str, int, dict, Optional[bytes]]]:
+        """The checkpoint to load: ``(step, folder, seq, marker, shared.pt's bytes)``, or None."""
+        claim(self.root, self._job)
         chosen = [c for c in self._complete() if step is None or c[1] == step]
         if not chosen:
             if step is not None:
@@ -328,18 +202,30 @@ class Checkpoints:
         seq, found, folder = chosen[0]
         with open(os.path.join(folder, MARKER)) as f:
             marker = json.load(f)
+        if bool(marker.get("sharded")) != sharded:
+            raise ValueError(f"{folder} was saved {'with' if marker.get('sharded') else 'without'} sharded=: load it "
+                             f"with load({'sharded=<a state dict of the same structure>' if not sharded else ''})")
+        shared = None
+        if "shared.pt" in marker["files"]:
+            with open(os.path.join(folder, "shared.pt"), "rb") as f:
+                shared = f.read()
+        return found, folder, seq, marker, shared
+
+    def _read(self, step: Optional[int], size: int) -> Optional[Tuple[int, str, int, bytes, List[bytes]]]:
+        chosen = self._choose(step, sharded=False)
+        if chosen is None:
+            return None
+        found, folder, seq, marker, shared = chosen
         world = marker["world_size"]
         if world != size:
             raise ValueError(f"{folder} was written by {world} ranks, this job has {size}")
-        with open(os.path.join(folder, "shared.pt"), "rb") as f:
-            shared = f.read()
         locals_ = []
         for r in range(world):
             with open(os.path.join(folder, f"rank-{r:05d}.pt"), "rb") as f:
                 locals_.append(f.read())
         if step is None:  # the latest: what a supervised attempt resumes from
             failure.note_resume(found, folder, marker.get("time"))
-        return found, folder, seq, shared, locals_
+        return found, folder, seq, shared or b"", locals_
 
     # -- collective ----------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
@@ -350,7 +236,7 @@ class Checkpoints:
         error = None
         if ctl.Get_rank() == 0:
             try:
-                self._claim()
+                claim(self.root, self._job)
                 complete = self._complete()
                 found = complete[0][1] if complete else None
             except Exception as exc:
@@ -360,10 +246,16 @@ class Checkpoints:
             raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
         return found
 
-    def save(self, step: int, shared: Any = None, local: Any = None, background: bool = False) -> str:
+    def save(self, step: int, shared: Any = None, local: Any = None, background: bool = False,
+             sharded: Any = None) -> str:
         """Write checkpoint ``step``: rank 0's ``shared`` (the same on every rank under DDP, so only
         rank 0's is kept) and every rank's ``local``. Returns its directory on every rank once it is
         complete; raises :class:`CheckpointError` on every rank if any part failed.
+
+        ``sharded``: this rank's part of a state spread over the ranks (a state dict whose tensors
+        may be DTensors, e.g. ``get_state_dict(model, optim)`` of an FSDP2 model). Every rank then
+        writes its own shard and its own ``local`` into the checkpoint (torch.distributed.checkpoint's
+        format; the root must be a directory every rank sees): :mod:`hpcsync.resilience.sharded`.
 
         ``background``: return once the states are copied to memory (serialised on every rank and
         gathered to rank 0); rank 0 writes the files on a thread of its own while training goes
@@ -372,31 +264,65 @@ class Checkpoints:
         complete checkpoint the latest. The returned directory exists once it completes."""
         self.wait()
         ctl = self._ctl(f"save of step {step}")
+        if sharded is not None:
+            if background:
+                return self._save_sharded_background(ctl, step, shared, local, sharded)
+            from . import sharded as _sharded
+
+            return _sharded.save(self, ctl, step, shared, local, sharded)
         error, data = None, b""
         try:
-            data = _dumps(local)
+            data = dumps(local)
         except Exception as exc:  # an unpicklable state on one rank: the same error everywhere
             error = f"cannot serialise its local state: {exc!r}"
         raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
         locals_ = comm.gather(data, dst=0, group=ctl)
 
         def write() -> str:  # rank 0
-            plan = self._plan(step, _dumps(shared), locals_)
+            plan = self._plan(step, dumps(shared), locals_)
             if not background:
                 return self._write(*plan)
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-checkpoint")
-            self._future = self._pool.submit(self._write, *plan)
+            self._future = self._thread().submit(self._write, *plan)
             return plan[1]
 
-        path = _from_rank0(ctl, write, f"step {step} not saved (rank 0: {{}})")
+        path = from_rank0(ctl, write, f"step {step} not saved (rank 0: {{}})")
         if background:
             self._pending = step
             log.info("hpcsync.checkpoint: saving step %d to %s in the background", step, path)
         else:
             log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
+        return path
+
+    def _thread(self) -> Any:
+        """The thread that writes in the background (one, made on first use)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-checkpoint")
+        return self._pool
+
+    def _checkpoint_group(self, pg: Any) -> Any:
+        """A process group of the world's ranks for sharded saves in the background (made once,
+        collectively; the training's own groups stay free), or None for one process."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if pg is not None and pg != dist.group.WORLD:
+            raise CheckpointError("hpcsync.checkpoint: a sharded save in the background needs Checkpoints over the "
+                                  "world (group=None): it makes a process group of its own for its thread")
+        if self._group_for_thread is None:
+            from datetime import timedelta
+
+            self._group_for_thread = dist.new_group(timeout=timedelta(seconds=self.timeout or bounded.default_timeout()))
+        return self._group_for_thread
+
+    def _save_sharded_background(self, ctl: Any, step: int, shared: Any, local: Any, state: Any) -> str:
+        from . import sharded as _sharded
+
+        path, self._future = _sharded.save_in_background(self, ctl, step, shared, local, state)
+        self._pending, self._pending_sharded = step, True
+        log.info("hpcsync.checkpoint: saving step %d (sharded) to %s in the background", step, path)
         return path
 
     def wait(self) -> Optional[str]:
@@ -408,7 +334,18 @@ class Checkpoints:
         step, self._pending = self._pending, None
         ctl = self._ctl(f"background save of step {step}")
         future, self._future = self._future, None
-        path = _from_rank0(ctl, lambda: future.result(), f"step {step} not saved (rank 0, in the background: {{}})")
+        if self._pending_sharded:  # every rank's thread has its outcome, the same on every rank
+            self._pending_sharded = False
+            path, error = None, None
+            try:
+                path, error = future.result()
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            raise_if_any(ctl, error and f"in the background: {error}", CheckpointError,
+                         f"hpcsync.checkpoint: step {step} not saved: ")
+            log.info("hpcsync.checkpoint: saved step %d (sharded) to %s", step, path)
+            return path
+        path = from_rank0(ctl, lambda: future.result(), f"step {step} not saved (rank 0, in the background: {{}})")
         log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
         return path
 
@@ -427,30 +364,44 @@ class Checkpoints:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def load(self, step: Optional[int] = None) -> Optional[Checkpoint]:
+    def load(self, step: Optional[int] = None, sharded: Any = None) -> Optional[Checkpoint]:
         """The checkpoint ``step`` (default: the last saved complete one), or None when there is none.
-        Rank 0 reads every file; each rank gets ``shared`` and its own ``local`` (rank 0 broadcasts
-        all of them: keep local states small -- RNG states, positions, sums -- and shard a model too
-        big for one rank's memory with torch.distributed.checkpoint instead). A checkpoint written
-        by a different number of ranks, or one holding types that ``weights_only`` loading refuses,
-        raises :class:`CheckpointError` on every rank."""
+        Rank 0 reads every file; each rank gets ``shared`` (broadcast) and its own ``local`` (sent
+        to that rank alone: keep local states small -- RNG states, positions, sums). A checkpoint
+        written by a different number of ranks, or one holding types that ``weights_only`` loading
+        refuses, raises :class:`CheckpointError` on every rank.
+
+        ``sharded``: for a checkpoint saved with ``sharded=``, a state dict of the same structure
+        (this rank's template), loaded in place; each rank reads its own part and its own
+        ``local``, and a job of another size reshards (its ``local`` is then None)."""
         self.wait()
         ctl = self._ctl("load()")
+        if sharded is not None:
+            from . import sharded as _sharded
+
+            got = _sharded.load(self, ctl, step, sharded)
+            if got is None:
+                return None
+            found, folder, seq, shared, local = got
+            log.info("hpcsync.checkpoint: resuming from step %d (%s, sharded)", found, folder)
+            return Checkpoint(found, folder, shared, local, seq)
         payload, error = None, None
         if ctl.Get_rank() == 0:
             try:
                 payload = self._read(step, ctl.Get_size())
             except Exception as exc:
                 error = f"cannot load from {self.root}: {type(exc).__name__}: {exc}"
-        payload, error = comm.broadcast_object((payload, error), group=ctl)
+        head = None if payload is None else payload[:4]
+        head, error = comm.broadcast_object((head, error), group=ctl)
         if error:  # rank 0's words, the same on every rank
             raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
-        if payload is None:
+        if head is None:
             return None
-        chosen, folder, seq, shared, locals_ = payload
+        chosen, folder, seq, shared = head
+        mine = ctl.scatter(payload[4] if payload is not None else None, root=0)  # each rank its own alone
         error, loaded = None, None
         try:
-            loaded = (_loads(shared, self.safe_globals), _loads(locals_[ctl.Get_rank()], self.safe_globals))
+            loaded = (loads(shared, self.safe_globals), loads(mine, self.safe_globals))
         except Exception as exc:  # e.g. a type weights_only refuses: never run it, say so everywhere
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
             why = next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else "")

@@ -140,8 +140,11 @@ class PreemptionCallback(Callback):
 
     @staticmethod
     def _save(trainer: Any, final: str) -> str:
-        """``trainer.save_checkpoint`` (collective; rank 0 writes) into a unique temporary file that
-        Lightning's search for ``hpc_ckpt_<N>`` cannot match, flushed, renamed to ``final``."""
+        """``trainer.save_checkpoint`` (collective) into a unique temporary name that Lightning's
+        search for ``hpc_ckpt_<N>`` cannot match, flushed, renamed to ``final``. The name is rank
+        0's (the strategies write to the path rank 0 gives): a file (rank 0 writes it), or the
+        directory a sharded strategy makes there, every rank writing its part, made whole on disk
+        before the rename."""
         from ..data.filesync import fsync_dir
 
         folder = os.path.dirname(final) or "."
@@ -151,9 +154,9 @@ class PreemptionCallback(Callback):
             fd, partial = tempfile.mkstemp(prefix=".hpcsync-incomplete-", suffix=".ckpt", dir=folder)
             os.close(fd)
         trainer.save_checkpoint(partial)
+        trainer.strategy.barrier("hpcsync-preemption-checkpoint-written")  # every rank's part is written
         if trainer.is_global_zero:
-            with open(partial, "rb") as f:
-                os.fsync(f.fileno())
+            _flush_tree(partial)
             os.replace(partial, final)
             fsync_dir(folder)
         trainer.strategy.barrier("hpcsync-preemption-checkpoint")
@@ -180,6 +183,21 @@ class PreemptionCallback(Callback):
         if self.guard is not None:
             self.guard.close()
             self.guard = None
+
+
+def _flush_tree(path: str) -> None:
+    """A checkpoint file, or every file and folder of a checkpoint directory, flushed to disk."""
+    from ..data.filesync import fsync_dir
+
+    if not os.path.isdir(path):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        return
+    for here, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(here, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(here)
 
 
 def _kwargs(strategy_cls: Any, backend: str, ddp_kwargs: Dict[str, Any]) -> Dict[str, Any]:

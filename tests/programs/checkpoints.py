@@ -72,20 +72,20 @@ got = ckpts.load()
 result["bg_loaded"] = {"step": got.step, "w": got.shared["w"].tolist(), "rank": got.local["rank"]}
 
 # rank 0's background write fails: save() returned, the next call raises it on every rank
-import hpcsync.resilience.checkpoint as _ck  # noqa: E402
+import hpcsync.resilience.checkpoint_io as _ck  # noqa: E402
 
-real_write = _ck._write_file
+real_write = _ck.write_file
 if rank == 0:
     def failing(path, data):
         raise OSError("No space left on device (injected)")
-    _ck._write_file = failing
+    _ck.write_file = failing
 ckpts.save(21, shared={"w": w}, local={"rank": rank}, background=True)
 try:
     ckpts.latest()
     result["bg_error"] = None
 except hpcsync.CheckpointError as exc:
     result["bg_error"] = str(exc)
-_ck._write_file = real_write
+_ck.write_file = real_write
 result["after_bg_error"] = ckpts.latest()
 ckpts.close()
 

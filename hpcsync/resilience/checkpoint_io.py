@@ -1,0 +1,63 @@
+"""The bytes and files of a checkpoint: ``torch.save`` bytes, loaded without running code
+(``weights_only=True``, numpy's data types allowed), files written whole and flushed to disk, and
+rank 0's part of a collective step with its outcome agreed on every rank."""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, List, Sequence
+
+from ..core.errors import CheckpointError
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` as ``torch.save`` writes it."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def numpy_safe_globals() -> List[Any]:
+    """What ``torch.load(weights_only=True)`` needs to rebuild numpy arrays, dtypes and scalars
+    (numpy's RNG state is an array): data, no code."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")] if hasattr(np, "dtypes") else []
+    return [np.dtype, np.ndarray, multiarray.scalar, multiarray._reconstruct, *dtypes]
+
+
+def loads(data: bytes, extra: Sequence[Any]) -> Any:
+    """:func:`dumps`'s bytes back, with ``weights_only=True``: data only, plus ``extra`` types."""
+    import torch
+
+    with torch.serialization.safe_globals([*numpy_safe_globals(), *extra]):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def write_file(path: str, data: bytes) -> None:
+    """A new file at ``path`` holding ``data``, flushed to disk before this returns."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def from_rank0(ctl: Any, fn: Any, failed: str) -> Any:
+    """Collective: ``fn()`` on rank 0, its result on every rank; its error as one
+    :class:`CheckpointError` on every rank (``failed`` with ``{}`` for the error)."""
+    value, error = None, None
+    if ctl.Get_rank() == 0:
+        try:
+            value = fn()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    value, error = ctl.bcast((value, error), root=0)
+    if error:
+        raise CheckpointError(f"hpcsync.checkpoint: {failed.format(error)}; the previous complete checkpoint is untouched")
+    return value
