@@ -11,7 +11,8 @@ on any rank, or a job end time that leaves too little time, stops every rank at 
 (``hpcsync.preemption``); the step is checkpointed (``hpcsync.Checkpoints``: model, optimizer,
 epoch and batch, every rank's RNG states and partial sums), the Slurm job requeued, and the next
 start resumes from it. The resumed run ends with the same weights, bit for bit, as one that was
-never stopped.
+never stopped. ``--fsdp`` shards the model over the ranks (FSDP2's ``fully_shard``) instead of
+replicating it (DDP): every rank then checkpoints its own shard (``save(sharded=...)``).
 
     mpiexec -n 4 python examples/train.py --epochs 8 --out runs/demo
     mpiexec -n 4 python examples/train.py --data runs/spirals --stage-to /tmp/$USER/spirals
@@ -108,6 +109,39 @@ def set_rng_states(states: dict) -> None:
     random.setstate(states["python"])
 
 
+def shard(model: nn.Module, topo: Any) -> nn.Module:
+    """The model sharded over every rank with FSDP2: each linear layer, then the whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (topo.world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def sharded_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """This rank's part of the model's and the optimizer's state (DTensors)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optim = get_state_dict(model, opt)
+    return {"model": weights, "optimizer": optim}
+
+
+def set_sharded_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_weights(model: nn.Module) -> dict:
+    """The whole model's weights on rank 0 (collective), from its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=8)
@@ -125,6 +159,8 @@ def parse_args() -> argparse.Namespace:
                    help="also checkpoint every STEPS steps, written in the background (needs --checkpoint-dir): "
                    "a lost node then costs at most STEPS steps under `hpcsync run`")
     p.add_argument("--checkpoint-sync", action="store_true", help="write the periodic checkpoints before going on")
+    p.add_argument("--fsdp", action="store_true", help="shard the model over the ranks (FSDP2) instead of DDP; "
+                   "checkpoints are then sharded: every rank writes its own part (--checkpoint-dir must be shared)")
     p.add_argument("--seed", type=int, help="seed of the initial weights (default: a random one, shared)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--step-time", type=float, default=0.0, metavar="SECONDS",
@@ -157,21 +193,33 @@ def main() -> None:
                         worker_init_fn=guard.worker_init_fn if guard else None)
     model = nn.Sequential(nn.Linear(2, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, 3))
-    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp = shard(model, topo) if args.fsdp else nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr * world ** 0.5, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
     # where training starts: the beginning, or the latest complete checkpoint (chosen by rank 0)
-    saved = ckpts.load() if ckpts else None
+    saved = None
+    if ckpts and args.fsdp:  # every rank reads its own shard, in place
+        template = sharded_state(model, opt)
+        saved = ckpts.load(sharded=template)
+        if saved is not None:
+            set_sharded_state(model, opt, template)
+    elif ckpts:
+        saved = ckpts.load()
+        if saved is not None:
+            model.load_state_dict(saved.shared["model"])
+            opt.load_state_dict(saved.shared["optimizer"])
     start_epoch, start_batch, steps_done, history = 0, 0, 0, []
     rows: List[List[Any]] = []  # this rank's metrics rows so far (kept only with --checkpoint-dir)
     total, count = 0.0, 0
     if saved is not None:
-        model.load_state_dict(saved.shared["model"])
-        opt.load_state_dict(saved.shared["optimizer"])
         start_epoch, start_batch, history = saved.shared["epoch"], saved.shared["batch"], saved.shared["history"]
         steps_done = saved.step
-        rows, total, count = saved.local["rows"], saved.local["total"], saved.local["count"]
+        if saved.local is not None:
+            rows, total, count = saved.local["rows"], saved.local["total"], saved.local["count"]
+        elif rank == 0:  # a sharded checkpoint of another number of ranks: the model is resharded, the rest anew
+            log.warning("the checkpoint has another number of ranks: the model and optimizer are resharded; "
+                        "RNG states and metrics rows start anew (not an exact resume)")
         log.info("resuming at epoch %d, batch %d (step %d) from %s%s", start_epoch, start_batch, steps_done, saved.path,
                  f" (Slurm restart {os.environ['SLURM_RESTART_COUNT']})" if os.environ.get("SLURM_RESTART_COUNT") else "")
     log.info("training on %d rank(s), %d node(s), backend %s", world, topo.num_nodes,
@@ -190,7 +238,7 @@ def main() -> None:
                 first = start_batch if epoch == start_epoch else 0
                 sampler.start = first * args.batch_size
                 batches = iter(loader)  # (draws a seed from torch's RNG)
-                if saved is not None and epoch == start_epoch:
+                if saved is not None and saved.local is not None and epoch == start_epoch:
                     set_rng_states(saved.local["rng"])  # as they were when the checkpoint was taken
                 elif first == 0:
                     total, count = 0.0, 0
@@ -213,8 +261,10 @@ def main() -> None:
                         # the state after this step: the resumed run goes on bit for bit; a periodic
                         # one is written in the background, a stop's before the job ends
                         with guard.checkpointing() if stop else contextlib.nullcontext():  # a stop's is timed
-                            ckpts.save(steps_done, shared={"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                           "epoch": epoch, "batch": step + 1, "history": history},
+                            where = {"epoch": epoch, "batch": step + 1, "history": history}
+                            weights = {"sharded": sharded_state(model, opt)} if args.fsdp else \
+                                {"shared": {"model": model.state_dict(), "optimizer": opt.state_dict(), **where}}
+                            ckpts.save(steps_done, **weights, **({"shared": where} if args.fsdp else {}),
                                        local={"rows": rows, "total": total, "count": count, "rng": rng_states()},
                                        background=not stop and not args.checkpoint_sync)
                     if stop:
@@ -239,8 +289,8 @@ def main() -> None:
     idx = np.array_split(np.arange(len(val)), world)[rank]
     x_val = torch.stack([val[i][0] for i in idx]) if len(idx) else torch.zeros(0, 2)
     y_val = torch.tensor([int(val[i][1]) for i in idx], dtype=torch.long)
-    with torch.no_grad():
-        pred = model(x_val).argmax(1) if len(idx) else torch.zeros(0, dtype=torch.long)
+    with torch.no_grad():  # (a sharded model's forward is collective: every rank runs it)
+        pred = model(x_val).argmax(1) if len(idx) or args.fsdp else torch.zeros(0, dtype=torch.long)
     correct = comm.all_gather(int((pred == y_val).sum()))
     accuracy = sum(correct) / len(val)
     h5_path = os.path.join(args.out, "predictions.h5")
@@ -250,8 +300,9 @@ def main() -> None:
                             "rank": np.full(len(idx), rank, dtype=np.int32)},
                   attrs={"accuracy": accuracy, "world_size": world})
 
+    weights = full_weights(model) if args.fsdp else model.state_dict()  # (collective with --fsdp)
     if rank == 0:
-        torch.save({"model": model.state_dict(), "epochs": args.epochs}, os.path.join(args.out, "model.pt"))
+        torch.save({"model": weights, "epochs": args.epochs}, os.path.join(args.out, "model.pt"))
         summary = {"world_size": world, "nodes": topo.num_nodes, "backend": dist.get_backend() if dist.is_initialized() else None,
                    "launcher": topo.launcher, "loss_first": history[0], "loss_last": history[-1],
                    "val_accuracy": accuracy, "train_seconds": round(train_time, 3),

@@ -48,24 +48,28 @@ def test_example_trains(launcher, n, backend, tmp_path):
     assert p.stdout.count("done:") == 1, "the summary is printed by rank 0 only"
 
 
-def test_example_signalled_under_mpiexec_resumes_bitwise(tmp_path):
-    """MPICH, 3 ranks, no Slurm: SIGUSR1 to one rank stops all three at one step, the checkpoint is
+@pytest.mark.parametrize("launcher,form", [("mpich", "ddp"), ("openmpi", "fsdp")])
+def test_example_signalled_resumes_bitwise(tmp_path, launcher, form):
+    """3 ranks, no Slurm: SIGUSR1 to one rank stops all three at one step, the checkpoint is
     written and the job exits 0 (nothing to requeue); the next start resumes from it and ends with
-    the weights and metrics of a run that was never stopped, bit for bit."""
+    the weights and metrics of a run that was never stopped, bit for bit. MPICH with DDP; Open MPI
+    with the model sharded (``--fsdp``: sharded checkpoints, periodic ones in the background too)."""
     import torch
 
-    lau = LAUNCHERS["mpich"]()
-    train = [*lau.command(3), PY, EXAMPLE, "--epochs", "40", "--samples", "1800", "--seed", "5"]
+    lau = LAUNCHERS[launcher]()
+    train = [*lau.command(3), PY, EXAMPLE, "--epochs", "40", "--samples", "1800", "--seed", "5",
+             *(["--fsdp"] if form == "fsdp" else [])]
     env = clean_env(lau.env)
     ref = subprocess.run([*train, "--out", str(tmp_path / "ref")], env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     check_outputs(tmp_path / "ref", 3)
     assert json.loads((tmp_path / "ref" / "summary.json").read_text())["backend"] == "hpcsync"
-    # h5py links Open MPI: the serial fallback, said in one log line, no warning
-    assert "RuntimeWarning" not in ref.stderr and (ref.stdout + ref.stderr).count("writing serially") == 1, ref.stderr
+    if launcher == "mpich":  # h5py links Open MPI: the serial fallback, said in one log line, no warning
+        assert "RuntimeWarning" not in ref.stderr and (ref.stdout + ref.stderr).count("writing serially") == 1, \
+            ref.stderr
 
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    cmd = [*train, "--out", str(out), "--checkpoint-dir", str(ckpt)]
+    cmd = [*train, "--out", str(out), "--checkpoint-dir", str(ckpt), *(["--checkpoint-every", "40"] if form == "fsdp" else [])]
     log = tmp_path / "run.log"
     with open(log, "w") as f:
         job = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
@@ -79,7 +83,12 @@ def test_example_signalled_under_mpiexec_resumes_bitwise(tmp_path):
     first = log.read_text()
     assert job.returncode == 0, first[-3000:]
     [step] = re.findall(r"stopped at step (\d+) \(signal SIGUSR1\)", first)
-    assert "not a Slurm job, nothing to requeue" in first and sorted(p.name for p in ckpt.iterdir()) == ["OWNER", f"step-{int(step):08d}"]
+    kept = sorted(p.name for p in ckpt.iterdir())
+    assert "not a Slurm job, nothing to requeue" in first and kept[0] == "OWNER" and kept[-1] == f"step-{int(step):08d}"
+    assert len(kept) == 2 or form == "fsdp", kept  # (periodic checkpoints too with --fsdp: keep=2)
+    if form == "fsdp":  # every rank wrote its own shard
+        assert sorted(p.name for p in (ckpt / kept[-1] / "sharded").iterdir() if p.name.endswith(".distcp")) == \
+            [f"__{r}_0.distcp" for r in range(3)], kept
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and f"(step {step})" in again.stderr, again.stderr[-3000:]
     w0, w1 = (torch.load(d / "model.pt")["model"] for d in (tmp_path / "ref", out))

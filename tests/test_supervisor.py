@@ -328,10 +328,10 @@ def break_node(cluster, failure, node=1):
         os.kill(pid, signal.SIGKILL)
 
 
-def reference(tmp_path):
+def reference(tmp_path, *extra):
     """The same training, never interrupted: 2 ranks under mpirun on this machine."""
     ref = tmp_path / "reference"
-    return ref, subprocess.Popen([*openmpi().command(2), PY, EXAMPLE, *TRAIN, "--out", str(ref)],
+    return ref, subprocess.Popen([*openmpi().command(2), PY, EXAMPLE, *TRAIN, *extra, "--out", str(ref)],
                                  env=clean_env(openmpi().env), cwd=tmp_path, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
 
@@ -394,16 +394,21 @@ def test_failures_past_the_cap_end_the_run_with_every_attempt(cluster, tmp_path)
     assert f"attempt 1 on {', '.join(a)}: killed" in text and f"attempt 2 on {', '.join(b)}: killed" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("failure", ["kill"] + (["link"] if os.environ.get("HPCSYNC_TEST_LONG") == "1" else []))
-def test_mpirun_relaunches_without_the_failed_node(cluster, failure, tmp_path):
+RELAUNCHES = [("kill", "ddp"), ("kill", "fsdp")] + ([("link", "ddp")] if os.environ.get("HPCSYNC_TEST_LONG") == "1" else [])
+
+
+@pytest.mark.parametrize("failure,form", RELAUNCHES, ids=[f"{f}-{m}" for f, m in RELAUNCHES])
+def test_mpirun_relaunches_without_the_failed_node(cluster, failure, form, tmp_path):
     """One spare of three hosts: the step runs on nodes 0 and 1; node 1's rank is SIGKILLed after
     the first periodic checkpoint; ``hpcsync run`` relaunches on nodes 0 and 2, the run resumes
     from that checkpoint and ends with the weights and metrics of a run that was never interrupted,
-    bit for bit. (A cut link: here a long run, last on these nodes; in every run under Slurm.)"""
-    ref, ref_proc = reference(tmp_path)
+    bit for bit; also with the model sharded (``--fsdp``: each rank's shard from the sharded
+    checkpoint). (A cut link: here a long run, last on these nodes; in every run under Slurm.)"""
+    extra = ["--fsdp"] if form == "fsdp" else []
+    ref, ref_proc = reference(tmp_path, *extra)
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    proc, log = supervised(cluster, tmp_path, [EXAMPLE, *TRAIN, "--out", str(out), "--checkpoint-dir", str(ckpt),
-                                               "--checkpoint-every", "150"], "--spare-nodes", "1")
+    proc, log = supervised(cluster, tmp_path, [EXAMPLE, *TRAIN, *extra, "--out", str(out), "--checkpoint-dir",
+                                               str(ckpt), "--checkpoint-every", "150"], "--spare-nodes", "1")
     wait_for_checkpoint(proc, log, ckpt)
     t_fail = time.time()
     break_node(cluster, failure)
