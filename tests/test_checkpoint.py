@@ -198,3 +198,22 @@ def test_a_rank_failing_inside_a_collective_call_ends_the_others_within_the_time
         assert "did not all arrive within 4 s" in d["error"] and 3.9 < d["seconds"] < 4 + 3, d
     assert res.stderr.count("CollectiveTimeout: ") == 2, res.stderr
     assert "MPI cannot finalize with a collective in flight" in res.stderr, res.stderr  # the first abort may end the other
+
+
+@pytest.mark.alone  # bounds of wall time
+@pytest.mark.parametrize("mbps,ok", [(8, True), (10**6, False)])
+def test_a_saves_deadline_grows_with_its_bytes(tmp_path, mbps, ok):
+    """Rank 0 takes about 4 s to write a 40 MB checkpoint (its disk made slow), the timeout is 2 s:
+    at HPCSYNC_CHECKPOINT_MBPS=8 the other rank waits 2 s + 40 MB at 8 MB/s and the save completes
+    on both; allowing no time for the bytes, the other rank times out at about 2 s (and the job
+    ends: MPI cannot finalize with the abandoned collective)."""
+    res = run(openmpi(), 2, "ckpt_deadline.py", str(tmp_path / "ckpt"), tmp_path=tmp_path, timeout=120,
+              expect_ok=False, env={"HPCSYNC_CHECKPOINT_MBPS": str(mbps), "HPCSYNC_ABORT_ON_EXCEPTION": "0",
+                   "HPCSYNC_ABORT_GRACE": "2"})
+    other = res.ranks[1]
+    assert other is not None, res
+    if ok:
+        assert res.returncode == 0 and res.ranks[0]["saved"] == other["saved"] == "step-00000001", res
+        assert 3.5 < other["seconds"] < 2 + 5, other
+    else:
+        assert other["error"].startswith("CollectiveTimeout: ") and other["seconds"] < 2 + 1.5, other

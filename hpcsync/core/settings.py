@@ -15,8 +15,8 @@ class Setting:
     name: str
     default: str  # "" = unset
     doc: str
-    # flag, seconds (a positive number), count (an integer >= 0), factor (a number above 1), m/n (two integers,
-    # 1 <= m <= n), text, or "a|b|c" (one of these words)
+    # flag, seconds or rate (a positive number), count (an integer >= 0), factor (a number above 1), m/n (two
+    # integers, 1 <= m <= n), text, or "a|b|c" (one of these words)
     kind: str = "text"
 
 
@@ -49,6 +49,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("HPCSYNC_DEBUG", "0", "1: compare every collective's description before starting it; the same on "
             "every rank", "flag"),
     Setting("HPCSYNC_PARTS_DIR", "", "where sync_file's per-rank parts live; default: beside the target"),
+    Setting("HPCSYNC_CHECKPOINT_MBPS", "50", "the slowest writing speed a checkpoint's deadlines allow for, MB/s: "
+            "the ranks waiting for a save's writes wait the timeout plus its bytes at this speed", "rate"),
     Setting("HPCSYNC_PROGRESS", "1", "0: no progress bars (they show only on a terminal anyway)", "flag"),
     Setting("HPCSYNC_HUGEPAGES", "1", "0: do not ask torch for transparent huge pages", "flag"),
     Setting("HPCSYNC_LOG_DIR", "", "a folder: hpcsync.init turns on rank-aware logging (a file per rank there, "
@@ -76,13 +78,13 @@ def validate() -> None:
         v = value.strip().lower()
         if s.kind == "flag" and v not in _FLAG_WORDS:
             bad.append(f"{s.name}={value!r} (expected one of {', '.join(_FLAG_WORDS)})")
-        elif s.kind == "seconds":
+        elif s.kind in ("seconds", "rate"):
             try:
                 ok = float(v) > 0 and float(v) != float("inf")
             except ValueError:
                 ok = False
             if not ok:
-                bad.append(f"{s.name}={value!r} (expected a positive number of seconds)")
+                bad.append(f"{s.name}={value!r} (expected a positive number{' of seconds' * (s.kind == 'seconds')})")
         elif s.kind == "count" and not v.isdigit():
             bad.append(f"{s.name}={value!r} (expected a whole number, 0 or more)")
         elif s.kind == "factor" and not 1 < _float(v) < float("inf"):

@@ -91,6 +91,7 @@ class Checkpoints:
         self._future: Any = None  # rank 0: that write
         self._pool: Any = None
         self._pending_sharded = False  # the pending save is sharded: every rank has a future
+        self._pending_bytes = 0  # what the pending save writes (its wait allows for it)
         self._group_for_thread: Any = None  # the process group of sharded saves in the background
 
     def _ctl(self, what: str) -> Any:
@@ -277,9 +278,20 @@ class Checkpoints:
             error = f"cannot serialise its local state: {exc!r}"
         raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
         locals_ = comm.gather(data, dst=0, group=ctl)
+        blob, total, error = b"", 0, None
+        if ctl.Get_rank() == 0:
+            try:
+                blob = dumps(shared)
+                total = len(blob) + sum(map(len, locals_))
+            except Exception as exc:
+                error = f"cannot serialise the shared state: {exc!r}"
+        total, error = ctl.bcast((total, error), root=0)
+        if error:
+            raise CheckpointError(f"hpcsync.checkpoint: step {step} not saved: rank 0 {error}")
+        checkpoint_io.allow_for(ctl, total)  # rank 0 writes it all while the others wait
 
         def write() -> str:  # rank 0
-            plan = self._plan(step, dumps(shared), locals_)
+            plan = self._plan(step, blob, locals_)
             if not background:
                 return self._write(*plan)
             self._future = self._thread().submit(self._write, *plan)
@@ -287,7 +299,7 @@ class Checkpoints:
 
         path = from_rank0(ctl, write, f"step {step} not saved (rank 0: {{}})")
         if background:
-            self._pending = step
+            self._pending, self._pending_bytes = step, total
             log.info("hpcsync.checkpoint: saving step %d to %s in the background", step, path)
         else:
             log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
@@ -301,27 +313,11 @@ class Checkpoints:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcsync-checkpoint")
         return self._pool
 
-    def _checkpoint_group(self, pg: Any) -> Any:
-        """A process group of the world's ranks for sharded saves in the background (made once,
-        collectively; the training's own groups stay free), or None for one process."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        if pg is not None and pg != dist.group.WORLD:
-            raise CheckpointError("hpcsync.checkpoint: a sharded save in the background needs Checkpoints over the "
-                                  "world (group=None): it makes a process group of its own for its thread")
-        if self._group_for_thread is None:
-            from datetime import timedelta
-
-            self._group_for_thread = dist.new_group(timeout=timedelta(seconds=self.timeout or bounded.default_timeout()))
-        return self._group_for_thread
-
     def _save_sharded_background(self, ctl: Any, step: int, shared: Any, local: Any, state: Any) -> str:
         from . import sharded as _sharded
 
-        path, self._future = _sharded.save_in_background(self, ctl, step, shared, local, state)
-        self._pending, self._pending_sharded = step, True
+        path, self._future, biggest = _sharded.save_in_background(self, ctl, step, shared, local, state)
+        self._pending, self._pending_sharded, self._pending_bytes = step, True, biggest
         log.info("hpcsync.checkpoint: saving step %d (sharded) to %s in the background", step, path)
         return path
 
@@ -333,6 +329,7 @@ class Checkpoints:
             return None
         step, self._pending = self._pending, None
         ctl = self._ctl(f"background save of step {step}")
+        checkpoint_io.allow_for(ctl, self._pending_bytes)
         future, self._future = self._future, None
         if self._pending_sharded:  # every rank's thread has its outcome, the same on every rank
             self._pending_sharded = False

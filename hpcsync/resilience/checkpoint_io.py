@@ -7,6 +7,7 @@ import io
 import os
 from typing import Any, List, Sequence
 
+from ..core import settings
 from ..core.errors import CheckpointError
 
 
@@ -61,3 +62,25 @@ def from_rank0(ctl: Any, fn: Any, failed: str) -> Any:
     if error:
         raise CheckpointError(f"hpcsync.checkpoint: {failed.format(error)}; the previous complete checkpoint is untouched")
     return value
+
+
+def allow_for(ctl: Any, nbytes: int) -> None:
+    """Give the waits of ``ctl`` (a bounded communicator; others have no deadline of their own)
+    the time to write ``nbytes`` at ``HPCSYNC_CHECKPOINT_MBPS`` on top of their timeout: a
+    deadline that fits the size being written, the same on every rank."""
+    if hasattr(ctl, "timeout"):
+        ctl.timeout += nbytes / (settings.number("HPCSYNC_CHECKPOINT_MBPS") * 1e6)
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of the tensors in ``state`` that this rank holds (a DTensor's local shard)."""
+    import torch
+
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0

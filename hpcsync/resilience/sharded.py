@@ -28,6 +28,7 @@ import pickle
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..core import comm
+from ..core.bounded import default_timeout
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
 from . import checkpoint_io
@@ -152,10 +153,12 @@ def _own_files(folder: str, rank: int, names: Sequence[str]) -> Dict[str, int]:
     return sizes
 
 
-def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any) -> Tuple[Any, bytes, bytes, str, str, int]:
+def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
+           ) -> Tuple[Any, bytes, bytes, str, str, int, int]:
     """What a sharded save does first, on every rank: ``(DCP's process group, local state's bytes,
-    shared state's bytes (rank 0), temporary dir, final dir, seq)``; the temporary directory made
-    by rank 0 and seen by every rank. Collective."""
+    shared state's bytes (rank 0), temporary dir, final dir, seq, the most bytes one rank writes)``;
+    the temporary directory made by rank 0 and seen by every rank; ``ctl``'s waits from here on
+    allow for the biggest rank's writes. Collective."""
 
     me, size = ctl.Get_rank(), ctl.Get_size()
     failed = f"hpcsync.checkpoint: step {step} not saved: "
@@ -169,12 +172,14 @@ def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any) -> Tuple[An
     except Exception as exc:
         error = f"cannot serialise its {'local' if not data else 'shared'} state: {exc!r}"
     raise_if_any(ctl, error, CheckpointError, failed)
+    biggest = max(ctl.allgather(checkpoint_io.tensor_bytes(state) + len(data) + len(blob)))
+    checkpoint_io.allow_for(ctl, biggest)  # the others wait while the biggest part is written
     tmp, final, seq = from_rank0(ctl, lambda: ckpts._plan_sharded(step), f"step {step} not saved (rank 0: {{}})")
     error = None if os.path.isdir(tmp) else (
         f"does not see {tmp}, which rank 0 made: a sharded checkpoint's root must be a directory every rank sees "
         "(a shared filesystem)")
     raise_if_any(ctl, error, CheckpointError, failed)
-    return pg, data, blob, tmp, final, seq
+    return pg, data, blob, tmp, final, seq, biggest
 
 
 def _write_part(tmp: str, me: int, data: bytes) -> Dict[str, int]:
@@ -203,7 +208,7 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -
     """:meth:`Checkpoints.save` with ``sharded=state``: see the module's docstring. Collective."""
 
     me, size = ctl.Get_rank(), ctl.Get_size()
-    pg, data, blob, tmp, final, seq = _begin(ckpts, ctl, step, shared, local)
+    pg, data, blob, tmp, final, seq, _ = _begin(ckpts, ctl, step, shared, local, state)
     error, sizes = None, {}
     try:
         import torch.distributed.checkpoint as dcp
@@ -221,19 +226,38 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -
     return path
 
 
-def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -> Tuple[str, Any]:
+def checkpoint_group(ckpts: Any, pg: Any) -> Any:
+    """A process group of the world's ranks for sharded saves in the background (made once,
+    collectively; the training's own groups stay free), or None for one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if pg is not None and pg != dist.group.WORLD:
+        raise CheckpointError("hpcsync.checkpoint: a sharded save in the background needs Checkpoints over the "
+                              "world (group=None): it makes a process group of its own for its thread")
+    if ckpts._group_for_thread is None:
+        from datetime import timedelta
+
+        ckpts._group_for_thread = dist.new_group(timeout=timedelta(seconds=ckpts.timeout or default_timeout()))
+    return ckpts._group_for_thread
+
+
+def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
+                       ) -> Tuple[str, Any, int]:
     """The same in the background: every rank's shard is copied to memory now (DCP's
     ``async_save``), written by a thread of its own, whose ranks then agree and rank 0 marks the
     checkpoint complete over a process group kept for checkpoints (the training's collectives go
-    on meanwhile). Returns ``(final dir, a future of (path, error))``. Collective."""
+    on meanwhile). Returns ``(final dir, a future of (path, error), the most bytes one rank
+    writes)``. Collective."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     me, size = ctl.Get_rank(), ctl.Get_size()
-    pg, data, blob, tmp, final, seq = _begin(ckpts, ctl, step, shared, local)
+    pg, data, blob, tmp, final, seq, biggest = _begin(ckpts, ctl, step, shared, local, state)
     group, error, copied = None, None, None
     try:
-        group = ckpts._checkpoint_group(pg)
+        group = checkpoint_group(ckpts, pg)
         copied = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
                                 process_group=group, no_dist=_alone())
     except _failed() as exc:
@@ -266,7 +290,7 @@ def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any,
             dist.broadcast_object_list(outcome, src=root, group=group)
         return outcome[0]
 
-    return final, ckpts._thread().submit(finish)
+    return final, ckpts._thread().submit(finish), biggest
 
 
 def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[Tuple[int, str, int, Any, Any]]:
