@@ -92,3 +92,86 @@ def test_a_planted_sharded_checkpoint_runs_no_code_on_load(tmp_path):
     assert "error" in got and "posix.system is not allowed in a checkpoint's metadata" in got["error"], got
     plain = ckpt_op(tmp_path, "load", root).ranks[0]["loaded"]
     assert "was saved with sharded=: load it with load(sharded=" in plain["error"], plain
+
+
+
+@pytest.mark.parametrize("mode,words", [
+    ("perrank", "its 'mine' differs from rank 0's: a sharded state may hold values that differ between ranks "
+                "only in DTensors"),
+    ("partial", "entries the template lacks"),
+    ("stateful", "rank 1: cannot read its sharded state: RuntimeError('injected on rank 1')"),
+])
+def test_bad_sharded_input_is_one_error_on_every_rank(tmp_path, mode, words):
+    """A per-rank value outside the DTensors (DCP would keep one rank's and load it everywhere), a
+    template that lacks entries the checkpoint has (they would be dropped without a word), a
+    Stateful that raises on one rank (before DCP's own exchanges): each is the same error on every
+    rank, at once."""
+    res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(tmp_path / "root"), "1", "1", mode, tmp_path=tmp_path,
+              timeout=120)
+    errors = {d["error"] for d in res.ranks}
+    assert len(errors) == 1 and words in errors.pop(), res.ranks
+    assert all(d["seconds"] < 20 for d in res.ranks), res.ranks
+
+
+def test_a_failed_background_save_leaves_the_next_ones_working(tmp_path):
+    """Rank 1's checkpoint thread fails in the first of three sharded saves in the background
+    (before DCP's first exchange: rank 0 waits in it for the checkpoint's 8 s timeout): that save
+    is one error on every rank (at wait()), the groups it used are made anew, and the next two
+    complete (the latest is step 3)."""
+    res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(tmp_path / "root"), "1", "1", "bgfail", tmp_path=tmp_path,
+              timeout=180)
+    for d in res.ranks:
+        assert [e[0] for e in d["errors"]] == [1] and "injected on rank 1" in d["errors"][0][1], d
+        assert d["latest"] == 3, d
+
+
+def _pickle_ops(*parts):
+    """A pickle (protocol 4) from raw parts: ``("g", module, name)`` is a STACK_GLOBAL, a str a
+    short string, bytes themselves."""
+    out = b"\x80\x04"
+    for p in parts:
+        if isinstance(p, tuple):
+            p = _pickle_ops(p[1], p[2])[2:] + b"\x93"
+        elif isinstance(p, str):
+            p = b"\x8c" + bytes([len(p.encode())]) + p.encode()
+        out += p
+    return out
+
+
+def test_the_metadata_reader_builds_only_dcps_own_records(tmp_path):
+    """What a planted .metadata could try, each refused before it runs: a callable reached through
+    a dotted name of an allowed module (operator.methodcaller ... os.system), state set on one of
+    the allowed classes (it would change that class for the whole process), a data file outside
+    the checkpoint's folder; the metadata DCP writes itself still loads."""
+    import io
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from hpcsync.resilience.dcp_reader import MetadataUnpickler, read_metadata
+
+    victim = tmp_path / "PWNED"
+    P = "torch.distributed.checkpoint.planner"
+    chain = _pickle_ops(("g", P, "operator.methodcaller"), "system", f"touch {victim}", b"\x86R",
+                        ("g", P, "operator.itemgetter"), "os", b"\x85R",
+                        ("g", P, "operator.attrgetter"), "__init__.__globals__", b"\x85R",
+                        ("g", "torch.distributed.checkpoint.filesystem", "FileSystemReader"), b"\x85R\x85R\x85R.")
+    with pytest.raises(pickle.UnpicklingError, match="operator.methodcaller is not allowed"):
+        MetadataUnpickler(io.BytesIO(chain)).load()
+    assert not victim.exists()
+    before = dict(vars(fs._StorageInfo))
+    build = _pickle_ops(("g", "torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                        b"N}", "offset", ("g", "builtins", "slice"), b"s\x86b.")
+    with pytest.raises(pickle.UnpicklingError, match="may not set state on a class"):
+        MetadataUnpickler(io.BytesIO(build)).load()
+    assert dict(vars(fs._StorageInfo)) == before
+    root = tmp_path / "ckpt"
+    ckpt_op(tmp_path, "save-sharded", root, 1, "3=x")
+    meta = root / "step-00000003" / "sharded" / ".metadata"
+    ok = read_metadata(str(meta))
+    assert ok.state_dict_metadata, "DCP's own metadata must still load"
+    for info in ok.storage_data.values():
+        info.relative_path = "../../elsewhere"
+    bad = tmp_path / "bad.metadata"
+    bad.write_bytes(pickle.dumps(ok, protocol=4))
+    with pytest.raises(pickle.UnpicklingError, match="outside its folder"):
+        read_metadata(str(bad))

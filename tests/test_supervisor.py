@@ -242,8 +242,8 @@ def test_a_signal_between_attempts_ends_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("job_state,update_rc,code,calls", [
-    ("RUNNING", 0, 0, ["requeuehold", "update", "release"]),
-    ("RUNNING", 1, 70, ["requeuehold", "update", "release"]),  # never left held
+    ("RUNNING", 0, 0, ["requeue", "update"]),
+    ("RUNNING", 1, 70, ["requeue", "update"]),  # requeued, never held: nothing to release
     ("COMPLETING", 0, 143, []),  # scancel'ed meanwhile: not brought back
 ])
 def test_requeue_without_the_bad_nodes(tmp_path, monkeypatch, job_state, update_rc, code, calls):

@@ -3,10 +3,12 @@
 A checkpoint written while the allocation ends must never be read half-written, and every rank
 must resume from the same one. :class:`Checkpoints` keeps ``ROOT/step-<N>/`` directories:
 
-- **rank 0 does all the file I/O.** Each rank's own state (RNG states, the sampler's position,
-  partial sums) is gathered to rank 0 over MPI and written there; on load rank 0 reads it back and
-  broadcasts it. Ranks that see ``ROOT`` differently (node-local disks, a lagging network
-  filesystem) cannot disagree, and ROOT need not be shared at all.
+- **rank 0 does all the file I/O** (a replicated model's form). Each rank's own state (RNG states,
+  the sampler's position, partial sums) is gathered to rank 0 over MPI and written there; on load
+  rank 0 reads it back and sends each rank its own. Ranks that see ``ROOT`` differently
+  (node-local disks, a lagging network filesystem) cannot disagree, and ROOT need not be shared.
+- **or every rank writes its own part** (``sharded=``: a state spread over the ranks, e.g. FSDP2's):
+  :mod:`hpcsync.resilience.sharded`, with the same guarantees below; ROOT must then be shared.
 - **written under a temporary name, marked complete last.** Files go into a temporary directory,
   each flushed to disk; then a ``COMPLETE`` marker with every file's size and the checkpoint's
   sequence number; then the directory is renamed into place. Nothing complete is renamed or
@@ -20,9 +22,11 @@ must resume from the same one. :class:`Checkpoints` keeps ``ROOT/step-<N>/`` dir
   :class:`~hpcsync.core.errors.CheckpointError` on every rank instead of loading or pruning the other's
   checkpoints. A requeued job is the same job; a job that ended hands the root on.
 - **loading runs no code**: ``torch.load(weights_only=True)``, with numpy's arrays and scalars
-  allowed (RNG states) and whatever ``safe_globals`` adds.
-- **bounded.** Every exchange between the ranks waits at most ``timeout`` (``HPCSYNC_TIMEOUT``):
-  a rank that raised or is stuck gives the others :class:`~hpcsync.core.errors.CollectiveTimeout`.
+  allowed (RNG states) and whatever ``safe_globals`` adds (a sharded checkpoint's metadata:
+  :mod:`hpcsync.resilience.dcp_reader`).
+- **bounded.** Every exchange between the ranks waits at most ``timeout`` (``HPCSYNC_TIMEOUT``),
+  plus the time to write what the others wait for at ``HPCSYNC_CHECKPOINT_MBPS``: a rank that
+  raised or is stuck gives the others :class:`~hpcsync.core.errors.CollectiveTimeout`.
 
 ::
 
@@ -259,10 +263,11 @@ class Checkpoints:
         format; the root must be a directory every rank sees): :mod:`hpcsync.resilience.sharded`.
 
         ``background``: return once the states are copied to memory (serialised on every rank and
-        gathered to rank 0); rank 0 writes the files on a thread of its own while training goes
-        on. The next save, :meth:`load`, :meth:`latest` and :meth:`wait` first wait for it (and
-        raise its error, if any, on every rank); a crash while it writes leaves the previous
-        complete checkpoint the latest. The returned directory exists once it completes."""
+        gathered to rank 0; with ``sharded=``, each rank's shard copied on that rank); rank 0 (with
+        ``sharded=``, every rank) writes the files on a thread of its own while training goes on.
+        The next save, :meth:`load`, :meth:`latest` and :meth:`wait` first wait for it (and raise
+        its error, if any, on every rank); a crash while it writes leaves the previous complete
+        checkpoint the latest. The returned directory exists once it completes."""
         self.wait()
         ctl = self._ctl(f"save of step {step}")
         if sharded is not None:
@@ -332,14 +337,22 @@ class Checkpoints:
         checkpoint_io.allow_for(ctl, self._pending_bytes)
         future, self._future = self._future, None
         if self._pending_sharded:  # every rank's thread has its outcome, the same on every rank
+            from . import sharded as _sharded
+            from ..core.worker import result
+
             self._pending_sharded = False
             path, error = None, None
-            try:
-                path, error = future.result()
+            try:  # (its exchanges wait at most the groups' timeouts: DCP's, then the agreement's, 2 t + 10 s)
+                path, error = result(future, 3 * (self.timeout or bounded.default_timeout()) + 10 + getattr(ctl, "timeout", 0),
+                                     lambda: f"the background save of step {step}")
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            raise_if_any(ctl, error and f"in the background: {error}", CheckpointError,
-                         f"hpcsync.checkpoint: step {step} not saved: ")
+            try:
+                raise_if_any(ctl, error and f"in the background: {error}", CheckpointError,
+                             f"hpcsync.checkpoint: step {step} not saved: ")
+            except CheckpointError:
+                _sharded.drop_groups(self)  # out of step, perhaps: the next save makes new ones
+                raise
             log.info("hpcsync.checkpoint: saved step %d (sharded) to %s", step, path)
             return path
         path = from_rank0(ctl, lambda: future.result(), f"step {step} not saved (rank 0, in the background: {{}})")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
+import uuid
 from typing import Any, Dict, Optional, Sequence
 
 from ..start.bootstrap import init, master_address
@@ -149,10 +149,9 @@ class PreemptionCallback(Callback):
 
         folder = os.path.dirname(final) or "."
         partial = os.path.join(folder, ".hpcsync-incomplete.ckpt")  # ranks other than 0 write nothing
-        if trainer.is_global_zero:
-            os.makedirs(folder, exist_ok=True)
-            fd, partial = tempfile.mkstemp(prefix=".hpcsync-incomplete-", suffix=".ckpt", dir=folder)
-            os.close(fd)
+        if trainer.is_global_zero:  # a name of its own, nothing made there: a sharded strategy's ranks
+            os.makedirs(folder, exist_ok=True)  # all make the directory, and would race to replace a file
+            partial = os.path.join(folder, f".hpcsync-incomplete-{uuid.uuid4().hex}.ckpt")
         trainer.save_checkpoint(partial)
         trainer.strategy.barrier("hpcsync-preemption-checkpoint-written")  # every rank's part is written
         if trainer.is_global_zero:

@@ -21,85 +21,21 @@ directory. Ordering by save, pruning and one job per root are the same as for th
 """
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
+import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..core import comm
 from ..core.bounded import default_timeout
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
-from . import checkpoint_io
-from .checkpoint_io import dumps, from_rank0, loads, numpy_safe_globals
+from . import checkpoint_io, dcp_reader
+from .checkpoint_io import dumps, from_rank0, loads
 
 log = logging.getLogger("hpcsync.checkpoint")
 
 FOLDER = "sharded"  #: DCP's files, inside a checkpoint directory
-
-# What DCP's metadata file may hold: its own record types, torch's dtypes, sizes, layouts and
-# memory formats, and plain containers. Anything else (a callable, a class of the writer's
-# choosing) is refused before it is built.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                     "torch.distributed.checkpoint.planner")
-_PLAIN = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-          ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"), ("pathlib", "PosixPath"),
-          ("pathlib", "PurePosixPath"), ("torch.serialization", "_get_layout")}  # (a layout by its name)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module in _METADATA_MODULES and not name.startswith("__"):
-            found = super().find_class(module, name)
-            if isinstance(found, type):
-                return found
-        elif module == "torch":
-            found = getattr(torch, name, None)
-            if found is torch.Size or isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
-                return found
-        elif (module, name) in _PLAIN:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
-
-
-def _reader(path: str) -> Any:
-    """DCP's FileSystemReader, its metadata read with :class:`_MetadataUnpickler`."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(path)
-
-
-def _planner(extra: Sequence[Any]) -> Any:
-    """DCP's default load planner, non-tensor values loaded with ``weights_only=True``."""
-    import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element  # DCP's own (a private module)
-
-
-    class SafePlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            with torch.serialization.safe_globals([*numpy_safe_globals(), *extra]):
-                obj = torch.load(value, map_location="cpu", weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return SafePlanner()
-
 
 def process_group(group: Any, size: int) -> Any:
     """The torch process group DCP runs its planning on: ``group`` when it is one, else the
@@ -117,6 +53,39 @@ def process_group(group: Any, size: int) -> Any:
         raise CheckpointError("hpcsync.checkpoint: a sharded checkpoint needs torch.distributed (hpcsync.init()); "
                               "the ranks plan their shards over it")
     return None
+
+
+def _plain(state: Any) -> Dict[str, Any]:
+    """``state`` with each top-level ``Stateful`` replaced by its ``state_dict()``: what DCP would
+    do first on each rank, done here where one rank's error is agreed before any collective."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    if not isinstance(state, dict):
+        raise TypeError(f"sharded= takes a dict (a state dict), not {type(state).__name__}")
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+
+def _replicated(state: Any, at: str = "") -> Dict[str, int]:
+    """A checksum of every value in ``state`` that is not a DTensor, by its key path: DCP writes
+    such a value once, from one rank, so it must be the same on every rank."""
+    import torch
+
+    if isinstance(state, dict):
+        out: Dict[str, int] = {}
+        for k, v in state.items():
+            out.update(_replicated(v, f"{at}.{k}" if at else str(k)))
+        return out
+    if isinstance(state, (list, tuple)):
+        out = {}
+        for i, v in enumerate(state):
+            out.update(_replicated(v, f"{at}.{i}"))
+        return out
+    if isinstance(state, torch.Tensor):
+        if hasattr(state, "to_local"):  # a DTensor: each rank's own part
+            return {}
+        data = state.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return {at: zlib.crc32(data, zlib.crc32(str((state.dtype, tuple(state.shape))).encode()))}
+    return {at: zlib.crc32(dumps(state))}
 
 
 def _failed() -> Tuple[type, ...]:
@@ -154,32 +123,46 @@ def _own_files(folder: str, rank: int, names: Sequence[str]) -> Dict[str, int]:
 
 
 def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
-           ) -> Tuple[Any, bytes, bytes, str, str, int, int]:
+           ) -> Tuple[Any, bytes, bytes, str, str, int, int, Dict[str, Any]]:
     """What a sharded save does first, on every rank: ``(DCP's process group, local state's bytes,
-    shared state's bytes (rank 0), temporary dir, final dir, seq, the most bytes one rank writes)``;
-    the temporary directory made by rank 0 and seen by every rank; ``ctl``'s waits from here on
-    allow for the biggest rank's writes. Collective."""
+    shared state's bytes (rank 0), temporary dir, final dir, seq, the most bytes one rank writes,
+    the state with its Stateful objects read)``; every error so far agreed (a value other than a
+    DTensor that differs between ranks is one), the temporary directory made by rank 0 and seen by
+    every rank; ``ctl``'s waits from here on allow for the biggest rank's writes. Collective."""
 
     me, size = ctl.Get_rank(), ctl.Get_size()
     failed = f"hpcsync.checkpoint: step {step} not saved: "
-    error, pg, data, blob = None, None, b"", b""
+    error, pg, data, blob, plain, sums = None, None, b"", b"", {}, {}
     try:
         pg = process_group(ckpts._group, size)
+        doing = "serialise its local state"
         data = dumps(local)
+        doing = "serialise the shared state"
         blob = dumps(shared) if me == 0 else b""
+        doing = "read its sharded state"
+        plain = _plain(state)
+        sums = _replicated(plain)
     except CheckpointError as exc:
         error = str(exc).removeprefix("hpcsync.checkpoint: ")
     except Exception as exc:
-        error = f"cannot serialise its {'local' if not data else 'shared'} state: {exc!r}"
+        error = f"cannot {doing}: {exc!r}"
     raise_if_any(ctl, error, CheckpointError, failed)
-    biggest = max(ctl.allgather(checkpoint_io.tensor_bytes(state) + len(data) + len(blob)))
+    seen = ctl.allgather((checkpoint_io.tensor_bytes(plain) + len(data) + len(blob), zlib.crc32(repr(sorted(
+        sums.items())).encode())))
+    if len({digest for _, digest in seen}) > 1:  # which value differs: rank 0's sums, then each rank's own
+        theirs = ctl.bcast(sums if me == 0 else None, root=0)
+        differ = sorted(k for k in set(sums) | set(theirs) if sums.get(k) != theirs.get(k))
+        raise_if_any(ctl, differ and f"its {differ[0]!r} differs from rank 0's: a sharded state may hold "
+                     "values that differ between ranks only in DTensors (DCP writes any other value once, from "
+                     "one rank); give per-rank values as local=", CheckpointError, failed)
+    biggest = max(n for n, _ in seen)
     checkpoint_io.allow_for(ctl, biggest)  # the others wait while the biggest part is written
     tmp, final, seq = from_rank0(ctl, lambda: ckpts._plan_sharded(step), f"step {step} not saved (rank 0: {{}})")
     error = None if os.path.isdir(tmp) else (
         f"does not see {tmp}, which rank 0 made: a sharded checkpoint's root must be a directory every rank sees "
         "(a shared filesystem)")
     raise_if_any(ctl, error, CheckpointError, failed)
-    return pg, data, blob, tmp, final, seq, biggest
+    return pg, data, blob, tmp, final, seq, biggest, plain
 
 
 def _write_part(tmp: str, me: int, data: bytes) -> Dict[str, int]:
@@ -208,12 +191,12 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -
     """:meth:`Checkpoints.save` with ``sharded=state``: see the module's docstring. Collective."""
 
     me, size = ctl.Get_rank(), ctl.Get_size()
-    pg, data, blob, tmp, final, seq, _ = _begin(ckpts, ctl, step, shared, local, state)
+    pg, data, blob, tmp, final, seq, _, plain = _begin(ckpts, ctl, step, shared, local, state)
     error, sizes = None, {}
     try:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
+        dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
                  process_group=pg, no_dist=_alone())
         sizes = _write_part(tmp, me, data)
     except _failed() as exc:  # every rank still reaches the agreement below
@@ -226,68 +209,87 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -
     return path
 
 
-def checkpoint_group(ckpts: Any, pg: Any) -> Any:
-    """A process group of the world's ranks for sharded saves in the background (made once,
-    collectively; the training's own groups stay free), or None for one process."""
+def checkpoint_groups(ckpts: Any, pg: Any) -> Tuple[Any, Any]:
+    """Two process groups of the world's ranks for sharded saves in the background (made once,
+    collectively, on a CPU backend; the training's own groups stay free): one for DCP's exchanges,
+    one for the ranks' agreement after them, so that a rank whose DCP call failed early cannot
+    meet the others' DCP exchanges with its agreement. ``(None, None)`` for one process."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return None
+        return None, None
     if pg is not None and pg != dist.group.WORLD:
         raise CheckpointError("hpcsync.checkpoint: a sharded save in the background needs Checkpoints over the "
-                              "world (group=None): it makes a process group of its own for its thread")
+                              "world (group=None): it makes process groups of its own for its thread")
     if ckpts._group_for_thread is None:
         from datetime import timedelta
 
-        ckpts._group_for_thread = dist.new_group(timeout=timedelta(seconds=ckpts.timeout or default_timeout()))
+        backend = "gloo" if dist.get_backend() == "nccl" else None  # (the thread's copy is on the CPU)
+        timeout = ckpts.timeout or default_timeout()  # the agreement's outlasts a rank's wait in DCP's
+        ckpts._group_for_thread = (dist.new_group(backend=backend, timeout=timedelta(seconds=timeout)),
+                                   dist.new_group(backend=backend, timeout=timedelta(seconds=2 * timeout + 10)))
     return ckpts._group_for_thread
+
+
+def drop_groups(ckpts: Any) -> None:
+    """After a failed save in the background (agreed on every rank): its groups may be out of step
+    for good; the next save makes new ones."""
+    import torch.distributed as dist
+
+    for group in ckpts._group_for_thread or ():
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # (a group whose peer failed) it is dropped either way
+            log.debug("hpcsync.checkpoint: destroying a checkpoint group: %s", exc)
+    ckpts._group_for_thread = None
 
 
 def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
                        ) -> Tuple[str, Any, int]:
-    """The same in the background: every rank's shard is copied to memory now (DCP's
-    ``async_save``), written by a thread of its own, whose ranks then agree and rank 0 marks the
-    checkpoint complete over a process group kept for checkpoints (the training's collectives go
-    on meanwhile). Returns ``(final dir, a future of (path, error), the most bytes one rank
-    writes)``. Collective."""
+    """The same in the background: every rank's shard is copied to memory now (on this thread:
+    an error there is agreed at once), then written by a thread of its own, whose ranks then agree
+    and rank 0 marks the checkpoint complete, over process groups kept for checkpoints (the
+    training's collectives go on meanwhile). Returns ``(final dir, a future of (path, error), the
+    most bytes one rank writes)``. Collective."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
     me, size = ctl.Get_rank(), ctl.Get_size()
-    pg, data, blob, tmp, final, seq, biggest = _begin(ckpts, ctl, step, shared, local, state)
-    group, error, copied = None, None, None
+    pg, data, blob, tmp, final, seq, biggest, plain = _begin(ckpts, ctl, step, shared, local, state)
+    (writing, agreeing), error, copy = (None, None), None, None
     try:
-        group = checkpoint_group(ckpts, pg)
-        copied = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
-                                process_group=group, no_dist=_alone())
+        writing, agreeing = checkpoint_groups(ckpts, pg)
+        copy = BlockingAsyncStager().stage(plain)
     except _failed() as exc:
         error = _why(exc)
     raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
-
     together = size > 1  # (a one-process job may have no torch.distributed at all)
-    root = dist.get_global_rank(group, 0) if together and group is not None else 0
+    root = dist.get_global_rank(agreeing, 0) if together and agreeing is not None else 0
 
     def finish() -> Tuple[Optional[str], Optional[str]]:  # on every rank's checkpoint thread
         sizes, err = {}, None
         try:
-            copied.result()
+            dcp.save(copy, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
+                     process_group=writing, no_dist=_alone())
             sizes = _write_part(tmp, me, data)
         except _failed() as exc:  # every rank still reaches the exchange below
             err = f"rank {me}: {_why(exc)}"
         parts: Any = [(sizes, err)]
         if together:
             parts = [None] * size if me == 0 else None
-            dist.gather_object((sizes, err), parts, dst=root, group=group)
+            dist.gather_object((sizes, err), parts, dst=root, group=agreeing)
         outcome: List[Any] = [None]
         if me == 0:
-            errs = [e for _, e in parts if e]
+            # the cause first: a rank's own error before the others' timeouts waiting for it
+            errs = sorted((e for _, e in parts if e), key=lambda e: "timed out" in e.lower() or "timeout" in e.lower())
             try:
                 outcome[0] = (None, errs[0]) if errs else \
                     (_complete(ckpts, step, seq, size, tmp, final, blob, [sz for sz, _ in parts]), None)
             except Exception as exc:
                 outcome[0] = (None, f"rank 0: {type(exc).__name__}: {exc}")
         if together:
-            dist.broadcast_object_list(outcome, src=root, group=group)
+            dist.broadcast_object_list(outcome, src=root, group=agreeing)
         return outcome[0]
 
     return final, ckpts._thread().submit(finish), biggest
@@ -310,13 +312,26 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
     if chosen is None:
         return None
     found, folder, seq, marker, shared_blob = chosen
-    error, local = None, None
+    error, pg, plain = None, None, {}
     try:
         pg = process_group(ckpts._group, size)
+        plain = _plain(template)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: hpcsync.checkpoint: ")
+    raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
+    error, local, shared = None, None, None
+    try:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.stateful import Stateful
 
-        dcp.load(template, storage_reader=_reader(os.path.join(folder, FOLDER)),
-                 planner=_planner(ckpts.safe_globals), process_group=pg, no_dist=_alone())
+        dcp.load(plain, storage_reader=dcp_reader.reader(os.path.join(folder, FOLDER)),
+                 planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_alone())
+        for key, value in template.items():  # what DCP's own load does with a Stateful
+            if isinstance(value, Stateful):
+                value.load_state_dict(plain[key])
+            else:
+                template[key] = plain[key]
+        shared = loads(shared_blob, ckpts.safe_globals) if shared_blob is not None else None
         name = f"rank-{me:05d}.pt"
         if marker["world_size"] == size and name in marker["files"]:
             with open(os.path.join(folder, name), "rb") as f:
@@ -331,5 +346,4 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
         from ..observe import failure
 
         failure.note_resume(found, folder, marker.get("time"))
-    shared = loads(shared_blob, ckpts.safe_globals) if shared_blob is not None else None
     return found, folder, seq, shared, local

@@ -9,9 +9,9 @@ from the program's latest checkpoint, no human involved.
 - **Under Slurm** it starts ``srun`` on the allocation's nodes minus the spares and watches the
   step. When it fails, it reads what the ranks wrote (:mod:`hpcsync.observe.failure`: a hang report's
   silent or missing ranks, an exception) and what the launcher said (tasks killed by a signal), and
-  relaunches the step without the nodes to blame, taking a spare. With no spare left it excludes
-  them from the job (``scontrol requeuehold``, ``update ExcNodeList``, ``release``), so the next
-  start lands elsewhere. Bad nodes are kept in the state folder and printed at every start.
+  relaunches the step without the nodes to blame, taking a spare. With no spare left it requeues
+  the job and excludes them from it (``scontrol requeue``, then ``update ExcNodeList`` while the
+  job is pending), so the next start lands elsewhere. Bad nodes are kept in the state folder and printed at every start.
 - **Under mpirun** (``--hosts`` or ``--hostfile``) the same over a list of hosts, with Open MPI's
   ``mpirun`` or MPICH's ``mpiexec``; without a spare the run ends with the list of attempts.
 - **Ranks killed by the job's warning signal** (SIGUSR1 or SIGUSR2 before the program's
@@ -387,11 +387,13 @@ def _scontrol(scontrol: str, *args: str) -> Tuple[bool, str]:
 
 
 def requeue_excluding(job: str, state: State, signalled: Any = lambda: False) -> int:
-    """Requeue the Slurm job with ``state.bad_nodes`` added to its ExcNodeList: held first (a
-    running job's ExcNodeList cannot change), updated, released -- released whatever happened
-    to the update, so the job is never left held. A job being ended (``scancel``: no longer
-    RUNNING, or a TERM to the supervisor) is never requeued. SIGTERM, which Slurm sends the batch
-    script once the job is requeued, is ignored from the hold on."""
+    """Requeue the Slurm job, then add ``state.bad_nodes`` to its ExcNodeList. A requeued job is
+    pending (a running one's ExcNodeList cannot change) and cannot start again while this batch
+    script still runs, so the update lands first; the job is never held, so a supervisor killed
+    between the two calls leaves a job that comes back (its next start leaves the bad nodes out of
+    the step: they are in the state folder), not one held for good. A job being ended
+    (``scancel``: no longer RUNNING, or a TERM to the supervisor) is never requeued. SIGTERM, which
+    Slurm sends the batch script once the job is requeued, is ignored from the requeue on."""
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         say("no spare node left and scontrol is not on PATH: cannot requeue")
@@ -407,18 +409,14 @@ def requeue_excluding(job: str, state: State, signalled: Any = lambda: False) ->
     state.requeues += 1
     state.save()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ok, why = _scontrol(scontrol, "requeuehold", job)
+    ok, why = _scontrol(scontrol, "requeue", job)
     if not ok:
-        say(f"`scontrol requeuehold {job}` failed: {why}")
+        say(f"`scontrol requeue {job}` failed: {why}")
         return requeue.EXIT_REQUEUE_FAILED
     updated, why_update = _scontrol(scontrol, "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}")
-    released, why_release = _scontrol(scontrol, "release", job)
-    if not released:
-        say(f"`scontrol release {job}` failed: {why_release}; the job is held: `scontrol release {job}` by hand")
-        return requeue.EXIT_REQUEUE_FAILED
     if not updated:
         say(f"`scontrol update JobId={job} ExcNodeList=...` failed: {why_update}; requeued without excluding "
-            f"{', '.join(excluded)}")
+            f"{', '.join(excluded)} (its next start leaves them out of the step)")
         return requeue.EXIT_REQUEUE_FAILED
     say(f"no spare node left: requeued Slurm job {job} without {', '.join(excluded)}; it resumes from its "
         "checkpoint when it starts again")

@@ -4,12 +4,16 @@
 
 MODE: ``sync`` or ``background`` (how each save is written), ``resume`` (load the latest first,
 then train on to STEPS, saving as before), ``full`` (load the latest into a fresh model and report
-its full parameters, at whatever world size this job has). Each rank reports the full parameters at
+its full parameters, at whatever world size this job has); bad input, each reported as the error
+every rank got: ``perrank`` (a plain tensor that differs between ranks), ``partial`` (a template
+without the optimizer's state), ``stateful`` (a Stateful whose state_dict() raises on rank 1);
+``bgfail`` (rank 1's thread fails in the first of three background saves). Each rank reports the full parameters at
 the end (``params``), the steps it trained, and what load() gave it. ``HPCSYNC_TEST_OWN_CWD=1``:
 each rank works in a folder of its own (a relative ROOT differs per rank).
 """
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -52,6 +56,58 @@ def state():
 out = {"rank": R, "world_size": W, "mode": mode}
 ckpts = hpcsync.Checkpoints(root, keep=2)
 start = 0
+if mode in ("perrank", "partial", "stateful"):  # bad input: the same error on every rank, no hang
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class Failing(Stateful):
+        def state_dict(self):
+            if R == 1:
+                raise RuntimeError("injected on rank 1")
+            return {"x": torch.zeros(1)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    t0 = time.monotonic()
+    try:
+        if mode == "partial":  # a template without the optimizer's state
+            ckpts.save(1, sharded=state())
+            ckpts.load(sharded={"model": state()["model"]})
+        else:
+            ckpts.save(1, sharded={**state(), **({"mine": torch.tensor([R])} if mode == "perrank" else
+                                                 {"extra": Failing()})})
+    except hpcsync.CheckpointError as exc:
+        out["error"] = str(exc)
+    out["seconds"] = time.monotonic() - t0
+    report(R, out)
+    hpcsync.shutdown()
+    sys.exit(0)
+if mode == "bgfail":  # rank 1's thread fails in the first background save only
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    real_save, failed = dcp.save, []
+
+    def save_once_failing(*args, **kwargs):
+        if R == 1 and not failed and threading.current_thread().name.startswith("hpcsync-checkpoint"):
+            failed.append(1)
+            raise OSError("No space left on device (injected on rank 1)")
+        return real_save(*args, **kwargs)
+
+    dcp.save = save_once_failing
+    ckpts = hpcsync.Checkpoints(root, keep=2, timeout=8)  # rank 0's DCP exchange waits this long for rank 1
+    errors = []
+    for step in (1, 2, 3):
+        try:
+            ckpts.save(step, sharded=state(), background=True)
+            ckpts.wait()
+        except hpcsync.CheckpointError as exc:
+            errors.append([step, str(exc)])
+    out["errors"], out["latest"] = errors, ckpts.latest()
+    report(R, out)
+    hpcsync.shutdown()
+    sys.exit(0)
 if mode in ("resume", "full"):
     template = state()
     try:

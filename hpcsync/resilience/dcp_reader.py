@@ -1,0 +1,110 @@
+"""Reading a torch.distributed.checkpoint directory without running its code.
+
+DCP's ``.metadata`` is a pickle, and its planner loads non-tensor values with
+``torch.load(weights_only=False)``: a checkpoint anyone could write to would run their code on
+load. Here the metadata is unpickled by a pure-Python unpickler that knows exactly the record
+types DCP writes (by module and name: no dotted names, no other callables) and refuses to set
+state on a class; every file it names must be a plain name inside the checkpoint's folder; and
+non-tensor values load with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any, Sequence
+
+from .checkpoint_io import numpy_safe_globals
+
+_META = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_META, "Metadata"), (_META, "TensorStorageMetadata"), (_META, "BytesStorageMetadata"),
+    (_META, "ChunkStorageMetadata"), (_META, "TensorProperties"), (_META, "MetadataIndex"),
+    (_META, "StorageMeta"), (_META, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+    ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"),
+}
+
+
+class MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes can be overridden
+    """The unpickler of DCP's metadata: only the names in ``_ALLOWED`` (and torch's dtypes,
+    layouts and memory formats), and no state set on a class (pickle's BUILD on a type would
+    change it for the whole process)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if "." not in name and (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and "." not in name:
+            found = getattr(torch, name, None)
+            if isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+    def load_build(self) -> None:
+        if isinstance(self.stack[-2], type):
+            raise pickle.UnpicklingError("a checkpoint's metadata may not set state on a class")
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def read_metadata(path: str) -> Any:
+    """The metadata at ``path``, read by :class:`MetadataUnpickler`; every file it names must be a
+    plain name (no folder, no ``..``): a load reads nothing outside the checkpoint's folder."""
+    with open(path, "rb") as f:
+        metadata = MetadataUnpickler(io.BytesIO(f.read())).load()
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or rel != os.path.basename(rel) or rel in (".", ".."):
+            raise pickle.UnpicklingError(f"a checkpoint's metadata names the file {rel!r}, outside its folder")
+    return metadata
+
+
+def reader(path: str) -> Any:
+    """DCP's FileSystemReader for the folder ``path``, its metadata read by :func:`read_metadata`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def planner(extra: Sequence[Any]) -> Any:
+    """DCP's default load planner, non-tensor values loaded with ``weights_only=True`` (numpy's
+    data types and ``extra`` allowed), and a checkpoint holding entries the template lacks refused
+    (they would be dropped without a word: e.g. an optimizer's state not made yet)."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element  # DCP's own (a private module)
+
+    class SafePlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            extra_keys = sorted(set(self.metadata.state_dict_metadata) - set(self.state_dict))
+            if extra_keys:
+                raise ValueError(f"the checkpoint holds {len(extra_keys)} entries the template lacks (e.g. "
+                                 f"{', '.join(extra_keys[:3])}): give load() a state of the same structure "
+                                 "(get_state_dict(model, optim) makes the optimizer's state too)")
+            return super().create_local_plan()
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            with torch.serialization.safe_globals([*numpy_safe_globals(), *extra]):
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafePlanner()
