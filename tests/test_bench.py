@@ -157,3 +157,21 @@ def test_logs_benchmark_quick(tmp_path):
     assert len(rows) == 3 and all(r["us_per_record"] > 0 for r in rows.values()), data
     assert rows["file in the log folder"]["vs_no_handler"] > 1, data
     assert (tmp_path / "logs" / "rank-00000.log").stat().st_size > 0
+
+
+def test_checkpoint_benchmark_quick(tmp_path):
+    """bench_checkpoint --quick: both forms of Checkpoints at 2 and 4 ranks, every time measured; on
+    load, a sharded rank gets less than the rank-0 form's rank 0 reads, and the rank-0 form's rank 0
+    reads the shared state and every rank's local."""
+    _, data, stdout = run_quick(tmp_path, "bench_checkpoint.py", timeout=300)
+    rows = {(r["ranks"], r["form"]): r for r in data["rows"]}
+    assert set(rows) == {(n, f) for n in (2, 4) for f in ("rank0", "sharded")}, rows
+    times = ("save_s", "stall_s", "complete_s", "load_s")
+    assert all(r[k] > 0 and len(r[k + "_rounds"]) == 2 for r in rows.values() for k in times), rows
+    rank0, sharded = rows[(4, "rank0")], rows[(4, "sharded")]
+    state, local = rank0["state_mib"] * 2**20, data["local_kib"] * 1024
+    assert rank0["load_bytes_rank0"] >= state + 4 * local, rank0  # shared.pt and the 4 locals
+    assert min(rank0["load_mpi_bytes"][1:]) >= state + local, rank0  # the others: the shared state and their own
+    assert sharded["load_bytes_max"] < rank0["load_bytes_rank0"], (sharded, rank0)
+    assert sharded["load_bytes_max"] < state / 4 + local + 2**20, sharded  # its quarter, its local, a little more
+    assert "| 4 | sharded |" in stdout
