@@ -217,9 +217,11 @@ def main() -> None:
         steps_done = saved.step
         if saved.local is not None:
             rows, total, count = saved.local["rows"], saved.local["total"], saved.local["count"]
-        elif rank == 0:  # a sharded checkpoint of another number of ranks: the model is resharded, the rest anew
-            log.warning("the checkpoint has another number of ranks: the model and optimizer are resharded; "
-                        "RNG states and metrics rows start anew (not an exact resume)")
+        else:  # a sharded checkpoint of another number of ranks: the model is resharded, the epoch starts anew
+            start_batch = 0  # (its batch count was the other number of ranks')
+            if rank == 0:
+                log.warning("the checkpoint has another number of ranks: the model and optimizer are resharded; "
+                            "the epoch, RNG states and metrics rows start anew (not an exact resume)")
         log.info("resuming at epoch %d, batch %d (step %d) from %s%s", start_epoch, start_batch, steps_done, saved.path,
                  f" (Slurm restart {os.environ['SLURM_RESTART_COUNT']})" if os.environ.get("SLURM_RESTART_COUNT") else "")
     log.info("training on %d rank(s), %d node(s), backend %s", world, topo.num_nodes,

@@ -145,9 +145,11 @@ def _watched(cmd: List[str], env: Dict[str, str], cwd: Path, timeout: float, tex
         if seen is None and text in "".join(out["stderr"]):
             seen = now
         if now > deadline or (seen is not None and now - seen > WATCH_GRACE):
-            end()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            try:
+                end()
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             if now > deadline:
                 pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\nstdout:{''.join(out['stdout'])}\n"
                             f"stderr:{''.join(out['stderr'])}")

@@ -241,6 +241,32 @@ def test_a_signal_between_attempts_ends_the_run(tmp_path):
         signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
 
 
+def test_a_job_that_keeps_landing_on_bad_nodes_is_not_requeued_for_ever(tmp_path, monkeypatch):
+    """The job came back onto a node of its bad list again (its ExcNodeList update never took),
+    as often as the cap allows requeues: the next start gives up with the list of attempts
+    instead of requeuing once more (each failure requeues once at most, so this is a loop)."""
+    exe = tmp_path / "scontrol"
+    exe.write_text(f"#!/bin/sh\necho \"$1\" >> {tmp_path}/calls\necho 'JobId=7 JobState=RUNNING'\nexit 0\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    state = supervisor.State(str(tmp_path / "state"))
+    state.bad_nodes, state.requeues = ["n1"], 2
+    state.save()
+
+    class Never(supervisor.Launcher):
+        def command(self, nodes, per_node, program):
+            raise AssertionError("no step may start without enough healthy nodes")
+
+    sup = supervisor.Supervisor(Never("never", []), ["n0", "n1"], 1, 0, 2, str(tmp_path / "state"), ["prog"],
+                                slurm_job="7")
+    try:
+        assert sup.run() == supervisor.EXIT_RESTARTS_SPENT
+    finally:
+        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+    assert not (tmp_path / "calls").exists(), "scontrol was called: the job was requeued again"
+
+
 @pytest.mark.parametrize("job_state,update_rc,code,calls", [
     ("RUNNING", 0, 0, ["requeue", "update"]),
     ("RUNNING", 1, 70, ["requeue", "update"]),  # requeued, never held: nothing to release

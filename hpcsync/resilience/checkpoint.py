@@ -96,6 +96,7 @@ class Checkpoints:
         self._pool: Any = None
         self._pending_sharded = False  # the pending save is sharded: every rank has a future
         self._pending_bytes = 0  # what the pending save writes (its wait allows for it)
+        self._stuck = False  # the thread is stuck in a write: close() does not wait for it
         self._group_for_thread: Any = None  # the process group of sharded saves in the background
 
     def _ctl(self, what: str) -> Any:
@@ -345,8 +346,8 @@ class Checkpoints:
             try:  # (its exchanges wait at most the groups' timeouts: DCP's, then the agreement's, 2 t + 10 s)
                 path, error = result(future, 3 * (self.timeout or bounded.default_timeout()) + 10 + getattr(ctl, "timeout", 0),
                                      lambda: f"the background save of step {step}")
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # (a Stalled: the thread is left to its stuck write)
+                error, self._stuck = f"{type(exc).__name__}: {exc}", True
             try:
                 raise_if_any(ctl, error and f"in the background: {error}", CheckpointError,
                              f"hpcsync.checkpoint: step {step} not saved: ")
@@ -365,7 +366,7 @@ class Checkpoints:
             self.wait()
         finally:
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown(wait=not self._stuck, cancel_futures=True)
                 self._pool = None
 
     def __enter__(self) -> "Checkpoints":

@@ -68,8 +68,9 @@ def allow_for(ctl: Any, nbytes: int) -> None:
     """Give the waits of ``ctl`` (a bounded communicator; others have no deadline of their own)
     the time to write ``nbytes`` at ``HPCSYNC_CHECKPOINT_MBPS`` on top of their timeout: a
     deadline that fits the size being written, the same on every rank."""
-    if hasattr(ctl, "timeout"):
-        ctl.timeout += nbytes / (settings.number("HPCSYNC_CHECKPOINT_MBPS") * 1e6)
+    if hasattr(ctl, "timeout"):  # (from its own timeout: a communicator the caller gave is not stretched twice)
+        base = ctl.__dict__.setdefault("base_timeout", ctl.timeout)
+        ctl.timeout = base + nbytes / (settings.number("HPCSYNC_CHECKPOINT_MBPS") * 1e6)
 
 
 def tensor_bytes(state: Any) -> int:

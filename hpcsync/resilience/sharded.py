@@ -18,6 +18,14 @@ the ranks (an FSDP2 model's DTensors, from ``get_state_dict(model, optim)``):
 
 The root must be a directory every rank sees (a shared filesystem): the ranks write into one
 directory. Ordering by save, pruning and one job per root are the same as for the other form.
+
+Cost at N ranks (S the whole state, L a rank's local state, T the tensors): a save writes
+S/N + L per rank, in parallel; its exchanges are an allgather of one (size, checksum) pair per
+rank, DCP's gather and scatter of plans at rank 0 (O(N·T) records through one rank), a gather of
+each rank's file sizes to rank 0 and a broadcast of the outcome. A load receives S/N + L plus DCP's
+metadata, which every rank reads whole and which lists every rank's chunk of every tensor
+(about 155 B × T × N: 159 MB per rank at 1,024 ranks and 1,000 tensors). Measured and modelled
+further in docs/performance.md.
 """
 from __future__ import annotations
 

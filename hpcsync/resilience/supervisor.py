@@ -375,6 +375,10 @@ class Supervisor:
         if self.slurm_job is None:
             say(f"no spare node left ({self.width} needed, healthy: {', '.join(self.hosts) or 'none'}; left out: {bad})")
             return EXIT_NO_NODES
+        if self.state.requeues >= self.max_restarts:  # each failure requeues once at most: this is a loop
+            say(f"no spare node left and the job was requeued {self.state.requeues} time(s) already (the cap is "
+                f"{self.max_restarts}): it keeps landing on {bad}; not requeued again")
+            return self._give_up()
         return requeue_excluding(self.slurm_job, self.state, lambda: self._signalled)
 
 
