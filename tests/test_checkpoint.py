@@ -196,7 +196,9 @@ def test_a_rank_failing_inside_a_collective_call_ends_the_others_within_the_time
     for d in res.ranks[1:]:
         assert d["error"].startswith("CollectiveTimeout: ") and what in d["error"], d
         assert "did not all arrive within 4 s" in d["error"] and 3.9 < d["seconds"] < 4 + 3, d
-    assert res.stderr.count("CollectiveTimeout: ") == 2, res.stderr
+    # each waiting rank's own error once (its report above says which it got); the first to exit
+    # ends the job (MPI_Abort for the abandoned collective), so the other's may not reach stderr
+    assert 1 <= res.stderr.count("CollectiveTimeout: ") <= 2, res.stderr
     assert "MPI cannot finalize with a collective in flight" in res.stderr, res.stderr  # the first abort may end the other
 
 

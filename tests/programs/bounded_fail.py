@@ -5,7 +5,8 @@ must end within the timeout with one error, not wait forever.
 
 ``save``: rank 0 raises inside ``Checkpoints.save`` (before it joins the gather of the local
 states); ``requeue``: inside ``requeue()`` (in its decision, before the broadcast). Each rank
-reports the error it got and when, then lets it end the process.
+reports the error it got and when, waits (15 s at most) for the others' reports, then lets the
+error end the process.
 """
 import os
 import sys
@@ -44,5 +45,11 @@ except Exception as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
     out["seconds"] = time.monotonic() - t0
     report(topo.rank, out)
+    # the first rank to exit ends the job (MPI_Abort at exit, for the abandoned collective): wait
+    # a bounded while for every rank's report first, so a rank slowed by a loaded machine reports too
+    reports = [os.path.join(os.environ["HPCSYNC_TEST_OUT"], f"rank{r}.json") for r in range(topo.world_size)]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(os.path.exists(f) for f in reports):
+        time.sleep(0.05)
     raise
 report(topo.rank, out)
