@@ -175,7 +175,6 @@ def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
 
 def _write_part(tmp: str, me: int, data: bytes) -> Dict[str, int]:
     """This rank's local state, on disk; returns its own files' sizes (with DCP's, written by then)."""
-
     name = f"rank-{me:05d}.pt"
     checkpoint_io.write_file(os.path.join(tmp, name), data)
     return _own_files(tmp, me, [name])
@@ -184,7 +183,6 @@ def _write_part(tmp: str, me: int, data: bytes) -> Dict[str, int]:
 def _complete(ckpts: Any, step: int, seq: int, size: int, tmp: str, final: str, blob: bytes,
               every: Sequence[Dict[str, int]]) -> str:
     """Rank 0, once every rank's part is on disk: the shared state, the marker, the rename."""
-
     files: Dict[str, int] = {}
     for part in every:
         files.update(part)
@@ -197,7 +195,6 @@ def _complete(ckpts: Any, step: int, seq: int, size: int, tmp: str, final: str, 
 
 def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -> str:
     """:meth:`Checkpoints.save` with ``sharded=state``: see the module's docstring. Collective."""
-
     me, size = ctl.Get_rank(), ctl.Get_size()
     pg, data, blob, tmp, final, seq, _, plain = _begin(ckpts, ctl, step, shared, local, state)
     error, sizes = None, {}
