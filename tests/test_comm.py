@@ -122,3 +122,13 @@ def test_torchrun_without_init_is_a_clear_error(tmp_path):
         assert d["world_size"] == 2
         for name in ("all_gather", "gather", "shared_random_seed", "synchronize"):
             assert d[name].startswith("LaunchError") and "hpcsync.init()" in d[name], (name, d[name])
+
+
+@pytest.mark.parametrize("round_bytes", [1000, 1 << 20])
+def test_bounded_scatter_in_rounds(tmp_path, round_bytes):
+    """Rank 0 scatters objects of 2,500, 10, 0 and 1,500 bytes (pickled) to 4 ranks in rounds of
+    1,000 bytes (an object across three rounds, rounds that carry several ranks' bytes) and in
+    one round: every rank gets exactly its own (the rounds keep MPI's counts and offsets within
+    a C int however much is scattered in all)."""
+    res = run(openmpi(), 4, "scatter_rounds.py", str(round_bytes), tmp_path=tmp_path, timeout=120)
+    assert [d["ok"] for d in res.ranks] == [True] * 4, res.ranks

@@ -187,21 +187,28 @@ class BoundedComm:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self._rank == root else None
         return pickle.loads(bigmpi.bcast_bytes(self, data, root=root))
 
-    def scatter(self, objs: Any = None, root: int = 0) -> Any:
-        """Object ``i`` of the root's ``objs`` to rank ``i`` (each pickled; sizes first)."""
+    def scatter(self, objs: Any = None, root: int = 0, round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES) -> Any:
+        """Object ``i`` of the root's ``objs`` to rank ``i`` (each pickled): every rank learns every
+        size, then the bytes go in rounds of at most ``round_bytes`` (MPI's counts and offsets are
+        C ints: one call would overflow past 2 GiB in all), a rank's object across rounds if need
+        be. Rounds: the total over ``round_bytes``, the same on every rank."""
         MPI = mpi.MPI()
         is_root = self._rank == root
         parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs] if is_root else []
-        sizes = np.array([len(p) for p in parts], dtype=np.int64) if is_root else None
-        mine = np.zeros(1, dtype=np.int64)
-        self.Scatter([sizes, MPI.INT64_T] if is_root else None, [mine, MPI.INT64_T], root=root)
-        buf = bytearray(int(mine[0]))
-        if is_root:
-            displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-            self.Scatterv([b"".join(parts), sizes, displs, MPI.BYTE], [buf, int(mine[0]), MPI.BYTE], root=root)
-        else:
-            self.Scatterv(None, [buf, int(mine[0]), MPI.BYTE], root=root)
-        return pickle.loads(buf)
+        sizes = np.array([len(p) for p in parts], dtype=np.int64) if is_root else np.zeros(self._size, np.int64)
+        self.Bcast([sizes, MPI.INT64_T], root=root)
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        mine = bytearray(int(sizes[self._rank]))
+        blob = memoryview(b"".join(parts)) if is_root else None
+        for lo in range(0, int(starts[-1]), round_bytes):
+            hi = min(lo + round_bytes, int(starts[-1]))
+            first, last = np.maximum(starts[:-1], lo), np.minimum(starts[1:], hi)
+            counts = np.maximum(last - first, 0).astype(np.int32)  # each rank's bytes in [lo, hi)
+            displs = np.clip(first - lo, 0, hi - lo).astype(np.int32)
+            at = int(first[self._rank] - starts[self._rank])  # where they go in this rank's object
+            recv = [memoryview(mine)[at: at + int(counts[self._rank])], int(counts[self._rank]), MPI.BYTE]
+            self.Scatterv([blob[lo:hi], counts, displs, MPI.BYTE] if is_root else None, recv, root=root)
+        return pickle.loads(mine)
 
     def __repr__(self) -> str:
         return f"BoundedComm({self.what!r}, timeout={self.timeout:g}, rank {self._rank}/{self._size})"
