@@ -48,10 +48,12 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..core import bounded, comm
+from ..core.worker import result
 from ..observe import failure
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
 from . import checkpoint_io
+from . import sharded as _sharded
 from .checkpoint_io import dumps, from_rank0, loads, numpy_safe_globals  # noqa: F401  (the API's)
 from .root_owner import OWNER, claim, job_running, this_job  # noqa: F401  (the API's)
 
@@ -274,8 +276,6 @@ class Checkpoints:
         if sharded is not None:
             if background:
                 return self._save_sharded_background(ctl, step, shared, local, sharded)
-            from . import sharded as _sharded
-
             return _sharded.save(self, ctl, step, shared, local, sharded)
         error, data = None, b""
         try:
@@ -284,16 +284,14 @@ class Checkpoints:
             error = f"cannot serialise its local state: {exc!r}"
         raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
         locals_ = comm.gather(data, dst=0, group=ctl)
-        blob, total, error = b"", 0, None
-        if ctl.Get_rank() == 0:
-            try:
-                blob = dumps(shared)
-                total = len(blob) + sum(map(len, locals_))
-            except Exception as exc:
-                error = f"cannot serialise the shared state: {exc!r}"
-        total, error = ctl.bcast((total, error), root=0)
-        if error:
-            raise CheckpointError(f"hpcsync.checkpoint: step {step} not saved: rank 0 {error}")
+        blob = b""
+
+        def serialise() -> int:  # rank 0: the shared state, kept here; every rank learns the bytes to write
+            nonlocal blob
+            blob = dumps(shared)
+            return len(blob) + sum(map(len, locals_))
+
+        total = from_rank0(ctl, serialise, f"step {step} not saved (rank 0 cannot serialise the shared state: {{}})")
         checkpoint_io.allow_for(ctl, total)  # rank 0 writes it all while the others wait
 
         def write() -> str:  # rank 0
@@ -320,8 +318,6 @@ class Checkpoints:
         return self._pool
 
     def _save_sharded_background(self, ctl: Any, step: int, shared: Any, local: Any, state: Any) -> str:
-        from . import sharded as _sharded
-
         path, self._future, biggest = _sharded.save_in_background(self, ctl, step, shared, local, state)
         self._pending, self._pending_sharded, self._pending_bytes = step, True, biggest
         log.info("hpcsync.checkpoint: saving step %d (sharded) to %s in the background", step, path)
@@ -338,9 +334,6 @@ class Checkpoints:
         checkpoint_io.allow_for(ctl, self._pending_bytes)
         future, self._future = self._future, None
         if self._pending_sharded:  # every rank's thread has its outcome, the same on every rank
-            from . import sharded as _sharded
-            from ..core.worker import result
-
             self._pending_sharded = False
             path, error = None, None
             try:  # (its exchanges wait at most the groups' timeouts: DCP's, then the agreement's, 2 t + 10 s)
@@ -388,8 +381,6 @@ class Checkpoints:
         self.wait()
         ctl = self._ctl("load()")
         if sharded is not None:
-            from . import sharded as _sharded
-
             got = _sharded.load(self, ctl, step, sharded)
             if got is None:
                 return None
