@@ -51,6 +51,14 @@ _FORWARD = ("HPCSYNC_", "BENCH_", "MPI4PY_", "PYTHON", "OMP_NUM_THREADS", "TORCH
 # (it goes by boot id, not hostname): force the cluster network, as between real nodes.
 _MPICH_NETWORK = {"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": "eth0"}
 
+# MPICH under `srun --mpi=pmi2` runs over OFI (tcp provider), not UCX. MPICH 5's UCX netmod
+# publishes a 4,096-byte business card through PMI whatever UCX's address needs (the rest is heap
+# garbage: MPICH's own "FIXME: use the actual addrname_len"), hex-encoded in 511-byte segments, so
+# a `cmd=put` line is 1,000-1,090 bytes; Slurm's pmi2 plugin reads a PMI-1 request with one read()
+# of at most 1,024 bytes. A longer line is cut and the step aborts or hangs in MPI_Init, the same
+# way every time for a given environment (docs/harness.md). OFI's card holds the real address.
+_MPICH_UNDER_SRUN = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
 _AGENT = r"""#!/bin/sh
 # rsh/ssh agent for namespace nodes: agent [ssh options] NODE COMMAND...
 while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
@@ -322,8 +330,8 @@ class Cluster:
         if mpi == "pmix":  # tasks on two nodes talk TCP; docker0 has the same address everywhere
             env.update({"MPI4PY_MPIABI": "openmpi", "OMPI_MCA_btl": "self,vader,tcp",
                         "OMPI_MCA_btl_tcp_if_include": links["openmpi"]})
-        else:
-            env.update({**_MPICH_NETWORK, "UCX_NET_DEVICES": links["ucx"]})
+        else:  # MPICH over OFI's tcp provider: see _MPICH_UNDER_SRUN
+            env.update({**_MPICH_UNDER_SRUN, "FI_TCP_IFACE": links["ucx"].split(",")[0]})
         return ClusterLauncher(f"srun-{mpi}", argv, env, self)
 
     def hosts(self, per_node: Sequence[int]) -> List[str]:
