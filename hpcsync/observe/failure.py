@@ -16,7 +16,9 @@ record only where the variable is set, as ``hpcsync run`` does):
 - ``ranks`` and ``nodes``: whom the failure implicates (the ranks that did not answer or never
   arrived, the rank that raised, the ranks that died), and ``blame_nodes``: the nodes to leave out
   of a relaunch (empty for a program error);
-- ``reporter`` (rank and node), ``time`` (epoch seconds) and ``detail`` (one line).
+- ``reporter`` (rank and node), ``time`` (epoch seconds) and ``detail`` (one line);
+- for a hang, ``reached`` and ``reached_nodes``: the ranks (and their nodes) that answered the
+  reporter, its side of a split: ``hpcsync run`` believes the larger side.
 
 Writing a record never raises: a job that is ending must not fail a second time on its report.
 """
@@ -38,6 +40,7 @@ log = logging.getLogger("hpcsync.failure")  # the name users configure, as befor
 
 PREFIX = "hpcsync-failure-"
 RESUMED = "hpcsync-resumed.json"
+STARTED = "hpcsync-started.json"
 
 
 def report_dir() -> str:
@@ -199,26 +202,42 @@ def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
     return write("exception", [me["rank"]], [me["node"]], line, program_error=True, reporter=me, exit_code=exit_code)
 
 
-def note_hang(report: Dict[str, Any]) -> Optional[str]:
+def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[str]:
     """The record of a hang report: the ranks that did not answer (node lost, process dead or
     frozen) and those that never arrived (alive, stuck elsewhere) are implicated, with their
-    nodes; only the silent ones' nodes are blamed (a rank that answers runs on a node that works)."""
+    nodes; only the silent ones' nodes are blamed (a rank that answers runs on a node that works).
+    ``reached``: the ranks that answered this rank, itself included -- its side of a split, which
+    ``hpcsync run`` weighs against the other side's record."""
     silent, never = list(report.get("no_reply", [])), list(report.get("never_entered", []))
     ranks = silent + never
     op = report.get("operation", {})
     detail = (f"{op.get('op')} #{op.get('seq')} in group {report.get('group')!r} did not complete within "
               f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
     return write("hang" if silent else "stall", ranks, nodes_of(ranks), detail, blame_nodes=nodes_of(silent),
-                 silent=silent, never_entered=never)
+                 silent=silent, never_entered=never, **_reach(reached))
+
+
+def _reach(reached: Iterable[int]) -> Dict[str, Any]:
+    ranks = sorted(set(reached))
+    return {"reached": ranks, "reached_nodes": nodes_of(ranks)}
 
 
 def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[str]:
     """The record of a send or receive past its timeout: its peer is implicated (blamed when it
     did not answer)."""
     ranks = [] if peer is None else [peer]
+    me = _me()
     return write("hang" if not answered else "stall", ranks, nodes_of(ranks), what,
                  blame_nodes=[] if answered else nodes_of(ranks), silent=[] if answered else ranks,
-                 never_entered=ranks if answered else [])
+                 never_entered=ranks if answered else [], reporter=me,
+                 **_reach([me["rank"], *(ranks if answered else [])]))
+
+
+def note_started() -> None:
+    """Under ``hpcsync run``: every rank of this attempt is up (rank 0, once ``hpcsync.init`` has
+    joined them all). The supervisor learns how long a start takes, and bounds the next ones."""
+    if settings.text("HPCSYNC_RUN_ATTEMPT"):
+        write_json(os.path.join(report_dir(), STARTED), {"time": time.time()}, "note of the attempt's start")
 
 
 def note_resume(step: int, path: str, saved_at: Optional[float]) -> None:

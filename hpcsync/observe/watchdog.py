@@ -418,7 +418,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         wait_done(printer, 10)
         return None
     text = format_report(rep)
-    failure.note_hang(rep)
+    failure.note_hang(rep, reached=states)
     try:
         path = write_report(rep)
         text += f"\n[hpcsync] report written to {path}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import time
 from typing import List, Optional, Sequence, Tuple
 
 
@@ -37,6 +38,9 @@ _CRASH_WORDS = ("Out Of Memory", "Segmentation fault", "Aborted", "Floating poin
 _CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE)}
 # NCCL's watchdog ending a rank (SIGABRT) because a peer failed: the aborts after it are not crashes
 _TEARDOWN = ("taking the entire process down", "Process group watchdog thread terminated")
+# the step is failing, whoever says so: from the first of these the launcher has a bounded time to end
+_TROUBLE = ("ORTE was unable", "ORTE has lost communication", "PRTE has lost communication", "BAD TERMINATION",
+            "srun: error:", "MPI_ABORT was invoked", "HANG REPORT", "mpirun noticed", "prterun noticed")
 
 
 class LauncherWords:
@@ -44,7 +48,8 @@ class LauncherWords:
     ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node
     blamed); ``crashes``: the lines that say a rank crashed by itself (out of memory, a segfault, an
     abort: the program's, no node blamed); ``crash_first``: whether such a line came before any
-    line that blames a node (a crash after a node's failure is its consequence)."""
+    line that blames a node (a crash after a node's failure is its consequence); ``trouble_at``:
+    when (``time.monotonic()``) a line first said the step is failing."""
 
     def __init__(self) -> None:
         self.nodes: List[str] = []
@@ -57,6 +62,9 @@ class LauncherWords:
         self.warning: Optional[str] = None
         self._hydra_at: Optional[str] = None
         self._srun_ending = False
+        self.trouble_at: Optional[float] = None
+        self.hung = False  # the supervisor had to end the launcher
+        self.never_started = False  # ... because its ranks were not all up in time
 
     def _crash(self, line: str) -> None:
         if self._teardown:  # a survivor ended by its watchdog: the cause is a peer's
@@ -75,6 +83,8 @@ class LauncherWords:
             self.lines.append(line.strip())
 
     def feed(self, line: str) -> None:
+        if self.trouble_at is None and any(w in line for w in _TROUBLE):
+            self.trouble_at = time.monotonic()
         if any(w in line for w in _TEARDOWN):
             self._teardown = True
         if any(w in line for w in _SRUN_ENDING):

@@ -9,7 +9,10 @@ from the program's latest checkpoint, no human involved.
 - **Under Slurm** it starts ``srun`` on the allocation's nodes minus the spares and watches the
   step. When it fails, it reads what the ranks wrote (:mod:`hpcsync.observe.failure`: a hang report's
   silent or missing ranks, an exception) and what the launcher said (tasks killed by a signal), and
-  relaunches the step without the nodes to blame, taking a spare. With no spare left it requeues
+  relaunches the step without the nodes to blame, taking a spare (in a network split, the side
+  holding more of the job's ranks is believed; an equal split leaves nobody out on a guess: see
+  :func:`~hpcsync.resilience.verdict.judge`). A launcher that does not end once its step is failing is ended after
+  :func:`launcher_grace`. With no spare left it requeues
   the job and excludes them from it (``scontrol requeue``, then ``update ExcNodeList`` while the
   job is pending), so the next start lands elsewhere. Bad nodes are kept in the state folder and printed at every start.
 - **Under mpirun** (``--hosts`` or ``--hostfile``) the same over a list of hosts, with Open MPI's
@@ -43,7 +46,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -51,8 +53,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
+from ..core import settings
 from ..observe import failure
 from . import requeue
+from .verdict import Verdict, judge, weigh  # noqa: F401
 from .launchers import (WARNING_SIGNALS, Hydra, Launcher, LauncherWords, OpenMPI, Srun,  # noqa: F401
                         mpi_launcher, parse_hosts)
 from ..core.environments import expand_hostlist, parse_tasks_per_node
@@ -67,74 +71,6 @@ def say(text: str) -> None:
     """The supervisor's words, on stderr (the job's log), one line each."""
     sys.stderr.write(f"[hpcsync run] {text}\n")
     sys.stderr.flush()
-
-
-# -- the verdict on one step ---------------------------------------------------------------------
-@dataclass
-class Verdict:
-    """Why a step ended: ``action`` is ``done`` (exit with the step's code), ``relaunch`` (without
-    ``blamed``), ``stop-program`` (the program's own error: not retried) or ``requeue`` (the job's
-    warning signal killed ranks before the program could act on it: requeue the job, without
-    ``blamed`` if the launcher named a node too)."""
-
-    action: str
-    cause: str
-    blamed: List[str] = field(default_factory=list)
-    detail: str = ""
-
-
-def _blamed(records: Sequence[Dict[str, Any]], majority: bool) -> List[str]:
-    """The nodes ``records`` blame; with ``majority``, only those blamed from the most reporting
-    nodes (three nodes, one cut off: it blames both others, each of them blames it)."""
-    votes: Dict[str, set] = {}
-    for r in records:
-        for n in r.get("blame_nodes", []):
-            votes.setdefault(n, set()).add(r.get("reporter", {}).get("node"))
-    if not votes:
-        return []
-    most = max(len(v) for v in votes.values())
-    return [n for n, v in votes.items() if not majority or len(v) == most]
-
-
-def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
-          here: Optional[str] = None) -> Verdict:
-    """The records first (hpcsync saw the failure from inside), the launcher's words second; but
-    ranks the job's warning signal killed decide before any record blaming a node (the survivors
-    report the dead ranks' nodes, which are healthy).
-
-    A node cut off from the others reports them silent, as they report it: when ranks on ``here``
-    (the supervisor's own node, alive by definition, beside the launcher) wrote records, theirs decide."""
-    if rc == 0:
-        return Verdict("done", "completed")
-    if signalled:
-        return Verdict("done", "the run was signalled", detail="not relaunched: the signal ends the run")
-    program = [r for r in records if r.get("program_error")]
-    if program:
-        first = program[0]
-        who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
-        return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
-    hardware = [r for r in records if r.get("cause") == "hardware"]
-    if hardware:  # a GPU's fault reached the program: its node, whatever the launcher saw die next
-        return Verdict("relaunch", "hardware", _blamed(hardware, majority=False), hardware[0]["detail"])
-    if words.crash_first:  # the program's own crash: the survivors' records blame its healthy node
-        return Verdict("stop-program", "crashed", detail=f"a rank crashed ({words.crashes[0]}): the program's own "
-                       "crash, its node is not blamed")
-    if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
-        # a node the launcher itself names (a node failure, another death) is still left out
-        blamed_too = f"; the launcher also blamed {', '.join(words.nodes)}" if words.nodes else "; no node is blamed"
-        return Verdict("requeue", f"killed by {words.warning}", list(words.nodes),
-                       f"ranks were killed by {words.warning}, the job's warning signal, before the program "
-                       f"handled it (no preemption guard yet, or no longer){blamed_too}")
-    ours = [r for r in records if r.get("reporter", {}).get("node") == here]
-    blamed = _blamed(ours or records, majority=not ours)
-    if blamed:
-        first = next(r for r in ours or records if set(r.get("blame_nodes", [])) & set(blamed))
-        return Verdict("relaunch", first["cause"], blamed, first["detail"])
-    if words.nodes:
-        return Verdict("relaunch", "killed", list(words.nodes), "; ".join(words.lines[:3]))
-    if records:  # a timeout nobody could pin on a node: the same nodes once more
-        return Verdict("relaunch", records[0]["cause"], [], records[0]["detail"])
-    return Verdict("done", f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
 
 
 # -- state kept across relaunches and requeues ----------------------------------------------------
@@ -153,6 +89,7 @@ class Attempt:
     resumed_at: Optional[float] = None
     first_record_at: Optional[float] = None
     failed: bool = False  # ended by a failure that was retried (counts against the cap)
+    started_after: Optional[float] = None  # seconds until every rank was up (hpcsync.init's note)
 
     def line(self) -> str:
         took = f"{self.ended - self.started:.1f} s" if self.ended else "running"
@@ -249,13 +186,61 @@ class Supervisor:
                  for s, o in ((self._child.stdout, sys.stdout), (self._child.stderr, sys.stderr))]
         for t in pumps:
             t.start()
-        rc = self._child.wait()
+        rc = self._wait_bounded(self._child, folder, words, lock, attempt)
         rc = rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
         drained = time.monotonic() + 2.0  # a process left on a lost node may hold the pipes open for good
         for t in pumps:
             t.join(timeout=max(0.0, drained - time.monotonic()))
         self._child = None
         return rc, words
+
+    def _wait_bounded(self, child: subprocess.Popen, folder: str, words: LauncherWords, lock: threading.Lock,
+                      attempt: Attempt) -> int:
+        """The launcher's exit code. Once the step is failing (a record in ``folder``, or the
+        launcher's words), the launcher has :func:`launcher_grace` seconds to end; past them it is
+        ended (TERM, then KILL) and ``words.hung`` says so: a launcher that lost a node can wait
+        for it for good (Open MPI's mpirun after a link cut, ranks already gone), and a silent
+        hang of the supervisor is the one thing it must never do. Once an earlier attempt's
+        ranks said they were up (``hpcsync.init``'s note), a start that takes more than
+        :func:`start_limit` is ended the same way (a launcher waiting for a node it cannot reach)."""
+        grace, begun = launcher_grace(), time.monotonic()
+        limit = start_limit([a.started_after for a in self.state.attempts if a.started_after is not None])
+        since: Optional[float] = None
+        why = f"{grace:.0f} s after the step began to fail"
+        while True:
+            try:
+                rc = child.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                rc = None
+            now = time.monotonic()
+            if attempt.started_after is None and os.path.exists(os.path.join(folder, failure.STARTED)):
+                attempt.started_after = round(now - begun, 1)
+            if rc is not None:
+                return rc
+            with lock:
+                trouble = words.trouble_at
+            if since is None and (trouble is not None or failure.read(folder)):
+                since = trouble if trouble is not None else now
+            if since is not None and now - since > grace:
+                break
+            if limit is not None and attempt.started_after is None and now - begun > limit:
+                why = f"{limit:.0f} s after it began, and its ranks are not all up (earlier starts took at most " \
+                      f"{max(a.started_after or 0 for a in self.state.attempts):.0f} s)"
+                with lock:
+                    words.never_started = True
+                break
+        say(f"the launcher is still running {why}: ending it (TERM, then KILL)")
+        with lock:
+            words.hung = True
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                child.send_signal(sig)
+                return child.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            except OSError:
+                break
+        return child.poll() if child.poll() is not None else 128 + signal.SIGKILL
 
     def _observe(self, attempt: Attempt, rc: int, records: List[Dict[str, Any]], verdict: Verdict) -> None:
         attempt.ended, attempt.exit_code = time.time(), rc
@@ -306,7 +291,8 @@ class Supervisor:
             self.state.save()
             rc, words = self._step(attempt)
             records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
-            verdict = judge(rc, records, words, self._signalled, socket.gethostname())
+            verdict = judge(rc, records, words, self._signalled,
+                            slurm_down if isinstance(self.launcher, Srun) else None)
             if verdict.action == "stop-program" and self.retry_exceptions:
                 verdict = Verdict("relaunch", "exception (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)
@@ -388,6 +374,45 @@ def _scontrol(scontrol: str, *args: str) -> Tuple[bool, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     return proc.returncode == 0, (proc.stderr or proc.stdout).strip()
+
+
+LAUNCHER_SLACK_S = 45.0
+
+
+def launcher_grace() -> float:
+    """Seconds a launcher has to end once its step is failing: the ranks' timeout (at most 300 s:
+    what a rank still waiting would need to report), the aborts' grace twice, and
+    :data:`LAUNCHER_SLACK_S`."""
+    return min(settings.number("HPCSYNC_TIMEOUT"), 300.0) + 2 * settings.number("HPCSYNC_ABORT_GRACE") + LAUNCHER_SLACK_S
+
+
+START_MIN_S = 120.0
+
+
+def start_limit(earlier: Sequence[float]) -> Optional[float]:
+    """Seconds a start may take before its launcher is ended: four times the slowest earlier start
+    of this run, at least :data:`START_MIN_S`; None (no bound) before any start was seen."""
+    return max(START_MIN_S, 4 * max(earlier)) if earlier else None
+
+
+_DOWN_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "NO_RESPOND", "POWER_DOWN", "REBOOT")
+
+
+def slurm_down(nodes: Sequence[str]) -> List[str]:
+    """The ``nodes`` Slurm calls down, failed or not responding (``scontrol show node``): evidence
+    for an equal split. None when scontrol is missing or does not answer within its bound."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None or not nodes:
+        return []
+    ok, show = _scontrol(scontrol, "show", "node", "-o", ",".join(nodes))
+    if not ok:
+        return []
+    down = []
+    for line in show.splitlines():
+        name, state = re.search(r"\bNodeName=(\S+)", line), re.search(r"\bState=(\S+)", line)
+        if name and state and any(w in state.group(1).upper() for w in _DOWN_STATES):
+            down.append(name.group(1))
+    return down
 
 
 def requeue_excluding(job: str, state: State, signalled: Any = lambda: False) -> int:

@@ -274,6 +274,7 @@ def init(
         if jobend.abort_on_error():
             install_abort_hook()  # again: on top of the hook torch's init_process_group wrapped around it
         if topo.rank == 0:
+            failure.note_started()
             log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
                      topo.num_nodes, f"{choice.address}:{port} ({choice.reason})" if choice else "none (MPI)")
         return topo

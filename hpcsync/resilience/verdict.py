@@ -1,0 +1,122 @@
+"""The verdict on one step of ``hpcsync run``: from the failure records the ranks wrote and the
+launcher's words, whether to relaunch (without which nodes), requeue, stop (the program's own
+error) or end. A node is left out only on evidence: the ranks that could not reach it (the larger
+side of a split), the launcher's words about it, the resource manager's state of it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .launchers import LauncherWords
+
+
+@dataclass
+class Verdict:
+    """Why a step ended: ``action`` is ``done`` (exit with the step's code), ``relaunch`` (without
+    ``blamed``), ``stop-program`` (the program's own error: not retried) or ``requeue`` (the job's
+    warning signal killed ranks before the program could act on it: requeue the job, without
+    ``blamed`` if the launcher named a node too)."""
+
+    action: str
+    cause: str
+    blamed: List[str] = field(default_factory=list)
+    detail: str = ""
+
+
+def _side(record: Dict[str, Any]) -> Tuple[set, set]:
+    """The ranks and nodes a record's reporter could reach (itself included): its side of a split.
+    A record without them (a program's own) stands for its reporter alone."""
+    me = record.get("reporter", {})
+    ranks = set(record.get("reached") or [me.get("rank")])
+    nodes = set(record.get("reached_nodes") or []) | {me.get("node")}
+    return ranks, nodes
+
+
+def weigh(records: Sequence[Dict[str, Any]]) -> Tuple[List[str], List[str]]:
+    """Which nodes the records blame, by evidence: ``(blamed, contested)``.
+
+    A node cut off from the others reports them silent, as they report it. A record whose
+    reporter's node another record blames is believed only when its side -- the ranks (then the
+    nodes) that it and the records agreeing with it could reach -- is larger than the side of
+    every record that blames it. Records that blame nobody's reporter are believed as they are.
+    ``contested``: the nodes of an equal split (both sides disbelieved), for other evidence to
+    decide -- never a reason to leave a node out by itself."""
+    blaming = [r for r in records if r.get("blame_nodes")]
+    node = lambda r: r.get("reporter", {}).get("node")  # noqa: E731
+
+    def against(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
+        return s is not r and node(r) in s["blame_nodes"]
+
+    def weight(r: Dict[str, Any]) -> Tuple[int, int]:
+        ranks, nodes = set(), set()
+        for s in blaming:
+            if s is r or not (against(r, s) or against(s, r)):
+                ranks |= _side(s)[0]
+                nodes |= _side(s)[1]
+        return len(ranks), len(nodes)
+
+    believed, contested = [], set()
+    for r in blaming:
+        rivals = [s for s in blaming if against(r, s)]
+        if all(weight(r) > weight(s) for s in rivals):
+            believed.append(r)
+        elif all(weight(r) >= weight(s) for s in rivals):
+            contested |= {node(r), *r["blame_nodes"]}
+    blamed = sorted({n for r in believed for n in r["blame_nodes"]})
+    return blamed, sorted(contested - set(blamed) - {None})
+
+
+def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
+          node_state: Optional[Callable[[Sequence[str]], List[str]]] = None) -> Verdict:
+    """The records first (hpcsync saw the failure from inside), the launcher's words second; but
+    ranks the job's warning signal killed decide before any record blaming a node (the survivors
+    report the dead ranks' nodes, which are healthy).
+
+    The records are weighed (:func:`weigh`): in a split, the side holding more of the job's ranks
+    decides, wherever the supervisor runs. An equal split is decided by the launcher's words, then
+    by ``node_state`` (the contested nodes the resource manager calls down); without either, the
+    step is relaunched on the same nodes (bounded by the cap): no healthy node is left out on a guess."""
+    if rc == 0:
+        return Verdict("done", "completed")
+    if signalled:
+        return Verdict("done", "the run was signalled", detail="not relaunched: the signal ends the run")
+    program = [r for r in records if r.get("program_error")]
+    if program:
+        first = program[0]
+        who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
+        return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
+    hardware = [r for r in records if r.get("cause") == "hardware"]
+    if hardware:  # a GPU's fault reached the program: its node, whatever the launcher saw die next
+        return Verdict("relaunch", "hardware", sorted({n for r in hardware for n in r["blame_nodes"]}),
+                       hardware[0]["detail"])
+    if words.crash_first:  # the program's own crash: the survivors' records blame its healthy node
+        return Verdict("stop-program", "crashed", detail=f"a rank crashed ({words.crashes[0]}): the program's own "
+                       "crash, its node is not blamed")
+    if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
+        # a node the launcher itself names (a node failure, another death) is still left out
+        blamed_too = f"; the launcher also blamed {', '.join(words.nodes)}" if words.nodes else "; no node is blamed"
+        return Verdict("requeue", f"killed by {words.warning}", list(words.nodes),
+                       f"ranks were killed by {words.warning}, the job's warning signal, before the program "
+                       f"handled it (no preemption guard yet, or no longer){blamed_too}")
+    blamed, contested = weigh(records)
+    if blamed:
+        first = next(r for r in records if set(r.get("blame_nodes", [])) & set(blamed))
+        return Verdict("relaunch", first["cause"], blamed, first["detail"])
+    if words.nodes:
+        return Verdict("relaunch", "killed", list(words.nodes), "; ".join(words.lines[:3]))
+    down = node_state(contested) if contested and node_state is not None else []
+    if down:
+        return Verdict("relaunch", "node down", sorted(down), f"an equal split between {', '.join(contested)}: the "
+                       f"resource manager calls {', '.join(sorted(down))} down")
+    if contested:
+        return Verdict("relaunch", "split", [], f"an equal split between {', '.join(contested)} and no other "
+                       "evidence: relaunched on the same nodes, none left out on a guess")
+    if records:  # a timeout nobody could pin on a node: the same nodes once more
+        return Verdict("relaunch", records[0]["cause"], [], records[0]["detail"])
+    if words.hung and words.never_started:
+        return Verdict("relaunch", "did not start", [], "the ranks were not all up in time and no launcher message "
+                       "names a node: relaunched on the same nodes")
+    if words.hung:  # the ranks ended without a word and the launcher never did: the same nodes once more
+        return Verdict("relaunch", "launcher hung", [], "the launcher did not end after the step failed, and no "
+                       "record or launcher message blames a node: relaunched on the same nodes")
+    return Verdict("done", f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
