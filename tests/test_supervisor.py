@@ -423,17 +423,18 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def supervised(cluster, work, program, *run_args, env=None, hosts=None):
-    """``hpcsync run`` inside node 0 with Open MPI over ``hosts`` (default: every node; one rank each)."""
-    lau = cluster.openmpi([1, 1, 1])
+def supervised(cluster, work, program, *run_args, env=None, hosts=None, mpi="openmpi"):
+    """``hpcsync run`` inside node 0 with Open MPI's mpirun (or MPICH's hydra, ``mpi="mpich"``)
+    over ``hosts`` (default: every node; one rank each)."""
+    lau = getattr(cluster, mpi)([1, 1, 1])
     argv = list(lau.argv)
     exe = argv.pop(0)
-    at = argv.index("--host")
+    at = argv.index("--host" if mpi == "openmpi" else "-hosts")
     del argv[at:at + 2]
     env = clean_env({**lau.env, "HPCSYNC_TIMEOUT": TIMEOUT, "HPCSYNC_ABORT_GRACE": "3", "HPCSYNC_TEST_OUT": str(work),
                      **(env or {})})
     forward = [a for k in sorted(env) if k.startswith(("HPCSYNC_", "MPI4PY_", "OMP_", "PYTHON", "PATH"))
-               for a in ("-x", k)]
+               for a in ("-x", k)] if mpi == "openmpi" else []  # hydra passes the whole environment
     cmd = cluster.on_node(0, PY, "-m", "hpcsync", "run", "--hosts", ",".join(f"{n}:1" for n in hosts or cluster.names),
                           "--mpirun", exe, "--launcher-args=" + " ".join([*argv, *forward]),
                           "--state-dir", str(work / "state"), *run_args, "--", PY, *program)
@@ -572,7 +573,7 @@ def test_a_node_cut_off_is_blamed_by_the_larger_side_from_a_node_without_ranks(t
 # so the same nodes are tried again. Under Slurm the launch then fails on the cut node and names
 # it (test_supervisor_slurm.py); mpirun's start just waits, is ended by the start bound, and the
 # run ends at the cap with no node blamed. A split with a larger side: the test above.)
-RELAUNCHES = [("kill", "ddp"), ("kill", "fsdp")]
+RELAUNCHES = [("kill", "ddp"), ("kill", "fsdp"), ("kill-hydra", "ddp")]
 
 
 @pytest.mark.parametrize("failure,form", RELAUNCHES, ids=[f"{f}-{m}" for f, m in RELAUNCHES])
@@ -581,15 +582,16 @@ def test_mpirun_relaunches_without_the_failed_node(cluster, failure, form, tmp_p
     the first periodic checkpoint; ``hpcsync run`` relaunches on nodes 0 and 2, the run resumes
     from that checkpoint and ends with the weights and metrics of a run that was never interrupted,
     bit for bit; also with the model sharded (``--fsdp``: each rank's shard from the sharded
-    checkpoint)."""
+    checkpoint); also under MPICH's hydra (`mpiexec`)."""
     extra = ["--fsdp"] if form == "fsdp" else []
     ref, ref_proc = reference(tmp_path, *extra)
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     proc, log = supervised(cluster, tmp_path, [EXAMPLE, *TRAIN, *extra, "--out", str(out), "--checkpoint-dir",
-                                               str(ckpt), "--checkpoint-every", "150"], "--spare-nodes", "1")
+                                               str(ckpt), "--checkpoint-every", "150"], "--spare-nodes", "1",
+                           mpi="mpich" if failure.endswith("hydra") else "openmpi")
     wait_for_checkpoint(proc, log, ckpt)
     t_fail = time.time()
-    break_node(cluster, failure)
+    break_node(cluster, "kill")
     proc.wait(timeout=300)
     ref_proc.wait(timeout=300)
     text = log.read_text()
