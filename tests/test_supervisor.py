@@ -135,18 +135,17 @@ def test_judge_never_relaunches_the_programs_own_exception():
     assert (v.action, v.blamed) == ("relaunch", ["n2"])  # what hpcsync saw inside wins
     v = supervisor.judge(137, [], killed, False)
     assert (v.action, v.cause, v.blamed) == ("relaunch", "killed", ["n1"])
-    # a node cut off reports the others silent as they report it: three nodes, n1 cut off (records
-    # without their sides count their reporters: two nodes against one)
-    cut = [{**hang, "blame_nodes": ["n1"], "reporter": {"rank": 0, "node": "n0"}},
-           {**hang, "blame_nodes": ["n1"], "reporter": {"rank": 2, "node": "n2"}},
-           {**hang, "blame_nodes": ["n0", "n2"], "reporter": {"rank": 1, "node": "n1"}}]
+    # a node cut off reports the others silent as they report it: three nodes, n1 cut off
+    cut = [{**hang, "blame_nodes": ["n1"], "reporter": {"rank": 0, "node": "n0"}, "reached": [0, 2]},
+           {**hang, "blame_nodes": ["n1"], "reporter": {"rank": 2, "node": "n2"}, "reached": [0, 2]},
+           {**hang, "blame_nodes": ["n0", "n2"], "reporter": {"rank": 1, "node": "n1"}, "reached": [1]}]
     assert supervisor.judge(1, cut, killed, False).blamed == ["n1"]
 
 
 def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
-    """Each side's printer writes a record naming whom it reached; the side with more of the job's
-    ranks is believed. An equal split leaves nobody out on a guess: the launcher's words, then
-    Slurm's node state decide, else the same nodes once more."""
+    """Each side's printer writes a record naming whom it reached; a side with more than half of
+    the job's ranks is believed. Otherwise nobody is left out on a guess: the launcher's words,
+    then Slurm's node state decide, else the same nodes once more."""
     def rec(node, rank, blame, reached, nodes, cause="hang"):
         return {"cause": cause, "program_error": False, "blame_nodes": blame, "detail": f"{cause} from {node}",
                 "reporter": {"rank": rank, "node": node}, "time": 1.0, "reached": reached, "reached_nodes": nodes}
@@ -173,9 +172,24 @@ def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
     asked = []
     v = supervisor.judge(1, [a, b], quiet, False, lambda nodes: asked.append(list(nodes)) or ["n1"])
     assert (v.action, v.cause, v.blamed, asked) == ("relaunch", "node down", ["n1"], [["n0", "n1"]]), v
+    older = supervisor.LauncherWords()  # Slurm's older wording of a failed launch
+    older.feed("srun: error: Task launch for job 12 step 3 failed on node n1: Communication connection failure")
+    assert older.nodes == ["n1"] and older.trouble_at is not None
     said = supervisor.LauncherWords()
     said.feed("srun: error: Node failure on n1")
     assert supervisor.judge(1, [a, b], said, False, lambda nodes: ["n0"]).blamed == ["n1"]
+    # the minority side alone (it aborted the job before the others wrote), or understating its
+    # side (a send's record knows its own rank only): believed by nobody, whatever the order
+    twelve = [rec("n2", 8, ["n0", "n1"], [8, 9, 10, 11], ["n2"])]
+    v = supervisor.judge(1, twelve, quiet, False, ranks=12)
+    assert (v.cause, v.blamed) == ("split", []), v
+    p2p = rec("n0", 0, ["n2"], [0], ["n0"])
+    assert supervisor.judge(1, [p2p, *twelve], quiet, False, ranks=12).blamed == []
+    # a rank that answered one printer late: another believed printer reached it, its node is kept
+    late = {**rec("n1", 2, ["n0", "n3"], [1, 2, 3, 4, 5], four[1:3]), "silent_at": {"0": "n0", "6": "n3", "7": "n3"}}
+    first = {**rec("n0", 0, ["n3"], list(range(6)), four[:3]), "silent_at": {"6": "n3", "7": "n3"}}
+    assert supervisor.judge(1, [late, first], quiet, False, ranks=8).blamed == ["n3"]
+    assert supervisor.judge(1, [late], quiet, False, ranks=8).blamed == ["n0", "n3"]  # (only its word)
 
 
 def test_slurm_node_state_names_the_nodes_it_calls_down(tmp_path, monkeypatch):
@@ -205,7 +219,8 @@ def test_a_launcher_that_never_ends_after_its_step_failed_is_ended(tmp_path, mon
 
     class Stuck(supervisor.Launcher):
         def command(self, nodes, per_node, program):
-            return ["sh", "-c", "echo 'ORTE was unable to reliably start one or more daemons.' >&2; exec sleep 300"]
+            return ["sh", "-c", "trap '' TERM; echo 'ORTE was unable to reliably start one or more daemons.' >&2; "
+                    "sleep 301 & sleep 302"]  # it ignores TERM; its children are ended too
 
     class Slow(supervisor.Launcher):
         def command(self, nodes, per_node, program):
@@ -218,7 +233,10 @@ def test_a_launcher_that_never_ends_after_its_step_failed_is_ended(tmp_path, mon
         took = time.monotonic() - t0
         attempts = sup.state.attempts
         assert [(a.cause, a.blamed, a.nodes) for a in attempts] == [("launcher hung", [], ["n0", "n1"])] * 2, attempts
-        assert 2 * 3 <= took < 2 * 3 + 15, took  # each attempt ended about 3 s after its words (TERM ends sleep)
+        assert 2 * 3 <= took < 2 * 3 + 35, took  # each ended about 3 s after its words (+10 s: TERM ignored)
+        left = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:2] in (["sleep", "301"],
+                                                                                                 ["sleep", "302"])]
+        assert not left, left
         sup = supervisor.Supervisor(Slow("sh", []), ["n0"], 1, 0, 1, str(tmp_path / "slow"), ["prog"])
         assert sup.run() == 0 and [a.cause for a in sup.state.attempts] == ["completed"]
     finally:

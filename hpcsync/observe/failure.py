@@ -1,7 +1,7 @@
 """What ended a job, as a small JSON record: for the people who read the report, and for
 ``hpcsync run``, which relaunches without a failed node but never retries the program's own bug.
 
-A rank that sees the job end writes one record, ``hpcsync-failure-<job>-r<rank>-<cause>.json``,
+A rank that sees the job end writes one record, ``hpcsync-failure-<job>-r<rank>-<cause>-<n>.json``,
 beside the hang report in ``HPCSYNC_REPORT_DIR`` (default: the working directory; an exception's
 record only where the variable is set, as ``hpcsync run`` does):
 
@@ -18,13 +18,15 @@ record only where the variable is set, as ``hpcsync run`` does):
   of a relaunch (empty for a program error);
 - ``reporter`` (rank and node), ``time`` (epoch seconds) and ``detail`` (one line);
 - for a hang, ``reached`` and ``reached_nodes``: the ranks (and their nodes) that answered the
-  reporter, its side of a split: ``hpcsync run`` believes the larger side.
+  reporter, its side of a split (``hpcsync run`` believes a side holding more than half of the
+  job's ranks), and ``silent_at``: each silent rank's node.
 
 Writing a record never raises: a job that is ending must not fail a second time on its report.
 """
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import logging
 import os
@@ -39,6 +41,7 @@ from ..core import settings
 log = logging.getLogger("hpcsync.failure")  # the name users configure, as before the packages
 
 PREFIX = "hpcsync-failure-"
+_written = itertools.count()
 RESUMED = "hpcsync-resumed.json"
 STARTED = "hpcsync-started.json"
 
@@ -117,7 +120,8 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
               **extra}
     folder = folder or report_dir()
     who = f"r{me['rank']}" if me["rank"] >= 0 else f"{me['node']}-pid{os.getpid()}"  # before MPI is up
-    return write_json(os.path.join(folder, f"{PREFIX}{job_id()}-{who}-{cause}.json"), record, "failure record")
+    name = f"{PREFIX}{job_id()}-{who}-{cause}-{next(_written)}.json"  # a rank's second record keeps its first
+    return write_json(os.path.join(folder, name), record, "failure record")
 
 
 def write_whole(path: str, record: Dict[str, Any]) -> None:
@@ -214,12 +218,20 @@ def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[s
     detail = (f"{op.get('op')} #{op.get('seq')} in group {report.get('group')!r} did not complete within "
               f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
     return write("hang" if silent else "stall", ranks, nodes_of(ranks), detail, blame_nodes=nodes_of(silent),
-                 silent=silent, never_entered=never, **_reach(reached))
+                 silent=silent, never_entered=never, silent_at=_where(silent), **_reach(reached))
 
 
 def _reach(reached: Iterable[int]) -> Dict[str, Any]:
     ranks = sorted(set(reached))
     return {"reached": ranks, "reached_nodes": nodes_of(ranks)}
+
+
+def _where(ranks: Iterable[int]) -> Dict[str, str]:
+    """Each rank's node, ``{"3": "n1"}`` (empty when the job's node map is not known)."""
+    from ..core import nodemap
+
+    nodes = nodemap.current()
+    return {str(r): nodes.host(r) for r in ranks} if nodes is not None else {}
 
 
 def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[str]:
@@ -229,7 +241,7 @@ def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[st
     me = _me()
     return write("hang" if not answered else "stall", ranks, nodes_of(ranks), what,
                  blame_nodes=[] if answered else nodes_of(ranks), silent=[] if answered else ranks,
-                 never_entered=ranks if answered else [], reporter=me,
+                 never_entered=ranks if answered else [], reporter=me, silent_at={} if answered else _where(ranks),
                  **_reach([me["rank"], *(ranks if answered else [])]))
 
 

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 # -- what the launcher said ---------------------------------------------------------------------
 _SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (.+)$")
-_SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for \S+ failed on node) (\S+?)(?:[:\s]|$)")
+_SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for .+? failed on node) (\S+?)(?:[:\s]|$)")
 _OMPI_SIGNAL = re.compile(r"process rank \d+ with PID \d+ on node (\S+) exited on signal (\d+)")
 _OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
 _HYDRA_AT = re.compile(r"RUNNING AT (\S+)")
@@ -40,7 +40,7 @@ _CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE
 _TEARDOWN = ("taking the entire process down", "Process group watchdog thread terminated")
 # the step is failing, whoever says so: from the first of these the launcher has a bounded time to end
 _TROUBLE = ("ORTE was unable", "ORTE has lost communication", "PRTE has lost communication", "BAD TERMINATION",
-            "srun: error:", "MPI_ABORT was invoked", "HANG REPORT", "mpirun noticed", "prterun noticed")
+            "srun: error:", "MPI_ABORT was invoked", "mpirun noticed", "prterun noticed")
 
 
 class LauncherWords:

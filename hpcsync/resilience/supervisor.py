@@ -9,8 +9,8 @@ from the program's latest checkpoint, no human involved.
 - **Under Slurm** it starts ``srun`` on the allocation's nodes minus the spares and watches the
   step. When it fails, it reads what the ranks wrote (:mod:`hpcsync.observe.failure`: a hang report's
   silent or missing ranks, an exception) and what the launcher said (tasks killed by a signal), and
-  relaunches the step without the nodes to blame, taking a spare (in a network split, the side
-  holding more of the job's ranks is believed; an equal split leaves nobody out on a guess: see
+  relaunches the step without the nodes to blame, taking a spare (in a network split, a side
+  holding more than half of the job's ranks is believed; otherwise nobody is left out on a guess: see
   :func:`~hpcsync.resilience.verdict.judge`). A launcher that does not end once its step is failing is ended after
   :func:`launcher_grace`. With no spare left it requeues
   the job and excludes them from it (``scontrol requeue``, then ``update ExcNodeList`` while the
@@ -52,6 +52,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+
+import psutil
 
 from ..core import settings
 from ..observe import failure
@@ -155,6 +157,7 @@ class Supervisor:
         self._child: Optional[subprocess.Popen] = None
         self._signalled = False
         self._warning: Optional[int] = None  # a USR1 / USR2 that came while no step ran
+        self._starts: List[float] = []  # seconds until the ranks were up, for each start of this run seen
 
     # signals: forwarded to the launcher (and so to the ranks)
     def _forward(self, signum: int, _frame: Any) -> None:
@@ -194,17 +197,22 @@ class Supervisor:
         self._child = None
         return rc, words
 
+    def _nodes_down(self, nodes: Sequence[str]) -> List[str]:
+        return slurm_down([self._host_name(n) for n in nodes])
+
     def _wait_bounded(self, child: subprocess.Popen, folder: str, words: LauncherWords, lock: threading.Lock,
                       attempt: Attempt) -> int:
-        """The launcher's exit code. Once the step is failing (a record in ``folder``, or the
-        launcher's words), the launcher has :func:`launcher_grace` seconds to end; past them it is
-        ended (TERM, then KILL) and ``words.hung`` says so: a launcher that lost a node can wait
-        for it for good (Open MPI's mpirun after a link cut, ranks already gone), and a silent
-        hang of the supervisor is the one thing it must never do. Once an earlier attempt's
-        ranks said they were up (``hpcsync.init``'s note), a start that takes more than
-        :func:`start_limit` is ended the same way (a launcher waiting for a node it cannot reach)."""
+        """The launcher's exit code. Once the launcher's own words say the step is failing (a
+        task's death, a lost daemon, an abort), it has :func:`launcher_grace` seconds to end; past
+        them it and what it started here are ended (TERM, then KILL) and ``words.hung`` says so: a
+        launcher that lost a node can wait for it for good (Open MPI's mpirun after a link cut,
+        ranks already gone), and a silent hang of the supervisor is the one thing it must never
+        do. (A hang report alone starts no clock: a program may catch its timeout and go on.)
+        Once a start of this run was seen (``hpcsync.init``'s note), a later start that takes more
+        than :func:`start_limit` is ended the same way (a launcher waiting for a node it cannot
+        reach); a start after a requeue, on other nodes, is not bounded by this run's."""
         grace, begun = launcher_grace(), time.monotonic()
-        limit = start_limit([a.started_after for a in self.state.attempts if a.started_after is not None])
+        limit = start_limit(self._starts)
         since: Optional[float] = None
         why = f"{grace:.0f} s after the step began to fail"
         while True:
@@ -215,12 +223,11 @@ class Supervisor:
             now = time.monotonic()
             if attempt.started_after is None and os.path.exists(os.path.join(folder, failure.STARTED)):
                 attempt.started_after = round(now - begun, 1)
+                self._starts.append(attempt.started_after)
             if rc is not None:
                 return rc
             with lock:
-                trouble = words.trouble_at
-            if since is None and (trouble is not None or failure.read(folder)):
-                since = trouble if trouble is not None else now
+                since = words.trouble_at
             if since is not None and now - since > grace:
                 break
             if limit is not None and attempt.started_after is None and now - begun > limit:
@@ -232,15 +239,7 @@ class Supervisor:
         say(f"the launcher is still running {why}: ending it (TERM, then KILL)")
         with lock:
             words.hung = True
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            try:
-                child.send_signal(sig)
-                return child.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-            except OSError:
-                break
-        return child.poll() if child.poll() is not None else 128 + signal.SIGKILL
+        return _end(child)
 
     def _observe(self, attempt: Attempt, rc: int, records: List[Dict[str, Any]], verdict: Verdict) -> None:
         attempt.ended, attempt.exit_code = time.time(), rc
@@ -291,8 +290,8 @@ class Supervisor:
             self.state.save()
             rc, words = self._step(attempt)
             records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
-            verdict = judge(rc, records, words, self._signalled,
-                            slurm_down if isinstance(self.launcher, Srun) else None)
+            verdict = judge(rc, records, words, self._signalled, self._nodes_down if self.slurm_job else None,
+                            ranks=len(attempt.nodes) * self.per_node)
             if verdict.action == "stop-program" and self.retry_exceptions:
                 verdict = Verdict("relaunch", "exception (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)
@@ -376,6 +375,26 @@ def _scontrol(scontrol: str, *args: str) -> Tuple[bool, str]:
     return proc.returncode == 0, (proc.stderr or proc.stdout).strip()
 
 
+def _end(child: subprocess.Popen) -> int:
+    """End a launcher that would not end, and what it started on this node (its daemons, local
+    ranks: they would meet the next attempt): TERM to all, then KILL to what is left. Its exit code."""
+    try:
+        family = [child.pid, *(c.pid for c in psutil.Process(child.pid).children(recursive=True))]
+    except psutil.Error:
+        family = [child.pid]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in family:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        try:
+            return child.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            continue
+    return 128 + signal.SIGKILL
+
+
 LAUNCHER_SLACK_S = 45.0
 
 
@@ -404,11 +423,13 @@ def slurm_down(nodes: Sequence[str]) -> List[str]:
     scontrol = shutil.which("scontrol")
     if scontrol is None or not nodes:
         return []
-    ok, show = _scontrol(scontrol, "show", "node", "-o", ",".join(nodes))
-    if not ok:
+    try:
+        proc = subprocess.run([scontrol, "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
+                              timeout=requeue.SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
         return []
     down = []
-    for line in show.splitlines():
+    for line in proc.stdout.splitlines():
         name, state = re.search(r"\bNodeName=(\S+)", line), re.search(r"\bState=(\S+)", line)
         if name and state and any(w in state.group(1).upper() for w in _DOWN_STATES):
             down.append(name.group(1))

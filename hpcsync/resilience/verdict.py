@@ -1,7 +1,8 @@
 """The verdict on one step of ``hpcsync run``: from the failure records the ranks wrote and the
 launcher's words, whether to relaunch (without which nodes), requeue, stop (the program's own
-error) or end. A node is left out only on evidence: the ranks that could not reach it (the larger
-side of a split), the launcher's words about it, the resource manager's state of it."""
+error) or end. A node is left out only on evidence: the ranks that could not reach it (a side of
+a split holding more than half of the job's ranks), the launcher's words about it, the resource
+manager's state of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,58 +24,55 @@ class Verdict:
     detail: str = ""
 
 
-def _side(record: Dict[str, Any]) -> Tuple[set, set]:
-    """The ranks and nodes a record's reporter could reach (itself included): its side of a split.
-    A record without them (a program's own) stands for its reporter alone."""
-    me = record.get("reporter", {})
-    ranks = set(record.get("reached") or [me.get("rank")])
-    nodes = set(record.get("reached_nodes") or []) | {me.get("node")}
-    return ranks, nodes
+def _reached(record: Dict[str, Any]) -> set:
+    """The ranks a record's reporter could reach, itself included: its side of a split (a record
+    without them stands for its reporter alone)."""
+    return set(record.get("reached") or [record.get("reporter", {}).get("rank")])
 
 
-def weigh(records: Sequence[Dict[str, Any]]) -> Tuple[List[str], List[str]]:
+def weigh(records: Sequence[Dict[str, Any]], ranks: Optional[int] = None) -> Tuple[List[str], List[str]]:
     """Which nodes the records blame, by evidence: ``(blamed, contested)``.
 
-    A node cut off from the others reports them silent, as they report it. A record whose
-    reporter's node another record blames is believed only when its side -- the ranks (then the
-    nodes) that it and the records agreeing with it could reach -- is larger than the side of
-    every record that blames it. Records that blame nobody's reporter are believed as they are.
-    ``contested``: the nodes of an equal split (both sides disbelieved), for other evidence to
-    decide -- never a reason to leave a node out by itself."""
+    A node cut off from the others reports them silent, as they report it, and either side may
+    be the first (or the only one) to write. A record is believed only when its reporter reached
+    more than half of the job's ``ranks`` (default: the highest rank any record names, plus one):
+    two sides cannot both hold that. Of the believed records' silent ranks, those another
+    believed record reached are not silent (an answer that came late to one printer); the nodes
+    of the rest are blamed. ``contested``: the nodes of records that nobody believes -- an equal
+    split, or a minority side alone -- for other evidence to decide; never a reason to leave a
+    node out by itself."""
     blaming = [r for r in records if r.get("blame_nodes")]
-    node = lambda r: r.get("reporter", {}).get("node")  # noqa: E731
-
-    def against(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
-        return s is not r and node(r) in s["blame_nodes"]
-
-    def weight(r: Dict[str, Any]) -> Tuple[int, int]:
-        ranks, nodes = set(), set()
-        for s in blaming:
-            if s is r or not (against(r, s) or against(s, r)):
-                ranks |= _side(s)[0]
-                nodes |= _side(s)[1]
-        return len(ranks), len(nodes)
-
-    believed, contested = [], set()
-    for r in blaming:
-        rivals = [s for s in blaming if against(r, s)]
-        if all(weight(r) > weight(s) for s in rivals):
-            believed.append(r)
-        elif all(weight(r) >= weight(s) for s in rivals):
-            contested |= {node(r), *r["blame_nodes"]}
-    blamed = sorted({n for r in believed for n in r["blame_nodes"]})
-    return blamed, sorted(contested - set(blamed) - {None})
+    if not blaming:
+        return [], []
+    if ranks is None:
+        named = [x for r in records for x in (*_reached(r), *r.get("ranks", [])) if isinstance(x, int)]
+        ranks = max(named, default=0) + 1
+    believed = [r for r in blaming if 2 * len(_reached(r)) > ranks]
+    alive = set().union(*(_reached(r) for r in believed)) if believed else set()
+    blamed = set()
+    for r in believed:
+        silent = {int(k): v for k, v in (r.get("silent_at") or {}).items()}
+        if silent:
+            blamed |= {node for rank, node in silent.items() if rank not in alive}
+        else:  # a record that does not say which rank is where: its nodes, as it blames them
+            blamed |= set(r["blame_nodes"])
+    contested = set()
+    if not believed:
+        for r in blaming:
+            contested |= {r.get("reporter", {}).get("node"), *r["blame_nodes"]}
+    return sorted(blamed), sorted(contested - {None})
 
 
 def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
-          node_state: Optional[Callable[[Sequence[str]], List[str]]] = None) -> Verdict:
+          node_state: Optional[Callable[[Sequence[str]], List[str]]] = None, ranks: Optional[int] = None) -> Verdict:
     """The records first (hpcsync saw the failure from inside), the launcher's words second; but
     ranks the job's warning signal killed decide before any record blaming a node (the survivors
     report the dead ranks' nodes, which are healthy).
 
-    The records are weighed (:func:`weigh`): in a split, the side holding more of the job's ranks
-    decides, wherever the supervisor runs. An equal split is decided by the launcher's words, then
-    by ``node_state`` (the contested nodes the resource manager calls down); without either, the
+    The records are weighed (:func:`weigh`, ``ranks``: the job's): in a split, a side holding more
+    than half of the job's ranks decides, wherever the supervisor runs. Records nobody can believe
+    (an equal split, a minority side alone) are decided by the launcher's words, then by
+    ``node_state`` (the contested nodes the resource manager calls down); without either, the
     step is relaunched on the same nodes (bounded by the cap): no healthy node is left out on a guess."""
     if rc == 0:
         return Verdict("done", "completed")
@@ -98,7 +96,7 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
         return Verdict("requeue", f"killed by {words.warning}", list(words.nodes),
                        f"ranks were killed by {words.warning}, the job's warning signal, before the program "
                        f"handled it (no preemption guard yet, or no longer){blamed_too}")
-    blamed, contested = weigh(records)
+    blamed, contested = weigh(records, ranks)
     if blamed:
         first = next(r for r in records if set(r.get("blame_nodes", [])) & set(blamed))
         return Verdict("relaunch", first["cause"], blamed, first["detail"])
@@ -106,10 +104,11 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
         return Verdict("relaunch", "killed", list(words.nodes), "; ".join(words.lines[:3]))
     down = node_state(contested) if contested and node_state is not None else []
     if down:
-        return Verdict("relaunch", "node down", sorted(down), f"an equal split between {', '.join(contested)}: the "
+        return Verdict("relaunch", "node down", sorted(down), f"records nobody can believe about {', '.join(contested)}: the "
                        f"resource manager calls {', '.join(sorted(down))} down")
     if contested:
-        return Verdict("relaunch", "split", [], f"an equal split between {', '.join(contested)} and no other "
+        return Verdict("relaunch", "split", [], f"records nobody can believe about {', '.join(contested)} (an equal "
+                       "split, or a minority side alone) and no other "
                        "evidence: relaunched on the same nodes, none left out on a guess")
     if records:  # a timeout nobody could pin on a node: the same nodes once more
         return Verdict("relaunch", records[0]["cause"], [], records[0]["detail"])
