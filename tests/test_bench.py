@@ -175,3 +175,19 @@ def test_checkpoint_benchmark_quick(tmp_path):
     assert sharded["load_bytes_max"] < rank0["load_bytes_rank0"], (sharded, rank0)
     assert sharded["load_bytes_max"] < state / 4 + local + 2**20, sharded  # its quarter, its local, a little more
     assert "| 4 | sharded |" in stdout
+
+
+def test_failures_benchmark_responder_quick(tmp_path):
+    """bench_failures --responder --quick: one responder answers every question asked at once (a
+    gloo group with its flight recorder read for every question and once per operation, and
+    hpcsync's backend), and the report's model to 8,192 ranks follows from those rates. (The
+    namespace-node runs, N ranks x three failures, are measured by hand: docs/timeouts.md.)"""
+    _, data, stdout = run_quick(tmp_path, "bench_failures.py", "--responder", timeout=600)
+    rows = data["responder"]["responder"]
+    assert [(r["group"], r["flight_read"]) for r in rows] == [("gloo", "every question"), ("gloo", "once per operation"),
+                                                             ("hpcsync", "once per operation")], rows
+    assert all(r["answered"] == r["questions"] and r["per_s"] > 0 for r in rows), rows
+    model = data["responder"]["model"]
+    assert [m["ranks"] for m in model] == [32, 128, 512, 1024, 8192] * 3
+    assert all(m["defer"] + m["gather"] == m["ranks"] and 0 < m["heard"] <= 1 for m in model), model
+    assert "answers/s" in stdout

@@ -43,6 +43,8 @@ def test_stuck_rank_ends_the_job_with_a_report(launcher, tmp_path):
     assert any("STUCK HERE" in line for line in stuck[0]["stacks"]["main"])  # the full stack, for the JSON
     inside = [g for g in rep["groups"] if g["rank_list"] == [0, 1, 2]]  # one group: same state and line
     assert len(inside) == 1 and inside[0]["state"] == "inside", rep["groups"]
+    # where the program is (its all_reduce in stall.py), not how hpcsync's backend waits
+    assert "stall.py" in inside[0]["frames"][-1] and "/hpcsync/" not in "".join(inside[0]["frames"]), inside
 
 
 def reports_of_all(res, n):

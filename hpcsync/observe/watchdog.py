@@ -132,7 +132,7 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
     me = {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "timed_out": timed_out,
           "frames": main_frames()}
     if log is None:  # a gloo or NCCL group: torch's flight recorder knows where this rank is
-        fr = flight.group_state(group, seq)
+        fr = _flight_state(group, seq)
         return {**me, "state": fr["state"], "last": fr["last"], "timed_out": fr["state"] == "inside" and _failed}
     this = next((o for o in ops if o.seq == seq), None)
     # an operation that failed here (not by timing out: that rank is still inside and reports)
@@ -143,6 +143,27 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
     return {**me, "state": state,
             "last": last and {"seq": last.seq, "op": f"{last.op} #{last.seq}", "finished": last.finished is not None,
                               "age_s": round(time.time() - (last.finished or last.started), 1)}}
+
+
+FLIGHT_CACHE_S = 1.0
+_flight_cache: Dict[Tuple[str, int], Tuple[float, Dict[str, Any]]] = {}
+
+
+def _flight_state(group: str, seq: int) -> Dict[str, Any]:
+    """:func:`hpcsync.observe.flight.group_state`, read once per :data:`FLIGHT_CACHE_S` for one
+    operation: reading torch's recorder copies its whole ring (2,000 entries: ~25 ms, measured),
+    and rank 0 is asked the same question by every timed-out rank at once (37 answers a second
+    without this, thousands with it)."""
+    now = time.monotonic()
+    with _lock:
+        hit = _flight_cache.get((group, seq))
+    if hit is not None and now - hit[0] < FLIGHT_CACHE_S:
+        return hit[1]
+    state = flight.group_state(group, seq)
+    with _lock:
+        _flight_cache.clear()  # one operation at a time is asked about
+        _flight_cache[(group, seq)] = (now, state)
+    return state
 
 
 _hang_reported = False  # report_timeout ran in this process
@@ -350,7 +371,9 @@ def format_report(rep: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, f"{os.sep}torch{os.sep}")
+# hpcsync's own package (all of it: the backend's frames are where a waiting rank is, not where
+# its program is) and torch's
+LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, f"{os.sep}torch{os.sep}")
 
 
 AT_EXIT = "(the program has returned: hpcsync's exit waits here for the other ranks)"
