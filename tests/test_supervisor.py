@@ -172,6 +172,11 @@ def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
     asked = []
     v = supervisor.judge(1, [a, b], quiet, False, lambda nodes: asked.append(list(nodes)) or ["n1"])
     assert (v.action, v.cause, v.blamed, asked) == ("relaunch", "node down", ["n1"], [["n0", "n1"]]), v
+    harmless = supervisor.LauncherWords()  # srun's errors that end nothing start no clock
+    for line in ("srun: error: ioctl(TIOCGWINSZ): Inappropriate ioctl for device",
+                 "srun: error: spank: x11.so: unable to forward"):
+        harmless.feed(line)
+    assert harmless.trouble_at is None and harmless.nodes == []
     older = supervisor.LauncherWords()  # Slurm's older wording of a failed launch
     older.feed("srun: error: Task launch for job 12 step 3 failed on node n1: Communication connection failure")
     assert older.nodes == ["n1"] and older.trouble_at is not None
@@ -199,11 +204,13 @@ def test_slurm_node_state_names_the_nodes_it_calls_down(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\n"
                     "echo 'NodeName=n0 Arch=x86_64 State=ALLOCATED ThreadsPerCore=1'\n"
                     "echo 'NodeName=n1 Arch=x86_64 State=IDLE+NOT_RESPONDING ThreadsPerCore=1'\n"
-                    "echo 'NodeName=n2 Arch=x86_64 State=DOWN+DRAIN ThreadsPerCore=1'\n")
+                    "echo 'NodeName=n2 Arch=x86_64 State=DOWN+DRAIN ThreadsPerCore=1'\n"
+                    "echo 'NodeName=n3 Arch=x86_64 State=MIXED* ThreadsPerCore=1'\n"
+                    "echo 'NodeName=n4 Arch=x86_64 State=IDLE+REBOOT_REQUESTED ThreadsPerCore=1'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    assert supervisor.slurm_down(["n0", "n1", "n2"]) == ["n1", "n2"]
-    assert (tmp_path / "args").read_text().split() == ["show", "node", "-o", "n0,n1,n2"]
+    assert supervisor.slurm_down(["n0", "n1", "n2", "n3", "n4"]) == ["n1", "n2", "n3"]
+    assert (tmp_path / "args").read_text().split() == ["show", "node", "-o", "n0,n1,n2,n3,n4"]
     fake.write_text("#!/bin/sh\nexit 1\n")
     assert supervisor.slurm_down(["n1"]) == []
 
@@ -219,8 +226,8 @@ def test_a_launcher_that_never_ends_after_its_step_failed_is_ended(tmp_path, mon
 
     class Stuck(supervisor.Launcher):
         def command(self, nodes, per_node, program):
-            return ["sh", "-c", "trap '' TERM; echo 'ORTE was unable to reliably start one or more daemons.' >&2; "
-                    "sleep 301 & sleep 302"]  # it ignores TERM; its children are ended too
+            return ["sh", "-c", "echo 'ORTE was unable to reliably start one or more daemons.' >&2; "
+                    "sh -c \"trap '' TERM; sleep 301\" & exec sleep 302"]  # it ends on TERM, its child does not
 
     class Slow(supervisor.Launcher):
         def command(self, nodes, per_node, program):

@@ -71,8 +71,10 @@ def test_sbatch_survives_a_failed_node(cluster, tmp_path, failure, nodes, spares
             # COMPLETING until Slurm hears from node 1 (SlurmdTimeout marks it down): Slurm's own time
             slurm_cluster.wait_for("the relaunched step", lambda: ": completed (exit 0" in log.read_text(), 240,
                                    explain=explain)
+            # the batch script ends once hpcsync run returns (its last line is printed just before)
+            slurm_cluster.wait_for("the batch script's end", lambda: slurm_cluster.jobs(jid, env, on)[0]["JobState"]
+                                   in ("COMPLETING", "COMPLETED"), 60, explain=explain)
             info = slurm_cluster.jobs(jid, env, on)[0]
-            assert info["JobState"] in ("COMPLETING", "COMPLETED"), info
         else:
             info = slurm_cluster.wait_job(jid, env, timeout=300, on=on)
             assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log.read_text()[-4000:]}"

@@ -40,7 +40,7 @@ _CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE
 _TEARDOWN = ("taking the entire process down", "Process group watchdog thread terminated")
 # the step is failing, whoever says so: from the first of these the launcher has a bounded time to end
 _TROUBLE = ("ORTE was unable", "ORTE has lost communication", "PRTE has lost communication", "BAD TERMINATION",
-            "srun: error:", "MPI_ABORT was invoked", "mpirun noticed", "prterun noticed")
+            "MPI_ABORT was invoked", "mpirun noticed", "prterun noticed")  # and srun's task and node lines
 
 
 class LauncherWords:
@@ -83,7 +83,8 @@ class LauncherWords:
             self.lines.append(line.strip())
 
     def feed(self, line: str) -> None:
-        if self.trouble_at is None and any(w in line for w in _TROUBLE):
+        if self.trouble_at is None and (any(w in line for w in _TROUBLE) or _SRUN_TASK.search(line)
+                                        or _SRUN_NODE.search(line)):  # not srun's other errors (a tty, a plugin)
             self.trouble_at = time.monotonic()
         if any(w in line for w in _TEARDOWN):
             self._teardown = True

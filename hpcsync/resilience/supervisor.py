@@ -231,8 +231,8 @@ class Supervisor:
             if since is not None and now - since > grace:
                 break
             if limit is not None and attempt.started_after is None and now - begun > limit:
-                why = f"{limit:.0f} s after it began, and its ranks are not all up (earlier starts took at most " \
-                      f"{max(a.started_after or 0 for a in self.state.attempts):.0f} s)"
+                why = f"{limit:.0f} s after it began, and its ranks are not all up (this run's earlier starts took " \
+                      f"at most {max(self._starts):.0f} s)"
                 with lock:
                     words.never_started = True
                 break
@@ -377,22 +377,34 @@ def _scontrol(scontrol: str, *args: str) -> Tuple[bool, str]:
 
 def _end(child: subprocess.Popen) -> int:
     """End a launcher that would not end, and what it started on this node (its daemons, local
-    ranks: they would meet the next attempt): TERM to all, then KILL to what is left. Its exit code."""
+    ranks: they would meet the next attempt; a rank's preemption guard catches TERM): TERM to
+    all, 10 s, then KILL to every one of them still there. The launcher's exit code."""
     try:
-        family = [child.pid, *(c.pid for c in psutil.Process(child.pid).children(recursive=True))]
+        family = [psutil.Process(child.pid)]
+        family += family[0].children(recursive=True)
     except psutil.Error:
-        family = [child.pid]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in family:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
+        family = []
+    for proc in family:
         try:
-            return child.wait(timeout=10.0)
+            proc.terminate()
+        except psutil.Error:
+            pass
+    try:
+        rc: Optional[int] = child.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        rc = None
+    for proc in family:  # psutil checks each is still the process it was (no pid reused)
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+        except psutil.Error:
+            pass
+    if rc is None:
+        try:
+            rc = child.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
-            continue
-    return 128 + signal.SIGKILL
+            rc = 128 + signal.SIGKILL
+    return rc
 
 
 LAUNCHER_SLACK_S = 45.0
@@ -414,12 +426,13 @@ def start_limit(earlier: Sequence[float]) -> Optional[float]:
     return max(START_MIN_S, 4 * max(earlier)) if earlier else None
 
 
-_DOWN_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "NO_RESPOND", "POWER_DOWN", "REBOOT")
+_DOWN_STATES = {"DOWN", "NOT_RESPONDING", "NO_RESPOND", "FAIL", "FAILING", "POWER_DOWN", "POWERED_DOWN"}
 
 
 def slurm_down(nodes: Sequence[str]) -> List[str]:
-    """The ``nodes`` Slurm calls down, failed or not responding (``scontrol show node``): evidence
-    for an equal split. None when scontrol is missing or does not answer within its bound."""
+    """The ``nodes`` Slurm calls down, failed or not responding (``scontrol show node``: a state
+    of DOWN, FAIL, NOT_RESPONDING or the like, or one marked ``*``): evidence for records nobody
+    can believe. None when scontrol is missing or does not answer within its bound."""
     scontrol = shutil.which("scontrol")
     if scontrol is None or not nodes:
         return []
@@ -431,7 +444,8 @@ def slurm_down(nodes: Sequence[str]) -> List[str]:
     down = []
     for line in proc.stdout.splitlines():
         name, state = re.search(r"\bNodeName=(\S+)", line), re.search(r"\bState=(\S+)", line)
-        if name and state and any(w in state.group(1).upper() for w in _DOWN_STATES):
+        flags = set(state.group(1).upper().rstrip("*$~#!%@^-").split("+")) if state else set()
+        if name and state and (state.group(1).endswith("*") or flags & _DOWN_STATES):  # STATE*: not responding
             down.append(name.group(1))
     return down
 

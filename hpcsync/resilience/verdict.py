@@ -27,7 +27,7 @@ class Verdict:
 def _reached(record: Dict[str, Any]) -> set:
     """The ranks a record's reporter could reach, itself included: its side of a split (a record
     without them stands for its reporter alone)."""
-    return set(record.get("reached") or [record.get("reporter", {}).get("rank")])
+    return set(record.get("reached") or [(record.get("reporter") or {}).get("rank")])
 
 
 def weigh(records: Sequence[Dict[str, Any]], ranks: Optional[int] = None) -> Tuple[List[str], List[str]]:
@@ -45,7 +45,7 @@ def weigh(records: Sequence[Dict[str, Any]], ranks: Optional[int] = None) -> Tup
     if not blaming:
         return [], []
     if ranks is None:
-        named = [x for r in records for x in (*_reached(r), *r.get("ranks", [])) if isinstance(x, int)]
+        named = [x for r in records for x in (*_reached(r), *(r.get("ranks") or [])) if isinstance(x, int)]
         ranks = max(named, default=0) + 1
     believed = [r for r in blaming if 2 * len(_reached(r)) > ranks]
     alive = set().union(*(_reached(r) for r in believed)) if believed else set()
@@ -98,8 +98,8 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
                        f"handled it (no preemption guard yet, or no longer){blamed_too}")
     blamed, contested = weigh(records, ranks)
     if blamed:
-        first = next(r for r in records if set(r.get("blame_nodes", [])) & set(blamed))
-        return Verdict("relaunch", first["cause"], blamed, first["detail"])
+        first = next((r for r in records if set(r.get("blame_nodes") or []) & set(blamed)), {})
+        return Verdict("relaunch", first.get("cause", "hang"), blamed, first.get("detail", ""))
     if words.nodes:
         return Verdict("relaunch", "killed", list(words.nodes), "; ".join(words.lines[:3]))
     down = node_state(contested) if contested and node_state is not None else []
