@@ -40,7 +40,8 @@ def weigh(records: Sequence[Dict[str, Any]], ranks: Optional[int] = None) -> Tup
     believed record reached are not silent (an answer that came late to one printer); the nodes
     of the rest are blamed. ``contested``: the nodes of records that nobody believes -- an equal
     split, or a minority side alone -- for other evidence to decide; never a reason to leave a
-    node out by itself."""
+    node out by itself. At N ranks a record carries N integers at most (``reached``: about 40 KB
+    of JSON at 8,192 ranks), one per side's printer; weighing is linear in what the records hold."""
     blaming = [r for r in records if r.get("blame_nodes")]
     if not blaming:
         return [], []
