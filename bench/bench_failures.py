@@ -47,6 +47,7 @@ from common import save_json
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+from hpcsync.core.nodemap import ranges  # noqa: E402  (after the path: the tree's hpcsync)
 
 PROGRAM = r'''
 """The bench's training loop: all_reduce until the job ends; the last rank stalls on a trigger file."""
@@ -86,25 +87,17 @@ with open(os.path.join(out, f"done{R}"), "w") as f:
 '''
 
 
-def _reader(stream, into: List, t0: float) -> None:
+def _reader(stream, into: List) -> None:
     for line in iter(stream.readline, ""):
         into.append((time.time(), line.rstrip("\n")))
 
 
 def _find_pid(cluster, node: int, prog: str, want: int) -> int:
-    """The pid of the bench program on ``node`` that is ``want`` (from its ready file): checked against
-    the node's processes (``ip netns pids`` + psutil, as tests/test_supervisor.py::ranks_on)."""
-    import psutil
+    """``want`` (a rank's pid from its ready file), checked against the node's processes that run
+    the bench program (tests/test_supervisor.py::ranks_on: ``ip netns pids`` + psutil)."""
+    from test_supervisor import ranks_on
 
-    found = []
-    for pid in subprocess.run(["ip", "netns", "pids", cluster.names[node]], capture_output=True,
-                              text=True).stdout.split():
-        try:
-            p = psutil.Process(int(pid))
-            if p.name().startswith("python") and any(a.endswith(prog) for a in p.cmdline()):
-                found.append(p.pid)
-        except psutil.Error:
-            pass
+    found = ranks_on(cluster, node, prog)
     if want not in found:
         raise RuntimeError(f"rank pid {want} not among node {node}'s programs {found}")
     return want
@@ -146,7 +139,7 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
         t_launch = time.time()
         proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
-        readers = [threading.Thread(target=_reader, args=(s, into, t_launch), daemon=True)
+        readers = [threading.Thread(target=_reader, args=(s, into), daemon=True)
                    for s, into in ((proc.stdout, out_lines), (proc.stderr, err_lines))]
         for th in readers:
             th.start()
@@ -251,20 +244,6 @@ def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
-def _ranges(rs: List[int]) -> str:
-    if not rs:
-        return "none"
-    out, start, prev = [], rs[0], rs[0]
-    for r in rs[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(out)
-
-
 def table(rows: List[Dict[str, Any]]) -> None:
     print(f"\n{'case':7}{'N':>4} {'backend':8}{'start':>7}{'report':>8}{'end':>7}{'#rep':>5}{'lines':>6}  "
           f"{'silent called':16}{'never entered':15}{'blamed':10}{'correct':8}")
@@ -272,8 +251,8 @@ def table(rows: List[Dict[str, Any]]) -> None:
         blamed = ",".join("n" + b.rsplit("n", 1)[-1] for b in r.get("blamed_nodes", [])) or "none"
         print(f"{r['case']:7}{r['ranks']:>4} {r['backend']:8}{_fmt(r.get('startup_s'), '.0f'):>6}s"
               f"{_fmt(r.get('report_s')):>7}s{_fmt(r.get('end_s')):>6}s{r.get('report_count', 0):>5}"
-              f"{r.get('report_lines', 0):>6}  {_ranges(r.get('silent_called', [])):16}"
-              f"{_ranges(r.get('never_entered', [])):15}{blamed:10}{'yes' if r.get('correct') else 'NO':8}"
+              f"{r.get('report_lines', 0):>6}  {ranges(r.get('silent_called', [])):16}"
+              f"{ranges(r.get('never_entered', [])):15}{blamed:10}{'yes' if r.get('correct') else 'NO':8}"
               + (f" {r['error']}" if r.get("error") else ""))
 
 
@@ -314,7 +293,6 @@ def responder(quick: bool) -> Dict[str, Any]:
     """How many digest questions one responder answers per second (rank 1 asks rank 0 K at once),
     for a gloo group (torch's flight recorder, a full ring) read every time and read once per
     operation, and for hpcsync's backend; then the report's model to 8,192 ranks from those rates."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from launch import PY, clean_env, openmpi
 
     prog = Path(tempfile.mkdtemp(prefix="hpcsync-bench-responder-")) / "responder.py"
