@@ -47,7 +47,7 @@ def test_srun_job_across_nodes(cluster, mpi, backend, per_node, tmp_path):
 
     res = run(srun, n, "multinode.py", backend, str(work), cluster.node_local, tmp_path=tmp_path, timeout=300,
               expect_ok=False, watch=(PMI2_ERROR, cancel) if mpi == "pmi2" else None)
-    assert res.returncode == 0 and all(d is not None and d["world_size"] == n for d in res.ranks), res
+    assert res.returncode == 0 and all(d is not None and d["world_size"] == n for d in res.ranks), str(res)
     where = [node for node, k in enumerate(per_node) for _ in range(k)]  # srun's block distribution
     check_multinode_job(res, cluster, where, backend, mpi == "pmix", work, tmp_path)
     assert {d["topology"]["launcher"] for d in res.ranks} == {"slurm"}

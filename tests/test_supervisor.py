@@ -14,6 +14,7 @@ import pytest
 
 from hpcsync import supervisor
 from hpcsync.observe import failure
+from hpcsync.resilience import probe
 from launch import PY, PROGRAMS, ROOT, clean_env, openmpi
 from netns_cluster import ROUTED, Cluster
 
@@ -229,6 +230,9 @@ def test_a_launcher_that_never_ends_after_its_step_failed_is_ended(tmp_path, mon
             return ["sh", "-c", "echo 'ORTE was unable to reliably start one or more daemons.' >&2; "
                     "sh -c \"trap '' TERM; sleep 301\" & exec sleep 302"]  # it ends on TERM, its child does not
 
+        def probe(self, node):  # every node answers: nobody to blame
+            return ["true"]
+
     class Slow(supervisor.Launcher):
         def command(self, nodes, per_node, program):
             return ["sh", "-c", "echo working; sleep 6; exit 0"]
@@ -263,6 +267,9 @@ def test_a_start_far_slower_than_the_first_is_ended(tmp_path, monkeypatch):
                     f'{failure.STARTED}"; sleep 1.5; echo "srun: error: n1: task 1: Killed" >&2; exit 137; fi; '
                     "exec sleep 300"]
 
+        def probe(self, node):
+            return ["true"]
+
     try:
         sup = supervisor.Supervisor(Starts("sh", []), ["n0", "n1", "n2"], 1, 1, 1, str(tmp_path / "s"), ["prog"])
         t0 = time.monotonic()
@@ -287,6 +294,53 @@ def test_a_stall_is_relaunched_on_the_same_nodes():
     assert supervisor.judge(0, [hang], killed, False).action == "done"
     assert supervisor.judge(143, [], killed, True).action == "done"  # the run itself was ended
     assert supervisor.judge(75, [], supervisor.LauncherWords(), False).action == "done"  # e.g. the requeue cap
+
+
+def test_a_node_the_launcher_cannot_use_is_found_by_probing(tmp_path):
+    """When nothing names a node, each node gets a one-process step: the ones that fail twice (or
+    hang past the bound, ended with what they started) are blamed; when every probe fails the
+    launcher is at fault and nobody is. Attempt 1 below is Open MPI failing to start its daemons
+    without saying where (node 3's link down): probing finds node 3, the spare takes its place."""
+    def command(node):
+        return {"bad": ["sh", "-c", "exit 1"], "stuck": ["sh", "-c", "exec sleep 61"]}.get(node, ["true"])
+
+    t0 = time.monotonic()
+    assert probe.unreachable(["ok", "bad", "stuck", "ok2"], command, timeout=1.0) == ["bad", "stuck"]
+    assert time.monotonic() - t0 < 10
+    assert not [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:2] == ["sleep", "61"]]
+    assert probe.unreachable(["bad", "stuck"], command, timeout=0.5) == []  # nothing works: not the nodes
+
+    def rec(node, rank, blame):
+        return {"cause": "hang", "program_error": False, "blame_nodes": blame, "detail": "x",
+                "reporter": {"rank": rank, "node": node}, "time": 1.0, "reached": [rank], "reached_nodes": [node]}
+    asked = []
+    v = supervisor.judge(1, [rec("n0", 0, ["n1"]), rec("n1", 1, ["n0"])], supervisor.LauncherWords(), False,
+                         probe=lambda nodes: asked.append(list(nodes)) or ["n1"], nodes=["n0", "n1"])
+    assert (v.action, v.cause, v.blamed, asked) == ("relaunch", "unreachable", ["n1"], [["n0", "n1"]]), v
+    orte = supervisor.LauncherWords()
+    orte.feed("ORTE was unable to reliably start one or more daemons.")
+    assert orte.launch_failed and not orte.nodes
+    v = supervisor.judge(213, [], orte, False, probe=lambda nodes: [], nodes=["n0", "n1"])
+    assert (v.action, v.cause, v.blamed) == ("relaunch", "launch failed", []), v  # not the program's exit code
+    quiet = supervisor.LauncherWords()
+    assert supervisor.judge(3, [], quiet, False, probe=lambda nodes: 1 / 0, nodes=["n0"]).action == "done"
+
+    class Orte(supervisor.Launcher):
+        def command(self, nodes, per_node, program):
+            return ["sh", "-c", "echo 'ORTE was unable to reliably start one or more daemons.' >&2; exit 213"
+                    if "n3" in nodes else "exit 0"]
+
+        def probe(self, node):
+            return ["false"] if node == "n3" else ["true"]
+
+    try:
+        sup = supervisor.Supervisor(Orte("sh", []), ["n1", "n2", "n3", "n4"], 1, 1, 2, str(tmp_path / "s"), ["prog"])
+        assert sup.run() == 0
+        assert [(a.nodes, a.cause, a.blamed) for a in sup.state.attempts] == [
+            (["n1", "n2", "n3"], "unreachable", ["n3"]), (["n1", "n2", "n4"], "completed", [])], sup.state.attempts
+    finally:
+        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
 
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"

@@ -83,20 +83,19 @@ def test_sbatch_survives_a_failed_node(cluster, tmp_path, failure, nodes, spares
         attempts = state["attempts"]
         assert attempts[-1]["nodes"] == [cluster.names[0], cluster.names[2]] and attempts[-1]["exit_code"] == 0, attempts
         assert attempts[-1]["resumed_step"] and attempts[-1]["resumed_step"] % 150 == 0, attempts
-        if failure == "link":  # an equal split (one rank each side): nobody left out on a guess, the same
-            # nodes once more; Slurm cannot launch on node 1, and that is the evidence that leaves it out
+        if failure == "link":  # an equal split (one rank each side): nobody left out on a guess; a one-task
+            # step on each node (or Slurm's state of node 1, if it already calls it down) is the evidence
             recs = [json.loads(p.read_text()) for p in (out / "attempts" / "attempt-1").glob("hpcsync-failure-*")]
             [rec] = [r for r in recs if r["reporter"]["node"] == cluster.names[0]]
             assert rec["cause"] == "hang" and rec["blame_nodes"] == [cluster.names[1]] and not rec["program_error"], rec
             assert rec["reached"] == [0] and rec["reached_nodes"] == [cluster.names[0]], rec
-            split, launch = attempts[0], attempts[1]
-            assert (split["nodes"], split["cause"], split["blamed"]) == (cluster.names[:2], "split", []), attempts
-            assert (launch["nodes"], launch["blamed"]) == (cluster.names[:2], [cluster.names[1]]), attempts
-            assert f"failed on node {cluster.names[1]}" in launch["detail"], attempts
+            split = attempts[0]
+            assert (split["nodes"], split["blamed"]) == (cluster.names[:2], [cluster.names[1]]), attempts
+            assert split["cause"] in ("unreachable", "node down") and "nobody can believe" in split["detail"], attempts
         else:
             assert attempts[0]["nodes"] == cluster.names[:2] and attempts[0]["blamed"] == [cluster.names[1]], attempts
         if spares:
-            assert len(attempts) == 3 and info["Restarts"] == "0", (info, attempts)  # within the allocation
+            assert len(attempts) == 2 and info["Restarts"] == "0", (info, attempts)  # within the allocation
         else:
             assert info["Restarts"] == "1" and cluster.names[1] in info.get("ExcNodeList", ""), info
             assert f"requeued Slurm job {jid} without {cluster.names[1]}" in text, text[-3000:]

@@ -41,6 +41,8 @@ _TEARDOWN = ("taking the entire process down", "Process group watchdog thread te
 # the step is failing, whoever says so: from the first of these the launcher has a bounded time to end
 _TROUBLE = ("ORTE was unable", "ORTE has lost communication", "PRTE has lost communication", "BAD TERMINATION",
             "MPI_ABORT was invoked", "mpirun noticed", "prterun noticed")  # and srun's task and node lines
+# the launcher could not start its daemons (on a node it does not name): the step never ran
+_LAUNCH_FAILED = ("was unable to reliably start one or more daemons",)  # Open MPI's ORTE and PRTE
 
 
 class LauncherWords:
@@ -49,7 +51,8 @@ class LauncherWords:
     blamed); ``crashes``: the lines that say a rank crashed by itself (out of memory, a segfault, an
     abort: the program's, no node blamed); ``crash_first``: whether such a line came before any
     line that blames a node (a crash after a node's failure is its consequence); ``trouble_at``:
-    when (``time.monotonic()``) a line first said the step is failing."""
+    when (``time.monotonic()``) a line first said the step is failing; ``launch_failed``: the
+    launcher said it could not start its daemons (the step never ran: not the program's exit)."""
 
     def __init__(self) -> None:
         self.nodes: List[str] = []
@@ -65,6 +68,7 @@ class LauncherWords:
         self.trouble_at: Optional[float] = None
         self.hung = False  # the supervisor had to end the launcher
         self.never_started = False  # ... because its ranks were not all up in time
+        self.launch_failed = False  # the launcher could not start its daemons
 
     def _crash(self, line: str) -> None:
         if self._teardown:  # a survivor ended by its watchdog: the cause is a peer's
@@ -86,6 +90,8 @@ class LauncherWords:
         if self.trouble_at is None and (any(w in line for w in _TROUBLE) or _SRUN_TASK.search(line)
                                         or _SRUN_NODE.search(line)):  # not srun's other errors (a tty, a plugin)
             self.trouble_at = time.monotonic()
+        if any(w in line for w in _LAUNCH_FAILED):
+            self.launch_failed = True
         if any(w in line for w in _TEARDOWN):
             self._teardown = True
         if any(w in line for w in _SRUN_ENDING):
@@ -144,6 +150,10 @@ class Launcher:
 
     def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
         raise NotImplementedError
+
+    def probe(self, node: str) -> List[str]:
+        """One process (``true``) on ``node``, started as a step would be: can the launcher use it?"""
+        return self.command([node], 1, ["true"])
 
 
 class Srun(Launcher):

@@ -11,7 +11,8 @@ from the program's latest checkpoint, no human involved.
   silent or missing ranks, an exception) and what the launcher said (tasks killed by a signal), and
   relaunches the step without the nodes to blame, taking a spare (in a network split, a side
   holding more than half of the job's ranks is believed; otherwise nobody is left out on a guess: see
-  :func:`~hpcsync.resilience.verdict.judge`). A launcher that does not end once its step is failing is ended after
+  :func:`~hpcsync.resilience.verdict.judge`; when no evidence names a node, each node is probed with a
+  one-process step: :mod:`~hpcsync.resilience.probe`). A launcher that does not end once its step is failing is ended after
   :func:`launcher_grace`. With no spare left it requeues
   the job and excludes them from it (``scontrol requeue``, then ``update ExcNodeList`` while the
   job is pending), so the next start lands elsewhere. Bad nodes are kept in the state folder and printed at every start.
@@ -57,7 +58,7 @@ import psutil
 
 from ..core import settings
 from ..observe import failure
-from . import requeue
+from . import probe, requeue
 from .verdict import Verdict, judge, weigh  # noqa: F401
 from .launchers import (WARNING_SIGNALS, Hydra, Launcher, LauncherWords, OpenMPI, Srun,  # noqa: F401
                         mpi_launcher, parse_hosts)
@@ -200,6 +201,10 @@ class Supervisor:
     def _nodes_down(self, nodes: Sequence[str]) -> List[str]:
         return slurm_down([self._host_name(n) for n in nodes])
 
+    def _unreachable(self, nodes: Sequence[str]) -> List[str]:
+        say(f"no evidence names a node: probing each of the step's {len(nodes)} node(s) with {self.launcher.name}")
+        return probe.unreachable(nodes, self.launcher.probe)
+
     def _wait_bounded(self, child: subprocess.Popen, folder: str, words: LauncherWords, lock: threading.Lock,
                       attempt: Attempt) -> int:
         """The launcher's exit code. Once the launcher's own words say the step is failing (a
@@ -291,7 +296,7 @@ class Supervisor:
             rc, words = self._step(attempt)
             records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
             verdict = judge(rc, records, words, self._signalled, self._nodes_down if self.slurm_job else None,
-                            ranks=len(attempt.nodes) * self.per_node)
+                            ranks=len(attempt.nodes) * self.per_node, probe=self._unreachable, nodes=attempt.nodes)
             if verdict.action == "stop-program" and self.retry_exceptions:
                 verdict = Verdict("relaunch", "exception (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)

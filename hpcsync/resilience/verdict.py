@@ -65,7 +65,8 @@ def weigh(records: Sequence[Dict[str, Any]], ranks: Optional[int] = None) -> Tup
 
 
 def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
-          node_state: Optional[Callable[[Sequence[str]], List[str]]] = None, ranks: Optional[int] = None) -> Verdict:
+          node_state: Optional[Callable[[Sequence[str]], List[str]]] = None, ranks: Optional[int] = None,
+          probe: Optional[Callable[[Sequence[str]], List[str]]] = None, nodes: Sequence[str] = ()) -> Verdict:
     """The records first (hpcsync saw the failure from inside), the launcher's words second; but
     ranks the job's warning signal killed decide before any record blaming a node (the survivors
     report the dead ranks' nodes, which are healthy).
@@ -73,8 +74,11 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
     The records are weighed (:func:`weigh`, ``ranks``: the job's): in a split, a side holding more
     than half of the job's ranks decides, wherever the supervisor runs. Records nobody can believe
     (an equal split, a minority side alone) are decided by the launcher's words, then by
-    ``node_state`` (the contested nodes the resource manager calls down); without either, the
-    step is relaunched on the same nodes (bounded by the cap): no healthy node is left out on a guess."""
+    ``node_state`` (the contested nodes the resource manager calls down), then by ``probe`` (of the
+    step's ``nodes``, those the launcher cannot run a process on: :mod:`~hpcsync.resilience.probe`),
+    asked too when the launcher hung, could not start its daemons, or the ranks timed out without
+    naming a node; without any, the step is relaunched on the same nodes (bounded by the cap): no
+    healthy node is left out on a guess."""
     if rc == 0:
         return Verdict("done", "completed")
     if signalled:
@@ -107,6 +111,14 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
     if down:
         return Verdict("relaunch", "node down", sorted(down), f"records nobody can believe about {', '.join(contested)}: the "
                        f"resource manager calls {', '.join(sorted(down))} down")
+    unsure = bool(contested or records or words.hung or words.launch_failed)
+    failing = probe(nodes) if unsure and probe is not None and nodes else []
+    if failing:
+        why = f"records nobody can believe about {', '.join(contested)}" if contested else \
+            "the launcher could not start its daemons" if words.launch_failed else \
+            "the launcher hung" if words.hung else "a timeout that names no node"
+        return Verdict("relaunch", "unreachable", sorted(failing), f"{why}; the launcher cannot run a process on "
+                       f"{', '.join(sorted(failing))} (each of the step's nodes probed)")
     if contested:
         return Verdict("relaunch", "split", [], f"records nobody can believe about {', '.join(contested)} (an equal "
                        "split, or a minority side alone) and no other "
@@ -119,4 +131,7 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
     if words.hung:  # the ranks ended without a word and the launcher never did: the same nodes once more
         return Verdict("relaunch", "launcher hung", [], "the launcher did not end after the step failed, and no "
                        "record or launcher message blames a node: relaunched on the same nodes")
+    if words.launch_failed:  # the step never ran: not the program's exit code
+        return Verdict("relaunch", "launch failed", [], "the launcher could not start its daemons and no node failed "
+                       "a probe: relaunched on the same nodes")
     return Verdict("done", f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
