@@ -1,7 +1,7 @@
 """Benchmark: how the hang report behaves as the number of ranks grows (root: namespace nodes).
 
     flock /tmp/hpcsync-netns.lock .venv/bin/python bench/bench_failures.py [--quick] [--big]
-        [--ranks 8,16,32] [--backends hpcsync,gloo] [--cases stall,frozen,link] [--timeout 10]
+        [--ranks 8,16,32] [--backends hpcsync,gloo] [--cases stall,frozen,link,late0] [--timeout 10]
         [--append] [--out bench/results/failures.json]
 
 N ranks spread evenly over four routed namespace nodes, Open MPI, a training-like loop of
@@ -12,7 +12,10 @@ with a group timeout of ``--timeout`` seconds. Once every rank is in the loop, o
   still answers the report: it is alive, it never entered the operation);
 - ``frozen``: the last rank is SIGSTOPped (found among the last node's processes,
   ``ip netns pids`` + psutil): it cannot answer;
-- ``link``: the last node's link goes down (its ranks live on, unreachable).
+- ``link``: the last node's link goes down (its ranks live on, unreachable);
+- ``late0``: rank 0 spends 40 s on its own (an evaluation) before its next all_reduce, and
+  meanwhile the last rank is SIGSTOPped: the report must come from another rank, name the frozen
+  rank (silent) and rank 0 (never entered, alive), and blame the frozen rank's node only.
 
 For each run: the time from the failure to the first ``HANG REPORT`` line on the job's stderr and
 to the job's end, how many lines the report printed, which ranks it called "no reply" (silent)
@@ -70,10 +73,16 @@ for _ in range(3):
 with open(os.path.join(out, f"ready{R}.tmp"), "w") as f:
     f.write(f"{os.getpid()} {socket.gethostname()}\n")
 os.replace(os.path.join(out, f"ready{R}.tmp"), os.path.join(out, f"ready{R}"))
-trigger = os.path.join(out, "stall")
+trigger, late = os.path.join(out, "stall"), os.path.join(out, "late0")
 end = time.monotonic() + seconds
 steps = 0
 while time.monotonic() < end:
+    if R == 0 and os.path.exists(late):  # a rank-0-only evaluation, 40 s, before the next step
+        os.remove(late)
+        with open(os.path.join(out, "late.tmp"), "w") as f:
+            f.write(repr(time.time()))
+        os.replace(os.path.join(out, "late.tmp"), os.path.join(out, "late"))
+        time.sleep(40)  # RANK 0 EVALUATING
     if R == W - 1 and os.path.exists(trigger):
         with open(os.path.join(out, "stalled.tmp"), "w") as f:
             f.write(repr(time.time()))
@@ -159,8 +168,15 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
                     raise RuntimeError("the last rank never stalled")
                 time.sleep(0.01)
             t_fault = float((work / "stalled").read_text())
-        elif case == "frozen":
+        elif case in ("frozen", "late0"):
             pid = _find_pid(cluster, faulty_node, prog, int(hosts[n - 1][0]))
+            if case == "late0":
+                (work / "late0").write_text("")
+                while not (work / "late").exists():
+                    if proc.poll() is not None or time.time() - t_launch > ready_limit + 60:
+                        raise RuntimeError("rank 0 never began its evaluation")
+                    time.sleep(0.01)
+                time.sleep(1.0)  # the others are in the next all_reduce, waiting for rank 0
             t_fault = time.time()
             os.kill(pid, signal.SIGSTOP)
         else:
@@ -235,6 +251,8 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
     ok = bool(heads) and bool(main_hangs) and row.get("ended") and silent == expect_silent and blamed == expect_blame
     if case == "stall":
         ok = ok and never == faulty_ranks
+    if case == "late0":  # rank 0 is alive and late: never entered, not silent; the report is another rank's
+        ok = ok and 0 in never and all(h["reporter"] != 0 for h in main_hangs)
     row["correct"] = bool(ok)
     row["names"] = names
     return row
@@ -262,21 +280,21 @@ os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 import torch, torch.distributed as dist
 import hpcsync
 from hpcsync.core import mpi
-from hpcsync.observe import watchdog
+from hpcsync.observe import responder, watchdog
 backend, k, cache = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cache"
 watchdog.FLIGHT_CACHE_S = watchdog.FLIGHT_CACHE_S if cache else 0.0
 topo = hpcsync.init(backend=backend)
 t = torch.zeros(16)
 for _ in range(2100):  # a full flight-recorder ring (2,000 entries), as after a while of training
     dist.all_reduce(t)
-comm = watchdog._responder.comm
+comm = responder.responder().comm
 if topo.rank == 1:  # K questions at once, as K timed-out ranks ask rank 0
     t0 = time.perf_counter()
-    sends = [comm.isend(((os.getpid(), 10**6 + i), "digest", ("0", 2101)), dest=0, tag=watchdog._TAG_ASK)
+    sends = [comm.isend(((os.getpid(), 10**6 + i), "digest", ("0", 2101)), dest=0, tag=responder._TAG_ASK)
              for i in range(k)]
     got = 0
     while got < k and time.perf_counter() - t0 < 120:
-        msg = comm.improbe(source=0, tag=watchdog._TAG_STATE)
+        msg = comm.improbe(source=0, tag=responder._TAG_STATE)
         if msg is None:
             time.sleep(0.001)
             continue
@@ -316,27 +334,39 @@ def responder(quick: bool) -> Dict[str, Any]:
               f"{r['per_s']:>11.0f}")
     model = [dict(rate=r["per_s"], group=r["group"], flight_read=r["flight_read"], **m)
              for r in rows for m in report_model(r["per_s"])]
-    print(f"\n{'group':10}{'read':22}{'ranks':>7}{'deferring':>10}{'gathering':>10}{'heard':>7}{'silent':>8}")
+    print(f"\n{'group':10}{'read':22}{'ranks':>7}{'to rank 0':>10}{'gathering':>10}{'hops':>5}{'bound':>7}"
+          f"{'heard':>7}{'silent':>8}")
     for m in model:
-        print(f"{m['group']:10}{m['flight_read'] if m['group'] == 'gloo' else '-':22}{m['ranks']:>7}{m['defer']:>10}"
-              f"{m['gather']:>10}{m['heard']:>7.0%}{m['called_silent']:>8}")
+        print(f"{m['group']:10}{m['flight_read'] if m['group'] == 'gloo' else '-':22}{m['ranks']:>7}"
+              f"{m['questions_to_rank0']:>10}{m['gather']:>10}{m['hops']:>5}{m['bound_s']:>7.0f}{m['heard']:>7.0%}"
+              f"{m['called_silent']:>8}")
     return {"responder": rows, "model": model}
 
 
-def report_model(rate: float, sizes=(32, 128, 512, 1024, 8192)) -> List[Dict[str, Any]]:
-    """The hang report at N ranks when N - 1 time out together, from one responder's answer rate
-    (docs/timeouts.md): ranks 0, 1, 2 each answer ``rate`` deferral questions in their 1 s
-    window; the others gather for themselves (N - 1 questions each); a responder facing F
-    questions answers 5 x rate of them in the 5 s gathering window, so a printer hears from
-    min(1, 5 rate / F) of the ranks and calls the rest silent."""
+def report_model(rate: float, sizes=(32, 128, 512, 1024, 8192), per_node: int = 8) -> List[Dict[str, Any]]:
+    """The hang report at N ranks (``per_node`` a node) when N - 1 time out together, from one
+    responder's answer rate (docs/timeouts.md). Who prints: each rank asks its node's first rank;
+    the node's first ranks ask rank 0, then 1, then 2 (1 s each), and each of these answers
+    ``rate`` of them in its second; a node's first rank that found nobody gathers for itself.
+    Gathering: along the relays (``hpcsync.observe.relay``), a round of :func:`relay.round_budget`
+    seconds; every gatherer's question reaches every rank once, so a responder faced with G
+    gatherers answers ``rate x round`` of them and a printer hears min(1, rate x round / G)."""
+    from hpcsync.observe import relay
+
     out = []
     for n in sizes:
-        defer = min(n - 1, int(3 * rate))
-        gather = 1 + (n - 1 - defer)  # the printer, and the ranks that found no one to defer to
-        heard = min(1.0, 5 * rate / gather)
-        out.append({"ranks": n, "defer": defer, "gather": gather, "heard": heard,
-                    "called_silent": round((1 - heard) * (n - 2)), "questions": 3 * (n - 1) + gather * (n - 1),
-                    "printer_bytes": 400 * n})
+        nodes = max(1, n // per_node)
+        to_rank0 = (nodes - 1) + (per_node - 1)  # node leaders, and rank 0's own node's ranks
+        defer_leaders = min(nodes - 1, int(3 * rate))
+        gather = 1 + (nodes - 1 - defer_leaders)  # the printer, and the leaders that found no one to defer to
+        window = relay.round_budget(nodes)
+        heard = min(1.0, rate * window / gather)
+        out.append({"ranks": n, "nodes": nodes, "questions_to_rank0": to_rank0, "gather": gather,
+                    "defer": n - gather, "heard": heard, "called_silent": round((1 - heard) * (n - 2)),
+                    "hops": relay.hops(nodes), "round_s": window, "bound_s": relay.budget(nodes),
+                    "most_sent_by_one_rank": relay.FANOUT + per_node - 1,
+                    "questions": (n - 1) + (nodes - 1) + gather * (n - 1),
+                    "printer_bytes": 400 * n, "first_relay_bytes": 400 * n // min(relay.FANOUT, max(1, nodes - 1))})
     return out
 
 
@@ -344,11 +374,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--responder", action="store_true",
                     help="only a responder's answer rate (2 ranks on this machine) and the model to 8,192 ranks")
-    ap.add_argument("--quick", action="store_true", help="N=8, the hpcsync backend, the stall case only")
+    ap.add_argument("--quick", action="store_true", help="N=32, the hpcsync backend, the late0 case only")
     ap.add_argument("--big", action="store_true", help="also 64 ranks (~300 MB of memory per rank)")
     ap.add_argument("--ranks", default="8,16,32")
     ap.add_argument("--backends", default="hpcsync,gloo")
-    ap.add_argument("--cases", default="stall,frozen,link")
+    ap.add_argument("--cases", default="stall,frozen,link,late0")
     ap.add_argument("--timeout", type=float, default=10.0, help="the group timeout, seconds")
     ap.add_argument("--append", action="store_true", help="add to the rows already in --out")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "failures.json"))
@@ -360,7 +390,7 @@ def main() -> None:
     ranks = [int(x) for x in args.ranks.split(",")] + ([64] if args.big else [])
     backends, cases = args.backends.split(","), args.cases.split(",")
     if args.quick:
-        ranks, backends, cases = [8], ["hpcsync"], ["stall"]
+        ranks, backends, cases = [32], ["hpcsync"], ["late0"]
     rows: List[Dict[str, Any]] = []
     if args.append and os.path.exists(args.out):
         rows = json.loads(Path(args.out).read_text()).get("failures", [])

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from launch import PY, ROOT, clean_env
+from launch import PY, ROOT, clean_env, long_run
 
 pytestmark = pytest.mark.heavy  # long jobs, checked for sane figures, not for their speed (tests/run.sh)
 
@@ -177,11 +177,37 @@ def test_checkpoint_benchmark_quick(tmp_path):
     assert "| 4 | sharded |" in stdout
 
 
+# A failure at the largest job this machine holds, across four namespace nodes: every failure
+# case at 64 ranks on hpcsync's backend and 32 on gloo (long runs: 1-2 min each), and one case in
+# every run (32 ranks: rank 0 away while another rank freezes).
+SCALE = ([pytest.param(case, backend, n, id=f"{case}-{backend}-{n}", marks=long_run) for backend, n in
+          (("hpcsync", 64), ("gloo", 32)) for case in ("stall", "frozen", "link", "late0")]
+         + [pytest.param("late0", "hpcsync", 32, id="late0-hpcsync-32")])
+
+
+@pytest.mark.parametrize("case,backend,ranks", SCALE)
+def test_a_failure_at_scale_is_one_report_that_blames_the_failed_node(tmp_path, case, backend, ranks):
+    """bench_failures across four namespace nodes (Open MPI, group timeout 10 s): one report, on
+    time (the timeout + 45 s at most, the job ended too), naming exactly the failed ranks silent
+    (none for a stall: it answers, and never entered), the records blaming exactly the failed
+    node; with rank 0 away (``late0``) the report is another rank's and names rank 0 as never
+    entered."""
+    out = tmp_path / "failures.json"
+    p = subprocess.run([PY, str(ROOT / "bench" / "bench_failures.py"), "--ranks", str(ranks), "--backends", backend,
+                        "--cases", case, "--out", str(out)], env=clean_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    [row] = json.loads(out.read_text())["failures"]
+    brief = {k: v for k, v in row.items() if k not in ("report_text", "stderr_tail")}
+    assert row["correct"] and row["report_count"] == 1, (brief, row["report_text"], row["stderr_tail"])
+    assert row["report_s"] <= row["timeout_s"] + 45 and row["end_s"] <= row["timeout_s"] + 45, brief
+    assert row["silent_called"] == row["expect_silent"] and row["blamed_nodes"] == row["expect_blame"], brief
+
+
 def test_failures_benchmark_responder_quick(tmp_path):
     """bench_failures --responder --quick: one responder answers every question asked at once (a
     gloo group with its flight recorder read for every question and once per operation, and
-    hpcsync's backend), and the report's model to 8,192 ranks follows from those rates. (The
-    namespace-node runs, N ranks x three failures, are measured by hand: docs/timeouts.md.)"""
+    hpcsync's backend), and the report's model to 8,192 ranks follows from those rates."""
     _, data, stdout = run_quick(tmp_path, "bench_failures.py", "--responder", timeout=600)
     rows = data["responder"]["responder"]
     assert [(r["group"], r["flight_read"]) for r in rows] == [("gloo", "every question"), ("gloo", "once per operation"),

@@ -27,13 +27,12 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from ..core import mpi, nodemap
-from . import failure, flight, logs, watchdog
+from . import failure, flight, logs, relay, watchdog
 
 log = logging.getLogger("hpcsync.digest")  # the name users configure, as before the packages
 
 CLAIM_WAIT_S = 2.0  # for rank 0's answer to a claim (none: this rank reports)
-GATHER_WAIT_S = 3.0  # for the other ranks' states
-DONE_WAIT_S = 15.0  # a rank that lost the claim waits this long for the report, then ends the job itself
+DONE_WAIT_S = 15.0  # and the gathering's bound: a rank that lost the claim waits this long for the report
 MAX_LINES = 12  # groups of other ranks printed; the rest are counted
 
 def _where(tb: Any) -> str:
@@ -67,9 +66,9 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     me = mpi.MPI().COMM_WORLD.Get_rank()
     winner = watchdog.claim(me) if me == 0 else watchdog.ask([0], ("claim",), CLAIM_WAIT_S).get(0, me)
     if winner != me:  # its report stands for this error; without it, this rank's own traceback
-        return False if watchdog.wait_done(winner, DONE_WAIT_S) else None
+        return False if watchdog.wait_done(winner, DONE_WAIT_S + relay.job_budget()) else None
     size = mpi.MPI().COMM_WORLD.Get_size()
-    states = watchdog.ask([r for r in range(size) if r != me], ("failure",), GATHER_WAIT_S)
+    states = relay.ask_all(range(size), ("failure",))
     states[me] = watchdog.failure_state()
     rep = build(me, states, size)
     block = format_block(rep, text)
@@ -129,7 +128,7 @@ def format_block(rep: Dict[str, Any], text: str) -> str:
     if len(rep["others"]) > MAX_LINES:
         lines.append(f"  ... {len(rep['others']) - MAX_LINES} more group(s) of ranks in the JSON report")
     if rep["silent"]:
-        lines.append(f"  ranks {nodemap.describe(rep['silent'])}: no answer within {GATHER_WAIT_S:g} s")
+        lines.append(f"  ranks {nodemap.describe(rep['silent'])}: no answer within {relay.job_budget():g} s")
     lines.append("[hpcsync] " + "=" * (len(head) - 10))
     return "\n".join(lines)
 

@@ -1,11 +1,12 @@
 """What every rank was doing when a collective timed out: a flight recorder and a hang report.
 
 Each process keeps, per process group, a ring buffer of its last operations (sequence number,
-op, dtype, shape, root, when it started, whether it finished). A responder thread per process
-listens on a private duplicate of ``COMM_WORLD`` (polled every 0.1 s: a few µs a second). When an
-operation passes its timeout, one rank (a lower rank inside the same operation, if one answers)
-asks every rank for a small digest (its state in that operation, its last operation, its
-innermost program frames), groups ranks with equal digests into rank ranges with their nodes,
+op, dtype, shape, root, when it started, whether it finished). Each process answers questions
+about them on its responder thread (:mod:`hpcsync.observe.responder`). When an operation passes
+its timeout, one rank (a lower rank inside the same operation, if one answers) asks every rank
+for a small digest (its state in that operation, its last operation, its innermost program
+frames) through a tree of relays (:mod:`hpcsync.observe.relay`: O(log N) hops, no rank handling
+more than a few dozen messages), groups ranks with equal digests into rank ranges with their nodes,
 asks one rank per group for its full stacks (like ``faulthandler``, but sent back over MPI), and
 prints one report -- which ranks never entered operation #N and what they did last, which are
 inside it, which did not answer and on which nodes -- to stderr, and as JSON to
@@ -22,14 +23,13 @@ import time
 import traceback
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ..core import mpi, jobend, nodemap, settings
-from . import failure, flight
+from . import failure, flight, relay
+from .responder import ANSWERS, ask, notify_done, responder, start, wait_done  # noqa: F401 (re-exported)
 
 RING = 64  # operations kept per group
-_TAG_ASK, _TAG_STATE, _TAG_DONE = settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE
-POLL_S = 0.1
 
 
 @dataclass(**({"slots": True} if sys.version_info >= (3, 10) else {}))  # half the cost of making one
@@ -80,9 +80,6 @@ class GroupLog:
 
 _logs: Dict[int, GroupLog] = {}
 _lock = threading.Lock()
-_responder: Optional["Responder"] = None
-_inflight: List[Any] = []  # sends that may still be in flight when their caller returns: kept alive
-_questions = 0  # this process's questions so far: an answer names the one it answers
 
 
 def group_log(key: int, name: str, ranks: List[int]) -> GroupLog:
@@ -195,99 +192,35 @@ def failure_state() -> Dict[str, Any]:
             "frames": main_frames(keep=1), **mine}
 
 
-# What a responder answers: question kind -> function(asking rank, *arguments) -> plain data.
-ANSWERS: Dict[str, Callable[..., Any]] = {
+# What a responder answers for the reports: question kind -> function(asking rank, *arguments)
+ANSWERS.update({
     "digest": lambda _asker, group, seq: digest(group, seq),
     "snapshot": lambda _asker: snapshot(),
     "claim": claim,
     "failure": lambda _asker: failure_state(),
     "flush": lambda _asker: jobend.run_before_abort() or True,
-}
+})
 
 
 def flush_before_abort(wait_s: float = 1.0) -> None:
     """Before this rank aborts the job: rank 0 prints what it holds back (the warnings of
     :mod:`hpcsync.observe.logs`), answering within ``wait_s``."""
-    if _responder is not None and _responder.comm.Get_rank() != 0:
+    if responder() is not None and mpi.MPI().COMM_WORLD.Get_rank() != 0:
         ask([0], ("flush",), wait_s)
     jobend.run_before_abort()
 
 
-class Responder:
-    """Answers hang-report requests from other ranks, on its own communicator and thread."""
-
-    def __init__(self) -> None:
-        self.comm = mpi.MPI().COMM_WORLD.Dup()  # collective: created with the default group
-        self._stop = threading.Event()
-        self._sends: List[Any] = []
-        self.thread = threading.Thread(target=self._loop, name="hpcsync-watchdog", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        MPI = mpi.MPI()
-        while not self._stop.wait(POLL_S):
-            try:
-                while True:
-                    msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_ASK)
-                    if msg is None:
-                        break
-                    status = MPI.Status()
-                    qid, kind, args = msg.recv(status=status)  # mprobe-matched: any size
-                    answer = (qid, ANSWERS[kind](status.Get_source(), *args))
-                    self._sends.append(self.comm.isend(answer, dest=status.Get_source(), tag=_TAG_STATE))
-                self._sends = [r for r in self._sends if not r.Test()]
-            except Exception:  # never let the flight recorder take the job down
-                if MPI.Is_finalized():
-                    return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=2 * POLL_S + 1)
-
-
-def start() -> Responder:
-    """Start the responder once per process (collective over COMM_WORLD the first time)."""
-    global _responder
-    if _responder is None:
-        _responder = Responder()  # stopped at exit by hpcsync.backend, before MPI_Finalize
-    return _responder
-
-
-def ask(ranks: List[int], question: Tuple[Any, ...], wait_s: float) -> Dict[int, Any]:
-    """Send ``question`` (a kind of :data:`ANSWERS` and its arguments) to ``ranks``' responders;
-    the answers that came within ``wait_s`` (a late answer to an earlier question is dropped)."""
-    global _questions
-    MPI = mpi.MPI()
-    assert _responder is not None
-    comm = _responder.comm
-    with _lock:
-        _questions += 1
-        qid = (os.getpid(), _questions)
-    sends = [comm.isend((qid, question[0], question[1:]), dest=r, tag=_TAG_ASK) for r in ranks]
-    answers: Dict[int, Any] = {}
-    deadline = time.monotonic() + wait_s
-    while len(answers) < len(ranks) and time.monotonic() < deadline:
-        msg = comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_STATE)
-        if msg is None:
-            time.sleep(0.01)
-            continue
-        status = MPI.Status()
-        got, data = msg.recv(status=status)
-        if got == qid and status.Get_source() in ranks:
-            answers[status.Get_source()] = data
-    _inflight.extend(s for s in sends if not s.Test())  # their buffers must outlive them
-    return answers
-
-
-def collect(group: GroupLog, seq: int, wait_s: float = 5.0) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
-    """Every rank's :func:`digest` of operation ``seq``, and the ranks that did not answer in time."""
+def collect(group: GroupLog, seq: int, wait_s: Optional[float] = None) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
+    """Every rank's :func:`digest` of operation ``seq`` (through the relays of
+    :mod:`hpcsync.observe.relay`, within ``wait_s``: by default their bound for this job's size),
+    and the ranks that did not answer in time."""
     MPI = mpi.MPI()
     me = MPI.COMM_WORLD.Get_rank()
     states = {me: digest(group.name, seq)}
     size = MPI.COMM_WORLD.Get_size()
-    if _responder is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
+    if responder() is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
         return states, sorted(set(range(size)) - {me})
-    states.update(ask([r for r in range(size) if r != me], ("digest", group.name, seq), wait_s))
+    states.update(relay.ask_all(range(size), ("digest", group.name, seq), wait_s))
     return states, sorted(set(range(size)) - set(states))
 
 
@@ -424,10 +357,10 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     group.timed_out = rec.seq
     _hang_reported = True
     me = mpi.MPI().COMM_WORLD.Get_rank()
-    peers = _responder.comm if _responder is not None else None  # None: no responder threads
+    peers = responder()  # None: no responder threads
     printer = _printer_before(group, rec.seq, me) if peers is not None else None
-    if printer is not None:  # a lower rank inside the same operation gathers and prints
-        wait_done(printer, min(timeout_s, 30) + 15)
+    if printer is not None:  # a lower rank inside the same operation gathers and prints (or one it defers to)
+        wait_done(None, min(timeout_s, 30) + relay.job_budget() + 15)
         return None
     states, silent = collect(group, rec.seq)
     rep = build_report(group, rec, timeout_s, states, silent)
@@ -466,7 +399,7 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
     its peer is doing (asked through the responders, bounded); printed, and written as JSON."""
     me = mpi.MPI().COMM_WORLD.Get_rank()
     peer = group.ranks[rec.root] if 0 <= rec.root < len(group.ranks) else None
-    answer = ask([peer], ("digest", group.name, group.seq), 2.0).get(peer) if peer is not None and _responder else None
+    answer = ask([peer], ("digest", group.name, group.seq), 2.0).get(peer) if peer is not None and responder() else None
     names = nodemap.describe
     toward = "to" if rec.op.startswith("send") else "from"
     lines = [f"[hpcsync] HANG REPORT: {rec.op} {toward} rank {names([peer]) if peer is not None else 'any'} "
@@ -496,9 +429,19 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
 
 
 def _printer_before(group: GroupLog, seq: int, me: int, tries: int = 3) -> Optional[int]:
-    """One of the group's first ranks (before this one) that is inside operation ``seq`` too, so
-    it times out and reports: asking it costs one message, while every rank gathering from every
-    rank would cost ranks² of them."""
+    """The rank this one leaves the report to: the group's first rank on this node, when it is
+    inside operation ``seq`` too (it times out as well, and reports or leaves the report to the
+    group's first ranks in turn); else one of the group's first ranks (before this one) inside it.
+    Only a node's first rank asks the group's first ranks: rank 0 answers one question per node,
+    not one per rank, and no rank gathers unless nobody before it can."""
+    nodes = nodemap.current()
+    if nodes is not None and 0 <= me < len(nodes.node_of):
+        here = nodes.node_of[me]
+        leader = next((r for r in group.ranks if 0 <= r < len(nodes.node_of) and nodes.node_of[r] == here), me)
+        if leader != me:
+            answer = ask([leader], ("digest", group.name, seq), 1.0).get(leader)
+            if answer is not None and answer["state"] == "inside":
+                return leader
     for r in group.ranks[:tries]:
         if r == me:
             return None
@@ -508,32 +451,6 @@ def _printer_before(group: GroupLog, seq: int, me: int, tries: int = 3) -> Optio
     return None
 
 
-def wait_done(printer: int, wait_s: float) -> bool:
-    """Let the printing rank finish before this one raises (an uncaught error here aborts the job).
-    False when it did not say it was done within ``wait_s``."""
-    if _responder is None:
-        return False
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if _responder.comm.iprobe(source=printer, tag=_TAG_DONE):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def hang_reported() -> bool:
     """A hang report of this process's ran (printed here or by the rank this one waited for)."""
     return _hang_reported
-
-
-def notify_done(ranks: List[int]) -> None:
-    """Tell ``ranks`` (but this one) that the report they wait for is out."""
-    if _responder is None:
-        return
-    me = _responder.comm.Get_rank()
-    _inflight.extend(_responder.comm.isend(None, dest=r, tag=_TAG_DONE) for r in ranks if r != me)
-
-
-def responder() -> Optional[Responder]:
-    """This process's responder, once :func:`start` ran (None without THREAD_MULTIPLE)."""
-    return _responder

@@ -1,0 +1,156 @@
+"""Questions between ranks while the job may be broken: a responder thread per process answers
+them on a private duplicate of ``COMM_WORLD`` (polled every 0.1 s: a few µs a second), and
+:func:`ask` waits for the answers within a bound. What a question means is registered in
+:data:`ANSWERS` by the modules that ask (the hang report, the failure report, the relay).
+
+Answers are computed on the responder thread, except the kinds in :data:`SLOW` (a relay that
+asks others in turn: :mod:`hpcsync.observe.relay`), which run on a small pool so the responder
+keeps answering meanwhile. :func:`ask` may be called from several threads at once: an answer
+that reaches the wrong thread is handed to the one that asked."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from ..core import mpi, settings
+
+_TAG_ASK, _TAG_STATE, _TAG_DONE = settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE
+POLL_S = 0.1
+SLOW_WORKERS = 4  #: slow answers computed at once (each waits for other ranks within its bound)
+
+# question kind -> function(asking rank, *arguments) -> plain data
+ANSWERS: Dict[str, Callable[..., Any]] = {}
+SLOW: Set[str] = set()  # kinds answered off the responder thread
+
+_lock = threading.Lock()
+_responder: Optional["Responder"] = None
+_inflight: List[Any] = []  # sends that may still be in flight when their caller returns: kept alive
+_questions = 0  # this process's questions so far: an answer names the one it answers
+_open: Dict[Tuple[int, int], Dict[int, Any]] = {}  # questions being waited for -> answers received so far
+
+
+class Responder:
+    """Answers other ranks' questions, on its own communicator and thread."""
+
+    def __init__(self) -> None:
+        self.comm = mpi.MPI().COMM_WORLD.Dup()  # collective: created with the default group
+        self._stop = threading.Event()
+        self._sends: List[Any] = []
+        self._slow = ThreadPoolExecutor(max_workers=SLOW_WORKERS, thread_name_prefix="hpcsync-relay")
+        self.thread = threading.Thread(target=self._loop, name="hpcsync-watchdog", daemon=True)
+        self.thread.start()
+
+    def _answer(self, source: int, qid: Any, kind: str, args: Tuple[Any, ...]) -> Any:
+        answer = (qid, ANSWERS[kind](source, *args))
+        return self.comm.isend(answer, dest=source, tag=_TAG_STATE)
+
+    def _answer_slow(self, source: int, qid: Any, kind: str, args: Tuple[Any, ...]) -> None:
+        try:
+            sent = self._answer(source, qid, kind, args)
+            with _lock:
+                _inflight.append(sent)
+        except Exception:  # never let a report take the job down
+            pass
+
+    def _loop(self) -> None:
+        MPI = mpi.MPI()
+        while not self._stop.wait(POLL_S):
+            try:
+                while True:
+                    msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_ASK)
+                    if msg is None:
+                        break
+                    status = MPI.Status()
+                    qid, kind, args = msg.recv(status=status)  # mprobe-matched: any size
+                    if kind in SLOW:
+                        self._slow.submit(self._answer_slow, status.Get_source(), qid, kind, args)
+                    else:
+                        self._sends.append(self._answer(status.Get_source(), qid, kind, args))
+                self._sends = [r for r in self._sends if not r.Test()]
+            except Exception:  # never let the flight recorder take the job down
+                if MPI.Is_finalized():
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=2 * POLL_S + 1)
+        self._slow.shutdown(wait=False, cancel_futures=True)
+
+
+def start() -> Responder:
+    """Start the responder once per process (collective over COMM_WORLD the first time)."""
+    global _responder
+    if _responder is None:
+        _responder = Responder()  # stopped at exit by hpcsync.backend, before MPI_Finalize
+    return _responder
+
+
+def responder() -> Optional[Responder]:
+    """This process's responder, once :func:`start` ran (None without THREAD_MULTIPLE)."""
+    return _responder
+
+
+def ask(ranks: List[int], question: Tuple[Any, ...], wait_s: float) -> Dict[int, Any]:
+    """Send ``question`` (a kind of :data:`ANSWERS` and its arguments) to ``ranks``' responders;
+    the answers that came within ``wait_s`` (a late answer to an earlier question is dropped)."""
+    return ask_each({r: question for r in ranks}, wait_s)
+
+
+def ask_each(questions: Dict[int, Tuple[Any, ...]], wait_s: float) -> Dict[int, Any]:
+    """:func:`ask` with a question of its own for each rank (``{rank: question}``)."""
+    global _questions
+    MPI = mpi.MPI()
+    assert _responder is not None
+    comm = _responder.comm
+    with _lock:
+        _questions += 1
+        qid = (os.getpid(), _questions)
+        _open[qid] = answers = {}
+        _inflight[:] = [s for s in _inflight if not s.Test()]
+    sends = [comm.isend((qid, q[0], q[1:]), dest=r, tag=_TAG_ASK) for r, q in questions.items()]
+    deadline = time.monotonic() + wait_s
+    try:
+        while len(answers) < len(questions) and time.monotonic() < deadline:
+            msg = comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_STATE)
+            if msg is None:
+                time.sleep(0.01)
+                continue
+            status = MPI.Status()
+            got, data = msg.recv(status=status)
+            with _lock:
+                box = _open.get(got)  # this question's, or another thread's still waiting
+                if box is not None and (got != qid or status.Get_source() in questions):
+                    box[status.Get_source()] = data
+    finally:
+        with _lock:
+            _open.pop(qid, None)
+            mine = {r: a for r, a in answers.items() if r in questions}
+            _inflight.extend(s for s in sends if not s.Test())  # their buffers must outlive them
+    return mine
+
+
+def wait_done(printer: Optional[int], wait_s: float) -> bool:
+    """Let the printing rank (None: whichever prints) finish before this one raises (an uncaught
+    error here aborts the job). False when it did not say it was done within ``wait_s``."""
+    if _responder is None:
+        return False
+    source = mpi.MPI().ANY_SOURCE if printer is None else printer
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if _responder.comm.iprobe(source=source, tag=_TAG_DONE):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def notify_done(ranks: List[int]) -> None:
+    """Tell ``ranks`` (but this one) that the report they wait for is out."""
+    if _responder is None:
+        return
+    me = _responder.comm.Get_rank()
+    sends = [_responder.comm.isend(None, dest=r, tag=_TAG_DONE) for r in ranks if r != me]
+    with _lock:
+        _inflight.extend(sends)
