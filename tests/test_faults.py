@@ -481,3 +481,17 @@ def test_a_callback_waiting_on_an_operation_behind_it_ends_at_the_timeout(launch
         (err,) = d["errors"]
         assert "DistBackendError" in err and "ran past the group's timeout (3s) with operations queued" in err, d
         assert timeout <= d["seconds"] < timeout + 3, d
+
+
+def test_a_rank_whose_printer_never_reports_leaves_a_record_of_its_own(tmp_path):
+    """Rank 1 times out and leaves the report to rank 0 (inside the same operation, answering),
+    whose report never comes: within the report's bound less 5 s (here 8 s), rank 1 writes a
+    'timeout' record that names no node, so the job's end is never without one."""
+    reports = tmp_path / "reports"
+    res = run(openmpi(), 2, "unreported.py", tmp_path=tmp_path, env={"HPCSYNC_REPORT_DIR": str(reports)},
+              timeout=120)
+    one = res.ranks[1]
+    assert one["printed"] is None and 2.5 <= one["took"] < 8, one
+    [rec] = one["records"]
+    assert (rec["cause"], rec["blame_nodes"], rec["reporter"]["rank"], rec["reached"]) == ("timeout", [], 1, [1]), rec
+    assert "left to another rank did not come within 3 s" in rec["detail"], rec

@@ -300,7 +300,8 @@ def test_a_node_the_launcher_cannot_use_is_found_by_probing(tmp_path):
     """When nothing names a node, each node gets a one-process step: the ones that fail twice (or
     hang past the bound, ended with what they started) are blamed; when every probe fails the
     launcher is at fault and nobody is. Attempt 1 below is Open MPI failing to start its daemons
-    without saying where (node 3's link down): probing finds node 3, the spare takes its place."""
+    without saying where (node 3's link down): probing finds node 3, the spare takes its place.
+    A success on the supervisor's own node proves nothing for a launcher that needs no network there."""
     def command(node):
         return {"bad": ["sh", "-c", "exit 1"], "stuck": ["sh", "-c", "exec sleep 61"]}.get(node, ["true"])
 
@@ -309,6 +310,13 @@ def test_a_node_the_launcher_cannot_use_is_found_by_probing(tmp_path):
     assert time.monotonic() - t0 < 10
     assert not [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:2] == ["sleep", "61"]]
     assert probe.unreachable(["bad", "stuck"], command, timeout=0.5) == []  # nothing works: not the nodes
+    # mpirun starts a process on its own node without the network: a supervisor on the node that was
+    # cut off reaches only itself, and that blames nobody (srun goes through slurmctld: it counts)
+    assert probe.unreachable(["ok", "bad"], command, here=["ok.cluster"]) == []
+    assert probe.unreachable(["ok", "ok2", "bad"], command, here=["ok"]) == ["bad"]
+    t0 = time.monotonic()
+    assert probe.unreachable(["stuck", "ok"], command, timeout=60, stop=lambda: True) == []  # signalled
+    assert time.monotonic() - t0 < 10
 
     def rec(node, rank, blame):
         return {"cause": "hang", "program_error": False, "blame_nodes": blame, "detail": "x",

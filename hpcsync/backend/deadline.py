@@ -23,7 +23,6 @@ from ..observe import watchdog
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how late a deadline may be seen: a few µs of GIL 20 times a second
-REPORT_S = 30.0  # at most this long to gather and print a hang report before the abort
 
 # (why, timeout, what to keep alive) of every broken group: the exit waits for them, then aborts
 _broken_groups: List[Tuple[str, float, Any]] = []
@@ -128,8 +127,9 @@ class Timeouts:
     def _expired(self, rec: Any) -> None:
         """On the deadline thread: the caller is blocked inside MPI past the deadline. Report the
         hang and end the job (the mode that lets an operation block promised it), all of it
-        bounded: this process ends within :data:`REPORT_S` + the abort grace whatever fails."""
-        jobend.end_within(REPORT_S + jobend.grace_s())
+        bounded: this process ends within the report's bound (:func:`hpcsync.observe.watchdog.report_bound`,
+        30 s at least, growing with the job's nodes) + the abort grace whatever fails."""
+        jobend.end_within(watchdog.report_bound() + jobend.grace_s())
         try:
             self._timed_out(rec)
         except dist.DistBackendError:  # another rank printed the report (or the policy changed)

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from ..core import mpi, jobend
 from ..observe import watchdog
 from .buffers import _Staged
-from .deadline import REPORT_S
 from .desync import DTYPE_NAMES
 from .serial import nap
 from .work import MPIWork
@@ -143,7 +142,7 @@ class PointToPoint:
             self._mark_broken()
         self._keep.append(item)  # MPI may still write into its buffer: kept with the broken group
         if self._watched:
-            jobend.end_within(REPORT_S + jobend.grace_s())
+            jobend.end_within(watchdog.report_bound() + jobend.grace_s())
             try:
                 watchdog.report_p2p_timeout(self._log, rec, self._timeout_s)
             finally:

@@ -68,7 +68,7 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     if winner != me:  # its report stands for this error; without it, this rank's own traceback
         return False if watchdog.wait_done(winner, DONE_WAIT_S + relay.job_budget()) else None
     size = mpi.MPI().COMM_WORLD.Get_size()
-    states = relay.ask_all(range(size), ("failure",))
+    states = relay.ask_all(range(size), ("failure",)).answers
     states[me] = watchdog.failure_state()
     rep = build(me, states, size)
     block = format_block(rep, text)

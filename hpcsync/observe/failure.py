@@ -221,6 +221,15 @@ def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[s
                  silent=silent, never_entered=never, silent_at=_where(silent), **_reach(reached))
 
 
+def note_unreported(what: str, waited_s: float) -> Optional[str]:
+    """The record of a rank that timed out in ``what`` and left the hang report to another rank,
+    whose report did not come within ``waited_s``: nobody implicated, no node blamed, but the
+    job's end is not without a record (``hpcsync run`` then asks its other evidence)."""
+    me = _me()
+    return write("timeout", [], [], f"{what} timed out on rank {me['rank']}; the hang report it left to another "
+                 f"rank did not come within {waited_s:g} s", blame_nodes=[], **_reach([me["rank"]]))
+
+
 def _reach(reached: Iterable[int]) -> Dict[str, Any]:
     ranks = sorted(set(reached))
     return {"reached": ranks, "reached_nodes": nodes_of(ranks)}

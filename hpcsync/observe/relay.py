@@ -18,7 +18,8 @@ them, never guessed."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+import time
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ..core import mpi, nodemap
 from . import responder
@@ -73,10 +74,19 @@ def shares(ranks: Sequence[int], me: int, nodes: Optional[nodemap.NodeMap],
     return out
 
 
+class Gathered(NamedTuple):
+    """What :func:`ask_all` got: ``answers`` by rank; ``unreached``: ranks that were never asked
+    (behind a relay that stayed silent in every round): not known to be silent, never to be blamed."""
+
+    answers: Dict[int, Any]
+    unreached: List[int]
+
+
 def _ask_tree(ranks: Sequence[int], question: Tuple[Any, ...], wait_s: float,
-              suspects: Set[int]) -> Tuple[Dict[int, Any], Set[int]]:
+              suspects: Set[int]) -> Tuple[Dict[int, Any], Set[int], Set[int]]:
     """The answers of ``ranks`` (this rank excluded) within ``wait_s``, through relays while the
-    time allows a relay its own hop, and the nodes of the relays that were silent."""
+    time allows a relay its own hop; the nodes of the relays that were silent; and the ranks that
+    were asked (by this rank or a relay) and did not answer."""
     me = mpi.MPI().COMM_WORLD.Get_rank()
     nodes = nodemap.current()
     plan = shares(ranks, me, nodes, suspects)
@@ -87,37 +97,50 @@ def _ask_tree(ranks: Sequence[int], question: Tuple[Any, ...], wait_s: float,
                  for r, share in plan}
     got = responder.ask_each(questions, wait_s)
     answers: Dict[int, Any] = {}
-    silent: Set[int] = set()
+    silent_relays: Set[int] = set()
+    asked_silent: Set[int] = set()
     for r, share in plan:
         if len(share) == 1:
             if r in got:
                 answers[r] = got[r]
+            else:
+                asked_silent.add(r)
         elif isinstance(got.get(r), dict):
             answers.update({k: v for k, v in got[r]["answers"].items() if k in share})
-            silent |= set(got[r]["silent"])
-        elif nodes is not None:
-            silent.add(nodes.node_of[r])
-    return answers, silent
+            silent_relays |= set(got[r]["silent"])
+            asked_silent |= set(got[r].get("asked_silent", ())) & set(share)
+        else:
+            asked_silent.add(r)
+            if nodes is not None:
+                silent_relays.add(nodes.node_of[r])
+    return answers, silent_relays, asked_silent
 
 
 def _relay(asker: int, question: Tuple[Any, ...], share: List[int], wait_s: float,
-           suspects: List[int]) -> Dict[str, Any]:
-    """A relay's answer: its own to ``question`` and its share's, asked within ``wait_s``, and
-    the nodes of its own relays that were silent."""
+           suspects: List[int], arrived: Optional[float] = None) -> Dict[str, Any]:
+    """A relay's answer: its own to ``question`` and its share's, asked within what is left of
+    ``wait_s`` since the question ``arrived`` (a question that waited its turn here has less);
+    the nodes of its own relays that were silent, and the ranks it found silent."""
     me = mpi.MPI().COMM_WORLD.Get_rank()
-    answers, silent = _ask_tree([r for r in share if r != me], question, wait_s, set(suspects))
+    left = wait_s - (time.monotonic() - arrived if arrived is not None else 0.0)
+    answers: Dict[int, Any] = {}
+    silent: Set[int] = set()
+    asked_silent: Set[int] = set()
+    if left > HOP_S / 2:  # past that its asker has given up: its own answer only, at once
+        answers, silent, asked_silent = _ask_tree([r for r in share if r != me], question, left, set(suspects))
     answers[me] = responder.ANSWERS[question[0]](asker, *question[1:])
-    return {"answers": answers, "silent": sorted(silent)}
+    return {"answers": answers, "silent": sorted(silent), "asked_silent": sorted(asked_silent)}
 
 
 responder.ANSWERS["relay"] = _relay
 responder.SLOW.add("relay")
 
 
-def ask_all(ranks: Sequence[int], question: Tuple[Any, ...], wait_s: Optional[float] = None) -> Dict[int, Any]:
+def ask_all(ranks: Sequence[int], question: Tuple[Any, ...], wait_s: Optional[float] = None) -> Gathered:
     """Every answer of ``ranks`` (but this rank's) to ``question`` that came in time: along the
     tree of relays, in rounds (see the module's docstring), within ``wait_s`` in all (default:
-    :func:`job_budget`)."""
+    :func:`job_budget`). A rank asked once that did not answer is not asked again (nor made a
+    relay); the ranks behind silent relays are asked again, those on the relays' nodes one by one."""
     total = job_budget() if wait_s is None else wait_s
     nodes = nodemap.current()
     each = min(total, round_budget(len(nodes.names) if nodes is not None else 1))
@@ -125,12 +148,14 @@ def ask_all(ranks: Sequence[int], question: Tuple[Any, ...], wait_s: Optional[fl
     missing = [r for r in ranks if r != me]
     answers: Dict[int, Any] = {}
     suspects: Set[int] = set()
+    asked: Set[int] = set()  # asked and silent
     for _ in range(ROUNDS):
-        got, silent = _ask_tree(missing, question, each, suspects)
+        got, silent, quiet = _ask_tree(missing, question, each, suspects)
         answers.update(got)
-        missing = [r for r in missing if r not in answers]
+        asked |= quiet
+        missing = [r for r in missing if r not in answers and r not in asked]
         total -= each
         if not missing or not silent - suspects or total < each:
             break
         suspects |= silent
-    return answers
+    return Gathered(answers, missing)

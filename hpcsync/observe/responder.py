@@ -4,15 +4,17 @@ them on a private duplicate of ``COMM_WORLD`` (polled every 0.1 s: a few µs a s
 :data:`ANSWERS` by the modules that ask (the hang report, the failure report, the relay).
 
 Answers are computed on the responder thread, except the kinds in :data:`SLOW` (a relay that
-asks others in turn: :mod:`hpcsync.observe.relay`), which run on a small pool so the responder
-keeps answering meanwhile. :func:`ask` may be called from several threads at once: an answer
-that reaches the wrong thread is handed to the one that asked."""
+asks others in turn: :mod:`hpcsync.observe.relay`), which run on a few daemon threads of their own
+(not a ``concurrent.futures`` pool: that one takes no work once the interpreter begins to exit,
+while ranks that finished still answer from the exit barrier); such an answer is told when its
+question arrived, so time spent queued counts against its bound. :func:`ask` may be called from
+several threads at once: an answer that reaches the wrong thread is handed to the one that asked."""
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..core import mpi, settings
@@ -23,7 +25,7 @@ SLOW_WORKERS = 4  #: slow answers computed at once (each waits for other ranks w
 
 # question kind -> function(asking rank, *arguments) -> plain data
 ANSWERS: Dict[str, Callable[..., Any]] = {}
-SLOW: Set[str] = set()  # kinds answered off the responder thread
+SLOW: Set[str] = set()  # kinds answered off the responder thread: function(asking rank, *arguments, arrived=)
 
 _lock = threading.Lock()
 _responder: Optional["Responder"] = None
@@ -39,21 +41,35 @@ class Responder:
         self.comm = mpi.MPI().COMM_WORLD.Dup()  # collective: created with the default group
         self._stop = threading.Event()
         self._sends: List[Any] = []
-        self._slow = ThreadPoolExecutor(max_workers=SLOW_WORKERS, thread_name_prefix="hpcsync-relay")
+        self._slow: "queue.Queue[Tuple[int, Any, str, Tuple[Any, ...], float]]" = queue.Queue()
+        self._workers: List[threading.Thread] = []
         self.thread = threading.Thread(target=self._loop, name="hpcsync-watchdog", daemon=True)
         self.thread.start()
 
-    def _answer(self, source: int, qid: Any, kind: str, args: Tuple[Any, ...]) -> Any:
-        answer = (qid, ANSWERS[kind](source, *args))
+    def _answer(self, source: int, qid: Any, kind: str, args: Tuple[Any, ...], **extra: Any) -> Any:
+        answer = (qid, ANSWERS[kind](source, *args, **extra))
         return self.comm.isend(answer, dest=source, tag=_TAG_STATE)
 
-    def _answer_slow(self, source: int, qid: Any, kind: str, args: Tuple[Any, ...]) -> None:
-        try:
-            sent = self._answer(source, qid, kind, args)
-            with _lock:
-                _inflight.append(sent)
-        except Exception:  # never let a report take the job down
-            pass
+    def _work(self) -> None:
+        """A slow answer's thread: one question at a time, until the responder stops."""
+        while not self._stop.is_set():
+            try:
+                source, qid, kind, args, arrived = self._slow.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            try:
+                sent = self._answer(source, qid, kind, args, arrived=arrived)
+                with _lock:
+                    _inflight.append(sent)
+            except Exception:  # never let a report take the job down
+                pass
+
+    def _queue_slow(self, item: Tuple[int, Any, str, Tuple[Any, ...], float]) -> None:
+        if len(self._workers) < SLOW_WORKERS:
+            worker = threading.Thread(target=self._work, name="hpcsync-relay", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        self._slow.put(item)
 
     def _loop(self) -> None:
         MPI = mpi.MPI()
@@ -66,7 +82,7 @@ class Responder:
                     status = MPI.Status()
                     qid, kind, args = msg.recv(status=status)  # mprobe-matched: any size
                     if kind in SLOW:
-                        self._slow.submit(self._answer_slow, status.Get_source(), qid, kind, args)
+                        self._queue_slow((status.Get_source(), qid, kind, args, time.monotonic()))
                     else:
                         self._sends.append(self._answer(status.Get_source(), qid, kind, args))
                 self._sends = [r for r in self._sends if not r.Test()]
@@ -77,7 +93,6 @@ class Responder:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=2 * POLL_S + 1)
-        self._slow.shutdown(wait=False, cancel_futures=True)
 
 
 def start() -> Responder:
@@ -110,9 +125,11 @@ def ask_each(questions: Dict[int, Tuple[Any, ...]], wait_s: float) -> Dict[int, 
         qid = (os.getpid(), _questions)
         _open[qid] = answers = {}
         _inflight[:] = [s for s in _inflight if not s.Test()]
-    sends = [comm.isend((qid, q[0], q[1:]), dest=r, tag=_TAG_ASK) for r, q in questions.items()]
+    sends: List[Any] = []
     deadline = time.monotonic() + wait_s
     try:
+        for r, q in questions.items():
+            sends.append(comm.isend((qid, q[0], q[1:]), dest=r, tag=_TAG_ASK))
         while len(answers) < len(questions) and time.monotonic() < deadline:
             msg = comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_STATE)
             if msg is None:
@@ -121,8 +138,8 @@ def ask_each(questions: Dict[int, Tuple[Any, ...]], wait_s: float) -> Dict[int, 
             status = MPI.Status()
             got, data = msg.recv(status=status)
             with _lock:
-                box = _open.get(got)  # this question's, or another thread's still waiting
-                if box is not None and (got != qid or status.Get_source() in questions):
+                box = _open.get(got)  # this question's, or another thread's still waiting (which keeps
+                if box is not None:   # only the answers of the ranks it asked)
                     box[status.Get_source()] = data
     finally:
         with _lock:
@@ -132,25 +149,32 @@ def ask_each(questions: Dict[int, Tuple[Any, ...]], wait_s: float) -> Dict[int, 
     return mine
 
 
-def wait_done(printer: Optional[int], wait_s: float) -> bool:
+def wait_done(printer: Optional[int], wait_s: float, about: Any = None) -> bool:
     """Let the printing rank (None: whichever prints) finish before this one raises (an uncaught
-    error here aborts the job). False when it did not say it was done within ``wait_s``."""
+    error here aborts the job). False when it did not say it was done within ``wait_s``. ``about``
+    names the report (a group and operation): a word about another report is dropped, and the
+    words this one waits for are taken off the line, so that a later report is not answered by
+    them."""
     if _responder is None:
         return False
-    source = mpi.MPI().ANY_SOURCE if printer is None else printer
+    MPI = mpi.MPI()
+    source = MPI.ANY_SOURCE if printer is None else printer
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if _responder.comm.iprobe(source=source, tag=_TAG_DONE):
+        msg = _responder.comm.improbe(source=source, tag=_TAG_DONE)
+        if msg is None:
+            time.sleep(0.05)
+            continue
+        if msg.recv() == about:
             return True
-        time.sleep(0.05)
     return False
 
 
-def notify_done(ranks: List[int]) -> None:
-    """Tell ``ranks`` (but this one) that the report they wait for is out."""
+def notify_done(ranks: List[int], about: Any = None) -> None:
+    """Tell ``ranks`` (but this one) that the report they wait for (``about``) is out."""
     if _responder is None:
         return
     me = _responder.comm.Get_rank()
-    sends = [_responder.comm.isend(None, dest=r, tag=_TAG_DONE) for r in ranks if r != me]
+    sends = [_responder.comm.isend(about, dest=r, tag=_TAG_DONE) for r in ranks if r != me]
     with _lock:
         _inflight.extend(sends)

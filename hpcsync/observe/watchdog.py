@@ -23,7 +23,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..core import mpi, jobend, nodemap, settings
 from . import failure, flight, relay
@@ -127,7 +127,7 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
         ops = list(log.ops) if log is not None else []
         timed_out = log is not None and log.timed_out == seq
     me = {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "timed_out": timed_out,
-          "frames": main_frames()}
+          "frames": main_frames(), "gathering": (group, seq) in _gathering}
     if log is None:  # a gloo or NCCL group: torch's flight recorder knows where this rank is
         fr = _flight_state(group, seq)
         return {**me, "state": fr["state"], "last": fr["last"], "timed_out": fr["state"] == "inside" and _failed}
@@ -161,6 +161,18 @@ def _flight_state(group: str, seq: int) -> Dict[str, Any]:
         _flight_cache.clear()  # one operation at a time is asked about
         _flight_cache[(group, seq)] = (now, state)
     return state
+
+
+_gathering: set = set()  # (group, seq) this rank gathers a hang report for: another gatherer defers to the lowest
+SKEW_S = 5.0  # a rank defers to one inside the same operation for at most this long less than itself
+
+
+def report_bound() -> float:
+    """Seconds from a rank's timeout to the end of the hang report it is part of: settling who
+    prints (a rank's node's first rank, then up to three others, 1 s each, each allowed to have
+    entered up to :data:`SKEW_S` later), the gathering (:func:`hpcsync.observe.relay.job_budget`),
+    the stacks (2 s) and printing; 30 s at least. It grows with the job's nodes (log N)."""
+    return max(30.0, relay.job_budget() + 20.0)
 
 
 _hang_reported = False  # report_timeout ran in this process
@@ -210,25 +222,30 @@ def flush_before_abort(wait_s: float = 1.0) -> None:
     jobend.run_before_abort()
 
 
-def collect(group: GroupLog, seq: int, wait_s: Optional[float] = None) -> Tuple[Dict[int, Dict[str, Any]], List[int]]:
+def collect(group: GroupLog, seq: int, wait_s: Optional[float] = None
+            ) -> Tuple[Dict[int, Dict[str, Any]], List[int], List[int]]:
     """Every rank's :func:`digest` of operation ``seq`` (through the relays of
     :mod:`hpcsync.observe.relay`, within ``wait_s``: by default their bound for this job's size),
-    and the ranks that did not answer in time."""
+    the ranks asked that did not answer in time, and those never reached (behind relays silent
+    in every round: not known to be silent)."""
     MPI = mpi.MPI()
     me = MPI.COMM_WORLD.Get_rank()
     states = {me: digest(group.name, seq)}
     size = MPI.COMM_WORLD.Get_size()
     if responder() is None:  # no responders (MPI without THREAD_MULTIPLE): this rank's view only
-        return states, sorted(set(range(size)) - {me})
-    states.update(relay.ask_all(range(size), ("digest", group.name, seq), wait_s))
-    return states, sorted(set(range(size)) - set(states))
+        return states, sorted(set(range(size)) - {me}), []
+    got = relay.ask_all(range(size), ("digest", group.name, seq), wait_s)
+    states.update(got.answers)
+    unreached = sorted(got.unreached)
+    return states, sorted(set(range(size)) - set(states) - set(unreached)), unreached
 
 
 MAX_GROUPS = 12  # rank groups printed (and sent in full) per report; the rest are counted
 
 
 def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[int, Dict[str, Any]],
-                 silent: List[int], full: Optional[Dict[int, Dict[str, Any]]] = None) -> Dict[str, Any]:
+                 silent: List[int], full: Optional[Dict[int, Dict[str, Any]]] = None,
+                 unreached: Sequence[int] = ()) -> Dict[str, Any]:
     """Who never entered ``rec.seq`` of ``group``, who is inside it, who finished, who is silent;
     ranks with the same state, last operation and program frames form one group (rank ranges and
     nodes, in the manner of torch's flight-recorder analyzer), so the size does not grow with ranks."""
@@ -264,6 +281,7 @@ def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[
             "inside": pick["inside"], "finished": pick["finished"], "failed": pick["failed"], "no_reply": no_reply,
             "no_reply_nodes": where(no_reply), "never_entered_nodes": where(pick["never"]),
             "timed_out_ranks": sorted(r for r, d in states.items() if d["timed_out"]),
+            "unreached": [r for r in unreached if r in group.ranks],
             "groups": groups, "hosts": {str(r): host(r) for r in (no_reply + pick["never"])[:256]}}
 
 
@@ -288,6 +306,9 @@ def format_report(rep: Dict[str, Any]) -> str:
     if rep["no_reply"]:
         lines.append(f"  no reply: rank(s) {names(rep['no_reply'])} (node lost, process dead or frozen, "
                      "or stuck in C code holding the GIL)")
+    if rep.get("unreached"):
+        lines.append(f"  not reached: rank(s) {names(rep['unreached'])} (behind relays that did not answer; "
+                     "not known to be silent)")
     for g in rep["groups"][:MAX_GROUPS]:
         rs = g["rank_list"]
         who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {g['ranks']}"
@@ -357,22 +378,25 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     group.timed_out = rec.seq
     _hang_reported = True
     me = mpi.MPI().COMM_WORLD.Get_rank()
+    about = (group.name, rec.seq)
     peers = responder()  # None: no responder threads
-    printer = _printer_before(group, rec.seq, me) if peers is not None else None
-    if printer is not None:  # a lower rank inside the same operation gathers and prints (or one it defers to)
-        wait_done(None, min(timeout_s, 30) + relay.job_budget() + 15)
+    printer = _printer_before(group, rec, me) if peers is not None else None
+    if printer is not None:  # a rank inside the same operation gathers and prints (or one it defers to)
+        waited = report_bound() - 5.0  # before this process's own end (the backend's deadline thread)
+        if not wait_done(None, waited, about):
+            failure.note_unreported(f"{rec.describe()} in group {group.name!r}", waited)
         return None
-    states, silent = collect(group, rec.seq)
-    rep = build_report(group, rec, timeout_s, states, silent)
-    printer = min(rep["timed_out_ranks"] or [me])
-    if printer == me and peers is not None:  # full stacks from one rank of each group, for the JSON
+    _gathering.add(about)
+    states, silent, unreached = collect(group, rec.seq)
+    rep = build_report(group, rec, timeout_s, states, silent, unreached=unreached)
+    printer = min([r for r, d in states.items() if d.get("gathering")] or [me])  # two gatherers: the lower prints
+    if printer != me and wait_done(printer, relay.job_budget() + 5, about):
+        return None  # (without its word in time, this rank prints its own)
+    if peers is not None:  # full stacks from one rank of each group, for the JSON
         reps = [g["representative"] for g in rep["groups"][:MAX_GROUPS]]
         full = ask([r for r in reps if r != me], ("snapshot",), 2.0)
         full[me] = snapshot()
-        rep = build_report(group, rec, timeout_s, states, silent, full)
-    if printer != me and peers is not None:
-        wait_done(printer, 10)
-        return None
+        rep = build_report(group, rec, timeout_s, states, silent, full, unreached)
     text = format_report(rep)
     failure.note_hang(rep, reached=states)
     try:
@@ -383,7 +407,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     if peers is not None:  # every rank that may be waiting for this report (some time out just after)
-        notify_done(group.ranks)
+        notify_done(group.ranks, about)
     if jobend.abort_on_error():
         sys.stderr.write(f"[hpcsync] rank {me}: calling MPI_Abort to end the stuck job "
                          "(HPCSYNC_ABORT_ON_EXCEPTION=0 to raise instead)\n")
@@ -428,25 +452,40 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
     return text
 
 
-def _printer_before(group: GroupLog, seq: int, me: int, tries: int = 3) -> Optional[int]:
-    """The rank this one leaves the report to: the group's first rank on this node, when it is
-    inside operation ``seq`` too (it times out as well, and reports or leaves the report to the
-    group's first ranks in turn); else one of the group's first ranks (before this one) inside it.
-    Only a node's first rank asks the group's first ranks: rank 0 answers one question per node,
-    not one per rank, and no rank gathers unless nobody before it can."""
+def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> Optional[int]:
+    """The rank this one leaves the report to, always one before it in the group (no two ranks
+    wait for each other): the group's first rank on this node, when it is inside operation
+    ``rec.seq`` too (it times out as well, and reports or leaves the report to others in turn);
+    else the group's first rank on one of its first ``tries`` nodes, in turn, that is inside it.
+    Only a node's first rank asks beyond its node, so rank 0 answers one question per node, not
+    one per rank; the candidates are on distinct nodes, so one lost node does not leave every
+    node to gather for itself. A candidate that entered the operation more than :data:`SKEW_S`
+    after this rank would time out too late to report within :func:`report_bound`: it is passed over."""
     nodes = nodemap.current()
-    if nodes is not None and 0 <= me < len(nodes.node_of):
-        here = nodes.node_of[me]
-        leader = next((r for r in group.ranks if 0 <= r < len(nodes.node_of) and nodes.node_of[r] == here), me)
-        if leader != me:
-            answer = ask([leader], ("digest", group.name, seq), 1.0).get(leader)
-            if answer is not None and answer["state"] == "inside":
-                return leader
-    for r in group.ranks[:tries]:
-        if r == me:
+    mine = time.time() - rec.started if rec.started else None
+    order = {r: i for i, r in enumerate(group.ranks)}
+    where = (lambda r: nodes.node_of[r] if 0 <= r < len(nodes.node_of) else -1 - r) if nodes is not None \
+        else (lambda r: -1 - r)  # without a node map, every rank a node of its own
+
+    def inside(r: int) -> bool:
+        answer = ask([r], ("digest", group.name, rec.seq), 1.0).get(r)
+        if answer is None or answer["state"] != "inside":
+            return False
+        age = (answer.get("last") or {}).get("age_s")
+        return mine is None or age is None or age >= mine - SKEW_S
+
+    firsts, seen = [], set()
+    for r in group.ranks:  # the group's first rank on each node, in the group's order
+        if where(r) not in seen:
+            seen.add(where(r))
+            firsts.append(r)
+    leader = next((r for r in firsts if where(r) == where(me)), me)
+    if leader != me and inside(leader):
+        return leader
+    for r in firsts[:tries]:
+        if order.get(r, -1) >= order.get(me, -1):
             return None
-        answer = ask([r], ("digest", group.name, seq), 1.0).get(r)
-        if answer is not None and answer["state"] == "inside":
+        if r != leader and inside(r):
             return r
     return None
 

@@ -144,6 +144,7 @@ class Launcher:
     """How to start the step on ``nodes`` with ``per_node`` ranks each."""
 
     name = "launcher"
+    through_controller = False  #: a step on this node also goes through the network (srun: slurmctld)
 
     def __init__(self, exe: str, extra: Sequence[str]) -> None:
         self.exe, self.extra = exe, list(extra)
@@ -162,6 +163,7 @@ class Srun(Launcher):
     healthy nodes meanwhile; without it the relaunch waits for them ("Requested nodes are busy")."""
 
     name = "srun"
+    through_controller = True
 
     def command(self, nodes: Sequence[str], per_node: int, program: Sequence[str]) -> List[str]:
         return [self.exe, f"--nodelist={','.join(nodes)}", "-N", str(len(nodes)), "-n", str(len(nodes) * per_node),

@@ -47,6 +47,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -203,7 +204,8 @@ class Supervisor:
 
     def _unreachable(self, nodes: Sequence[str]) -> List[str]:
         say(f"no evidence names a node: probing each of the step's {len(nodes)} node(s) with {self.launcher.name}")
-        return probe.unreachable(nodes, self.launcher.probe)
+        here = [] if self.launcher.through_controller else [socket.gethostname(), socket.getfqdn(), "localhost"]
+        return probe.unreachable(nodes, self.launcher.probe, here=here, stop=lambda: self._signalled)
 
     def _wait_bounded(self, child: subprocess.Popen, folder: str, words: LauncherWords, lock: threading.Lock,
                       attempt: Attempt) -> int:
@@ -296,7 +298,8 @@ class Supervisor:
             rc, words = self._step(attempt)
             records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
             verdict = judge(rc, records, words, self._signalled, self._nodes_down if self.slurm_job else None,
-                            ranks=len(attempt.nodes) * self.per_node, probe=self._unreachable, nodes=attempt.nodes)
+                            ranks=len(attempt.nodes) * self.per_node, nodes=attempt.nodes,
+                            probe=self._unreachable if self.state.restarts() < self.max_restarts else None)
             if verdict.action == "stop-program" and self.retry_exceptions:
                 verdict = Verdict("relaunch", "exception (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)

@@ -46,13 +46,13 @@ def counted_digest(asker, group, seq):
 
 responder.ANSWERS["digest"] = counted_digest
 world.Barrier()
-out["defers_to"] = watchdog._printer_before(log, rec.seq, topo.rank)
+out["defers_to"] = watchdog._printer_before(log, rec, topo.rank)
 world.Barrier()
 out["digest_questions"] = asked[0]
 world.Barrier()
 if topo.rank == 0:
     t0 = time.monotonic()
-    answers = relay.ask_all(range(world.Get_size()), ("whoami",))
+    answers = relay.ask_all(range(world.Get_size()), ("whoami",)).answers
     out["healthy"] = {"answered": sorted(answers), "took": time.monotonic() - t0, "bound": relay.job_budget(),
                       "askers": {r: a["asker"] for r, a in answers.items()}}
 world.Barrier()
@@ -62,7 +62,7 @@ if topo.rank == victim:
 world.Barrier()
 if topo.rank == 0:
     t0 = time.monotonic()
-    answers = relay.ask_all(range(world.Get_size()), ("whoami",))
+    answers = relay.ask_all(range(world.Get_size()), ("whoami",)).answers
     out["relay_silent"] = {"answered": sorted(answers), "took": time.monotonic() - t0, "victim": victim}
 world.Barrier()
 out["widest"] = widest[0]
