@@ -12,7 +12,8 @@ with a group timeout of ``--timeout`` seconds. Once every rank is in the loop, o
   still answers the report: it is alive, it never entered the operation);
 - ``frozen``: the last rank is SIGSTOPped (found among the last node's processes,
   ``ip netns pids`` + psutil): it cannot answer;
-- ``link``: the last node's link goes down (its ranks live on, unreachable);
+- ``link``: the last node's link goes down (its ranks live on, unreachable); ``link0``: the first
+  node's (rank 0's, and the first candidates to print);
 - ``late0``: rank 0 spends 40 s on its own (an evaluation) before its next all_reduce, and
   meanwhile the last rank is SIGSTOPped: the report must come from another rank, name the frozen
   rank (silent) and rank 0 (never entered, alive), and blame the frozen rank's node only.
@@ -126,9 +127,10 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
     reports.mkdir()
     cluster = Cluster(work, nodes, ROUTED).start()
     names = cluster.names
-    faulty_node = nodes - 1
+    faulty_node = 0 if case == "link0" else nodes - 1
     node_of = {r: names[r // per] for r in range(n)}  # block placement (--map-by slot)
-    faulty_ranks = list(range(faulty_node * per, n)) if case == "link" else [n - 1]
+    faulty_ranks = (list(range(faulty_node * per, (faulty_node + 1) * per)) if case.startswith("link")
+                    else [n - 1])
     expect_silent = [] if case == "stall" else faulty_ranks
     expect_blame = [] if case == "stall" else [names[faulty_node]]
     row: Dict[str, Any] = {"case": case, "backend": backend, "ranks": n, "nodes": nodes, "timeout_s": timeout,
@@ -179,7 +181,7 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
                 time.sleep(1.0)  # the others are in the next all_reduce, waiting for rank 0
             t_fault = time.time()
             os.kill(pid, signal.SIGSTOP)
-        else:
+        else:  # link, link0
             t_fault = time.time()
             cluster.link_down(faulty_node)
         limit = timeout + 150
@@ -220,7 +222,7 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
     row["stderr_lines"] = len(err)
     row["stderr_tail"] = err[-25:]
     # -- the JSON reports and failure records --------------------------------------------------------
-    faulty_nodes = {names[faulty_node]} if case == "link" else set()
+    faulty_nodes = {names[faulty_node]} if case.startswith("link") else set()
     hangs = []
     for f in sorted(reports.glob("hpcsync-hang-*.json")):
         try:

@@ -495,3 +495,19 @@ def test_a_rank_whose_printer_never_reports_leaves_a_record_of_its_own(tmp_path)
     [rec] = one["records"]
     assert (rec["cause"], rec["blame_nodes"], rec["reporter"]["rank"], rec["reached"]) == ("timeout", [], 1, [1]), rec
     assert "left to another rank did not come within 3 s" in rec["detail"], rec
+
+
+@pytest.mark.parametrize("helper", ["all_gather", "reduce_dict", "synchronize"])
+def test_a_rank_missing_from_a_comm_helper_is_a_timeout_not_a_hang(helper, tmp_path):
+    """The detectron2-style helpers over MPI are bounded like every other hpcsync collective: with
+    the last of 3 ranks stuck before ``comm.<helper>``, the others raise CollectiveTimeout naming
+    the helper within HPCSYNC_TIMEOUT (3 s) and the job ends (they leave a collective in flight:
+    MPI_Abort at exit). Before, they waited in MPI for good (a cut-off node at an epoch's
+    reduce_dict hung a whole run under ``hpcsync run``)."""
+    t0 = time.monotonic()
+    res = run(openmpi(), 3, "helper_stall.py", helper, tmp_path=tmp_path, env={"HPCSYNC_TIMEOUT": "3"},
+              expect_ok=False, timeout=120)
+    assert time.monotonic() - t0 < 60, res
+    for d in res.ranks[:2]:
+        assert d is not None and d["error"] == "CollectiveTimeout", (d, str(res))
+        assert f"hpcsync.comm.{helper}" in d["message"] and 2.5 <= d["took"] < 10, d

@@ -656,6 +656,32 @@ def test_a_node_cut_off_is_blamed_by_the_larger_side_from_a_node_without_ranks(t
     assert sides.get(c.names[3], ([c.names[1], c.names[2]], [2])) == ([c.names[1], c.names[2]], [2]), recs
 
 
+def test_the_supervisors_own_node_cut_off_blames_no_healthy_node(tmp_path):
+    """``hpcsync run`` on node 0, which runs a rank too, over nodes 0-3; node 0's link goes down.
+    Its own records are the small side now (one rank of four), and mpirun's start of a process on
+    node 0 needs no network, so a probe from there proves nothing: the larger side's record blames
+    node 0 when it is written in time; otherwise nobody is blamed. Never a healthy node."""
+    c = Cluster(tmp_path / "nodes", 4, ROUTED).start()
+    try:
+        out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+        proc, log = supervised(c, tmp_path, [EXAMPLE, *TRAIN, "--out", str(out), "--checkpoint-dir", str(ckpt),
+                                             "--checkpoint-every", "150"], "--max-restarts", "1")
+        wait_for_checkpoint(proc, log, ckpt)
+        c.link_down(0)
+        proc.wait(timeout=400)
+    finally:
+        c.stop()
+    text = log.read_text()
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    blamed = {n for a in state["attempts"] for n in a["blamed"]}
+    assert blamed <= {c.names[0]} and set(state["bad_nodes"]) <= {c.names[0]}, (state, text[-3000:])
+    print(f"exit {proc.returncode}; attempts: {[(a['cause'], a['blamed']) for a in state['attempts']]}")
+    if blamed:
+        assert proc.returncode == supervisor.EXIT_NO_NODES, text[-3000:]
+    else:
+        assert proc.returncode == supervisor.EXIT_RESTARTS_SPENT, text[-3000:]
+
+
 # (A cut link between the two nodes of a step is an equal split: nothing in the records says which
 # side failed, and the probe decides: test_supervisor_slurm.py under Slurm. A split with a larger
 # side: the test above.)

@@ -5,7 +5,9 @@ underneath, shared with file sync and HDF5 (:func:`hpcsync.core.torchcomm.world`
 use (no torch.distributed needed), else torch.distributed when it is initialised (torchrun without
 mpi4py), else -- one process -- the identity (``SelfComm``). A multi-rank job with neither gets a clear error naming
 ``hpcsync.init()``, never N one-rank answers. Object gathers pickle to bytes and move them with
-big-count-safe rounds under MPI, so any size works (past 2 GiB too).
+big-count-safe rounds under MPI, so any size works (past 2 GiB too). Under MPI every collective
+here waits at most ``HPCSYNC_TIMEOUT`` (:mod:`hpcsync.core.bounded`): a rank that never arrives
+is a ``CollectiveTimeout`` naming the helper on the ranks that wait, never a hang.
 
 ``group`` may be an mpi4py communicator or a torch ``ProcessGroup`` (``dist.new_group``); under
 MPI a torch group maps to the MPI sub-communicator of its ranks. Ranks (``dst``, ``src``) are
@@ -172,9 +174,18 @@ def _get_global_gloo_group() -> Any:
     return dist.group.WORLD
 
 
+def _bounded(group: Any, what: str) -> Any:
+    """:func:`_comm`, with every collective bounded under MPI (:func:`hpcsync.core.bounded.control`:
+    ``HPCSYNC_TIMEOUT``): a rank that never arrives (stuck, frozen, its node cut off) is a
+    ``CollectiveTimeout`` naming ``what`` on the ranks that wait, not a hang."""
+    from . import bounded
+
+    return bounded.control(f"hpcsync.comm.{what}", group)
+
+
 def synchronize(group: Any = None) -> None:
     """Barrier among all ranks (no-op in one process)."""
-    comm = _comm(group)
+    comm = _bounded(group, "synchronize")
     if comm.Get_size() > 1:
         comm.Barrier()
 
@@ -193,7 +204,11 @@ def _loads_all(parts: List[bytearray]) -> List[Any]:
 
 def all_gather(data: Any, group: Any = None) -> List[Any]:
     """Gather any picklable object from every rank of ``group``; each gets the list in rank order."""
-    comm = _comm(group)
+    return _all_gather(data, group, "all_gather")
+
+
+def _all_gather(data: Any, group: Any, what: str) -> List[Any]:
+    comm = _bounded(group, what)
     if comm.Get_size() == 1:
         return [data]
     if _is_mpi_comm(comm):
@@ -203,7 +218,7 @@ def all_gather(data: Any, group: Any = None) -> List[Any]:
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
     """Gather any picklable object to rank ``dst`` of ``group``; it gets the list, the others ``[]``."""
-    comm = _comm(group)
+    comm = _bounded(group, "gather")
     if comm.Get_size() == 1:
         return [data]
     if _is_mpi_comm(comm):
@@ -215,7 +230,7 @@ def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
 
 def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
     """Return rank ``src``'s ``obj`` on every rank of ``group`` (any size)."""
-    comm = _comm(group)
+    comm = _bounded(group, "broadcast_object")
     if comm.Get_size() == 1:
         return obj
     if _is_mpi_comm(comm):
@@ -237,11 +252,11 @@ def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str
     ``ValueError`` on every rank. Tensors come back as tensors on their device and dtype.
     """
     keys = sorted(input_dict.keys())
-    comm = _comm()
+    comm = _bounded(None, "reduce_dict")
     size = comm.Get_size()
     if size == 1:
         return dict(input_dict)
-    every = all_gather(keys)
+    every = _all_gather(keys, None, "reduce_dict")
     if any(k != keys for k in every):
         diff = [r for r, k in enumerate(every) if k != every[0]]
         raise ValueError(f"reduce_dict: keys differ between ranks (ranks {diff} differ from rank 0: "

@@ -127,7 +127,8 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
         ops = list(log.ops) if log is not None else []
         timed_out = log is not None and log.timed_out == seq
     me = {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "timed_out": timed_out,
-          "frames": main_frames(), "gathering": (group, seq) in _gathering}
+          "frames": main_frames(), "gathering": group in _gathering,
+          "reporting": _failed or (log is not None and log.timed_out is not None)}  # a hang of this group, any operation
     if log is None:  # a gloo or NCCL group: torch's flight recorder knows where this rank is
         fr = _flight_state(group, seq)
         return {**me, "state": fr["state"], "last": fr["last"], "timed_out": fr["state"] == "inside" and _failed}
@@ -163,7 +164,7 @@ def _flight_state(group: str, seq: int) -> Dict[str, Any]:
     return state
 
 
-_gathering: set = set()  # (group, seq) this rank gathers a hang report for: another gatherer defers to the lowest
+_gathering: set = set()  # the groups this rank gathers a hang report for: another gatherer defers to the lowest
 SKEW_S = 5.0  # a rank defers to one inside the same operation for at most this long less than itself
 
 
@@ -378,7 +379,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     group.timed_out = rec.seq
     _hang_reported = True
     me = mpi.MPI().COMM_WORLD.Get_rank()
-    about = (group.name, rec.seq)
+    about = group.name  # one report for a group's hang, whichever of its operations a rank is stuck in
     peers = responder()  # None: no responder threads
     printer = _printer_before(group, rec, me) if peers is not None else None
     if printer is not None:  # a rank inside the same operation gathers and prints (or one it defers to)
@@ -386,7 +387,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
         if not wait_done(None, waited, about):
             failure.note_unreported(f"{rec.describe()} in group {group.name!r}", waited)
         return None
-    _gathering.add(about)
+    _gathering.add(group.name)
     states, silent, unreached = collect(group, rec.seq)
     rep = build_report(group, rec, timeout_s, states, silent, unreached=unreached)
     printer = min([r for r, d in states.items() if d.get("gathering")] or [me])  # two gatherers: the lower prints
@@ -456,7 +457,9 @@ def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> 
     """The rank this one leaves the report to, always one before it in the group (no two ranks
     wait for each other): the group's first rank on this node, when it is inside operation
     ``rec.seq`` too (it times out as well, and reports or leaves the report to others in turn);
-    else the group's first rank on one of its first ``tries`` nodes, in turn, that is inside it.
+    else the group's first rank on one of its first ``tries`` nodes, in turn, that is inside it
+    (or that already reports a hang of this group: ranks stuck one operation apart, as a frozen
+    rank leaves its node's peers, make one report, not two).
     Only a node's first rank asks beyond its node, so rank 0 answers one question per node, not
     one per rank; the candidates are on distinct nodes, so one lost node does not leave every
     node to gather for itself. A candidate that entered the operation more than :data:`SKEW_S`
@@ -467,12 +470,14 @@ def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> 
     where = (lambda r: nodes.node_of[r] if 0 <= r < len(nodes.node_of) else -1 - r) if nodes is not None \
         else (lambda r: -1 - r)  # without a node map, every rank a node of its own
 
-    def inside(r: int) -> bool:
+    def inside(r: int) -> bool:  # ... or already reporting a hang of this group (a later operation of it)
         answer = ask([r], ("digest", group.name, rec.seq), 1.0).get(r)
-        if answer is None or answer["state"] != "inside":
+        if answer is None:
             return False
+        if answer.get("reporting") and answer["state"] != "inside":
+            return True
         age = (answer.get("last") or {}).get("age_s")
-        return mine is None or age is None or age >= mine - SKEW_S
+        return answer["state"] == "inside" and (mine is None or age is None or age >= mine - SKEW_S)
 
     firsts, seen = [], set()
     for r in group.ranks:  # the group's first rank on each node, in the group's order

@@ -50,6 +50,12 @@ out["defers_to"] = watchdog._printer_before(log, rec, topo.rank)
 world.Barrier()
 out["digest_questions"] = asked[0]
 world.Barrier()
+if topo.rank == 0:  # rank 0 went on to the next operation and reports its hang: one report, not two
+    rec.finished, log.timed_out = time.time(), rec.seq + 1
+world.Barrier()
+if nodes.node_of[topo.rank] == 1 and topo.rank == nodes.node_of.index(1):
+    out["defers_to_reporting"] = watchdog._printer_before(log, rec, topo.rank)
+world.Barrier()
 if topo.rank == 0:
     t0 = time.monotonic()
     answers = relay.ask_all(range(world.Get_size()), ("whoami",)).answers
