@@ -328,6 +328,9 @@ def test_a_node_the_launcher_cannot_use_is_found_by_probing(tmp_path):
     orte = supervisor.LauncherWords()
     orte.feed("ORTE was unable to reliably start one or more daemons.")
     assert orte.launch_failed and not orte.nodes
+    link = supervisor.LauncherWords()  # mpirun on a node whose link is down
+    link.feed("None of the TCP networks specified to be included for out-of-band communications")
+    assert link.launch_failed and supervisor.judge(1, [], link, False, nodes=["n0"]).cause == "launch failed"
     v = supervisor.judge(213, [], orte, False, probe=lambda nodes: [], nodes=["n0", "n1"])
     assert (v.action, v.cause, v.blamed) == ("relaunch", "launch failed", []), v  # not the program's exit code
     quiet = supervisor.LauncherWords()

@@ -68,11 +68,15 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     if winner != me:  # its report stands for this error; without it, this rank's own traceback
         return False if watchdog.wait_done(winner, DONE_WAIT_S + relay.job_budget()) else None
     size = mpi.MPI().COMM_WORLD.Get_size()
-    states = relay.ask_all(range(size), ("failure",)).answers
+    got = relay.ask_all(range(size), ("failure",))
+    states = got.answers
     states[me] = watchdog.failure_state()
     rep = build(me, states, size)
     block = format_block(rep, text)
     path = _write(rep)
+    silent = [r for r in rep["silent"] if r not in got.unreached]
+    if silent and failure.peer_gone(exc):  # a wait that timed out for ranks that answer nobody: their nodes
+        failure.note_silent(silent, sorted(states), line)
     sys.stderr.write(block + (f"\n[hpcsync] failure report written to {path}" if path else "") + "\n")
     sys.stderr.flush()
     watchdog.notify_done(list(range(size)))

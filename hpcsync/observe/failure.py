@@ -34,7 +34,7 @@ import re
 import socket
 import time
 import traceback
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from ..core import settings
 
@@ -219,6 +219,15 @@ def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[s
               f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
     return write("hang" if silent else "stall", ranks, nodes_of(ranks), detail, blame_nodes=nodes_of(silent),
                  silent=silent, never_entered=never, silent_at=_where(silent), **_reach(reached))
+
+
+def note_silent(silent: Sequence[int], reached: Iterable[int], what: str) -> Optional[str]:
+    """The record of a failure report whose rank's wait timed out (``what``: its error) while
+    ``silent`` ranks answered nobody: their nodes are blamed, as a hang report's silent ranks'
+    are, weighed by ``reached`` (the ranks that did answer)."""
+    silent = sorted(set(silent))
+    return write("hang", silent, nodes_of(silent), f"{what}; no reply: {silent}", blame_nodes=nodes_of(silent),
+                 silent=silent, silent_at=_where(silent), **_reach(reached))
 
 
 def note_unreported(what: str, waited_s: float) -> Optional[str]:

@@ -42,7 +42,9 @@ _TEARDOWN = ("taking the entire process down", "Process group watchdog thread te
 _TROUBLE = ("ORTE was unable", "ORTE has lost communication", "PRTE has lost communication", "BAD TERMINATION",
             "MPI_ABORT was invoked", "mpirun noticed", "prterun noticed")  # and srun's task and node lines
 # the launcher could not start its daemons (on a node it does not name): the step never ran
-_LAUNCH_FAILED = ("was unable to reliably start one or more daemons",)  # Open MPI's ORTE and PRTE
+_LAUNCH_FAILED = ("was unable to reliably start one or more daemons",  # Open MPI's ORTE and PRTE
+                  "None of the TCP networks specified to be included for out-of-band",  # its node's link down
+                  "It looks like orte_init failed")
 
 
 class LauncherWords:
