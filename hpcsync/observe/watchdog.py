@@ -27,7 +27,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..core import mpi, jobend, nodemap, settings
 from . import failure, flight, relay
-from .responder import ANSWERS, ask, notify_done, responder, start, wait_done  # noqa: F401 (re-exported)
+from .responder import ANSWERS, ask, ask_each, notify_done, responder, start, wait_done  # noqa: F401 (re-exported)
 
 RING = 64  # operations kept per group
 
@@ -455,23 +455,24 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
 
 def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> Optional[int]:
     """The rank this one leaves the report to, always one before it in the group (no two ranks
-    wait for each other): the group's first rank on this node, when it is inside operation
-    ``rec.seq`` too (it times out as well, and reports or leaves the report to others in turn);
-    else the group's first rank on one of its first ``tries`` nodes, in turn, that is inside it
-    (or that already reports a hang of this group: ranks stuck one operation apart, as a frozen
-    rank leaves its node's peers, make one report, not two).
-    Only a node's first rank asks beyond its node, so rank 0 answers one question per node, not
-    one per rank; the candidates are on distinct nodes, so one lost node does not leave every
-    node to gather for itself. A candidate that entered the operation more than :data:`SKEW_S`
-    after this rank would time out too late to report within :func:`report_bound`: it is passed over."""
+    wait for each other): the lowest rank of this node before it that is inside operation
+    ``rec.seq`` too (asked at once, 1 s: it times out as well, and reports or leaves the report
+    to others in turn); when there is none, the lowest such rank on the group's first ``tries``
+    nodes (asked at once, 1 s). So one rank a node looks beyond its node, and rank 0's node
+    answers about one question per node, not one per rank; a first rank that is late or lost
+    hands its part to the next rank of its node, not to every rank. A rank that already reports a
+    hang of this group (a later operation of it) counts as inside: ranks stuck one operation
+    apart, as a frozen rank leaves its node's peers, make one report, not two. A rank that
+    entered the operation more than :data:`SKEW_S` after this one would time out too late to
+    report within :func:`report_bound`: it is passed over."""
     nodes = nodemap.current()
     mine = time.time() - rec.started if rec.started else None
     order = {r: i for i, r in enumerate(group.ranks)}
     where = (lambda r: nodes.node_of[r] if 0 <= r < len(nodes.node_of) else -1 - r) if nodes is not None \
         else (lambda r: -1 - r)  # without a node map, every rank a node of its own
+    before = [r for r in group.ranks if order[r] < order.get(me, -1)]
 
-    def inside(r: int) -> bool:  # ... or already reporting a hang of this group (a later operation of it)
-        answer = ask([r], ("digest", group.name, rec.seq), 1.0).get(r)
+    def good(answer: Optional[Dict[str, Any]]) -> bool:
         if answer is None:
             return False
         if answer.get("reporting") and answer["state"] != "inside":
@@ -479,20 +480,20 @@ def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> 
         age = (answer.get("last") or {}).get("age_s")
         return answer["state"] == "inside" and (mine is None or age is None or age >= mine - SKEW_S)
 
-    firsts, seen = [], set()
-    for r in group.ranks:  # the group's first rank on each node, in the group's order
-        if where(r) not in seen:
-            seen.add(where(r))
-            firsts.append(r)
-    leader = next((r for r in firsts if where(r) == where(me)), me)
-    if leader != me and inside(leader):
-        return leader
-    for r in firsts[:tries]:
-        if order.get(r, -1) >= order.get(me, -1):
-            return None
-        if r != leader and inside(r):
-            return r
-    return None
+    def first_good(ranks: List[int]) -> Optional[int]:
+        answers = ask_each({r: ("digest", group.name, rec.seq) for r in ranks}, 1.0) if ranks else {}
+        return next((r for r in ranks if good(answers.get(r))), None)
+
+    here = first_good([r for r in before if where(r) == where(me)])
+    if here is not None:
+        return here
+    first_nodes: List[int] = []
+    for r in group.ranks:  # the group's first nodes, in the group's order
+        if where(r) not in first_nodes:
+            first_nodes.append(where(r))
+        if len(first_nodes) == tries:
+            break
+    return first_good([r for r in before if where(r) in first_nodes and where(r) != where(me)])
 
 
 def hang_reported() -> bool:
