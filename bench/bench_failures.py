@@ -347,9 +347,9 @@ def responder(quick: bool) -> Dict[str, Any]:
 
 def report_model(rate: float, sizes=(32, 128, 512, 1024, 8192), per_node: int = 8) -> List[Dict[str, Any]]:
     """The hang report at N ranks (``per_node`` a node) when N - 1 time out together, from one
-    responder's answer rate (docs/timeouts.md). Who prints: each rank asks its node's first rank;
-    the node's first ranks ask rank 0, then 1, then 2 (1 s each), and each of these answers
-    ``rate`` of them in its second; a node's first rank that found nobody gathers for itself.
+    responder's answer rate (docs/timeouts.md). Who prints: each rank asks the ranks of its node
+    before it; one rank a node asks the first three nodes' ranks, rank 0 among them, which answers
+    ``rate`` of them in its second (and ranks 1, 2, ... the rest); one that found nobody gathers for itself.
     Gathering: along the relays (``hpcsync.observe.relay``), a round of :func:`relay.round_budget`
     seconds; every gatherer's question reaches every rank once, so a responder faced with G
     gatherers answers ``rate x round`` of them and a printer hears min(1, rate x round / G)."""
@@ -367,7 +367,7 @@ def report_model(rate: float, sizes=(32, 128, 512, 1024, 8192), per_node: int = 
                     "defer": n - gather, "heard": heard, "called_silent": round((1 - heard) * (n - 2)),
                     "hops": relay.hops(nodes), "round_s": window, "bound_s": relay.budget(nodes),
                     "most_sent_by_one_rank": relay.FANOUT + per_node - 1,
-                    "questions": (n - 1) + (nodes - 1) + gather * (n - 1),
+                    "questions": int(n * (per_node - 1) / 2) + 3 * per_node * nodes + gather * (n - 1),
                     "printer_bytes": 400 * n, "first_relay_bytes": 400 * n // min(relay.FANOUT, max(1, nodes - 1))})
     return out
 
