@@ -65,6 +65,7 @@ class _Private:
 
 
 _private: Dict[int, _Private] = {}
+_helper_private: Dict[int, _Private] = {}  # the comm helpers': never shared with hpcsync's own exchanges
 
 
 class BoundedComm:
@@ -245,26 +246,42 @@ def control(what: str, group: Any = None, timeout: Optional[float] = None) -> An
     """The communicator for a control exchange among ``group``'s ranks (default: the world; a
     torch process group or an mpi4py communicator, as for :mod:`hpcsync.core.comm`): a
     :class:`BoundedComm` under MPI (``timeout`` default :func:`default_timeout`), else the
-    torch-backed or one-process communicator :func:`hpcsync.core.comm._comm` gives."""
-    from . import comm as _comm_mod
+    torch-backed or one-process communicator :func:`hpcsync.core.torchcomm.transport` gives."""
+    from .torchcomm import transport
 
-    base = _comm_mod._comm(group)
+    base = transport(group)
     if isinstance(base, BoundedComm):
         return base
     if not hasattr(base, "Iallgatherv") or base.Get_size() == 1:
         return base
     private = _private.get(id(base))
     if private is None or private.base is not base:
-        if not _private and not _abandoned:
+        if not _private and not _abandoned and not _helper_private:
             jobend.at_exit("backend", _at_exit)
         private = _private[id(base)] = _Private(base)
     return BoundedComm(private, default_timeout() if timeout is None else timeout, what)
 
 
+def helper(what: str, base: Any) -> Any:
+    """The communicator one of :mod:`hpcsync.core.comm`'s helpers uses over ``base`` (the world,
+    or this node's): a :class:`BoundedComm` on a private duplicate of its own -- not the one
+    hpcsync's control exchanges use, so a program's helper call in one thread and a checkpoint's
+    exchange in another never share a communicator -- bounded by :func:`default_timeout`. A
+    torch-backed or one-process communicator as it is."""
+    if not hasattr(base, "Iallgatherv") or base.Get_size() == 1:
+        return base
+    private = _helper_private.get(id(base))
+    if private is None or private.base is not base:
+        if not _private and not _abandoned and not _helper_private:
+            jobend.at_exit("backend", _at_exit)
+        private = _helper_private[id(base)] = _Private(base)
+    return BoundedComm(private, default_timeout(), what)
+
+
 def abandon(why: str, req: Any, keep: Any = None) -> None:
     """Keep a timed-out request and its buffers for good (MPI may still complete it and write into
     them); the process then ends with ``MPI_Abort`` at exit, saying ``why``."""
-    if not _abandoned and not _private:
+    if not _abandoned and not _private and not _helper_private:
         jobend.at_exit("backend", _at_exit)
     _abandoned.append((why, req, keep))
 
@@ -288,8 +305,9 @@ def _at_exit() -> None:
                          "with a collective in flight: MPI_Abort\n")
         sys.stderr.flush()
         jobend.abort(1)
-    for p in list(_private.values()):
+    for p in [*_private.values(), *_helper_private.values()]:
         if p.dup is not None:
             p.dup.Free()
             p.dup = None
     _private.clear()
+    _helper_private.clear()

@@ -5,9 +5,11 @@ underneath, shared with file sync and HDF5 (:func:`hpcsync.core.torchcomm.world`
 use (no torch.distributed needed), else torch.distributed when it is initialised (torchrun without
 mpi4py), else -- one process -- the identity (``SelfComm``). A multi-rank job with neither gets a clear error naming
 ``hpcsync.init()``, never N one-rank answers. Object gathers pickle to bytes and move them with
-big-count-safe rounds under MPI, so any size works (past 2 GiB too). Under MPI every collective
-here waits at most ``HPCSYNC_TIMEOUT`` (:mod:`hpcsync.core.bounded`): a rank that never arrives
-is a ``CollectiveTimeout`` naming the helper on the ranks that wait, never a hang.
+big-count-safe rounds under MPI, so any size works (past 2 GiB too). Under MPI, over the world
+and this node's group, every collective here waits at most ``HPCSYNC_TIMEOUT`` (default 1,800 s;
+:mod:`hpcsync.core.bounded`): a rank that never arrives is a ``CollectiveTimeout`` naming the
+helper on the ranks that wait, never a hang (raise ``HPCSYNC_TIMEOUT`` for a longer wait, such as
+a rank-0-only evaluation the others wait for).
 
 ``group`` may be an mpi4py communicator or a torch ``ProcessGroup`` (``dist.new_group``); under
 MPI a torch group maps to the MPI sub-communicator of its ranks. Ranks (``dst``, ``src``) are
@@ -20,20 +22,18 @@ from __future__ import annotations
 import functools
 import pickle
 import sys
-import weakref
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
 from . import bigmpi, mpi, settings
-from .torchcomm import SELF, TorchComm, world
+from .torchcomm import SELF, TorchComm, transport, world
 from .topology import local_comm, topology
 
 _LOCAL_PROCESS_GROUP: Any = None
 _MISSING_LOCAL_PG_ERROR = (
     "Local process group is not yet created! Please use hpcsync.comm.create_local_process_group() "
     "(detectron2's launch() does this); hpcsync's get_local_rank()/get_local_size() do not need it")
-_subcomms: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _torch_dist_ready() -> bool:
@@ -49,14 +49,8 @@ def _is_mpi_comm(comm: Any) -> bool:
 
 
 def _comm(group: Any = None) -> Any:
-    """The transport for ``group``: an MPI communicator, a TorchComm, or SELF (one process)."""
-    if group is None:
-        return world()
-    if hasattr(group, "Get_rank"):  # an mpi4py communicator
-        return group
-    if mpi.use_mpi():
-        return _mpi_subcomm(group)
-    return TorchComm(group)
+    """The transport for ``group`` (:func:`hpcsync.core.torchcomm.transport`)."""
+    return transport(group)
 
 
 def pick_group(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
@@ -71,20 +65,6 @@ def pick_group(group: Any = None, comm: Any = None, where: str = "hpcsync") -> A
 def group_comm(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
     """The transport for :func:`pick_group`'s choice."""
     return _comm(pick_group(group, comm, where))
-
-
-def _mpi_subcomm(group: Any) -> Any:
-    """The MPI communicator of a torch group's ranks (created once per group, by its members)."""
-    import torch.distributed as dist
-
-    sub = _subcomms.get(group)
-    if sub is None:
-        world_comm = mpi.MPI().COMM_WORLD
-        ranks = dist.get_process_group_ranks(group)
-        if world_comm.Get_rank() not in ranks:
-            raise ValueError(f"this rank ({world_comm.Get_rank()}) is not a member of the group {ranks}")
-        sub = _subcomms[group] = mpi.sub_communicator(world_comm, ranks, str(ranks))
-    return sub
 
 
 def get_world_size() -> int:
@@ -175,12 +155,19 @@ def _get_global_gloo_group() -> Any:
 
 
 def _bounded(group: Any, what: str) -> Any:
-    """:func:`_comm`, with every collective bounded under MPI (:func:`hpcsync.core.bounded.control`:
-    ``HPCSYNC_TIMEOUT``): a rank that never arrives (stuck, frozen, its node cut off) is a
-    ``CollectiveTimeout`` naming ``what`` on the ranks that wait, not a hang."""
+    """:func:`_comm`; for the world and this node's group (``group`` None or
+    :func:`get_local_process_group`'s), every collective bounded under MPI
+    (:func:`hpcsync.core.bounded.helper`: ``HPCSYNC_TIMEOUT``, on a private duplicate of the
+    helpers' own): a rank that never arrives (stuck, frozen, its node cut off) is a
+    ``CollectiveTimeout`` naming ``what`` on the ranks that wait, not a hang. A communicator or
+    torch group of the program's own is used as it is (a private duplicate for each would be one
+    more communicator per group, kept to the end)."""
     from . import bounded
 
-    return bounded.control(f"hpcsync.comm.{what}", group)
+    base = _comm(group)
+    if group is None or (group is _LOCAL_PROCESS_GROUP and group is not None):
+        return bounded.helper(f"hpcsync.comm.{what}", base)
+    return base
 
 
 def synchronize(group: Any = None) -> None:

@@ -8,6 +8,7 @@ ranks runs unchanged in one process. :func:`world` is the one transport choice t
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional
 
 
@@ -117,3 +118,36 @@ def world() -> Any:
         raise LaunchError(f"the launcher started {size} ranks but neither MPI (mpi4py) nor torch.distributed "
                           f"is in use: install mpi4py, or call hpcsync.init() first")
     return SELF
+
+
+_subcomms: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def transport(group: Any = None) -> Any:
+    """The transport for ``group``: an MPI communicator (the world's, an mpi4py one given, or the
+    MPI communicator of a torch group's ranks), a TorchComm, or SELF (one process)."""
+    if group is None:
+        return world()
+    if hasattr(group, "Get_rank"):  # an mpi4py communicator
+        return group
+    from . import mpi
+
+    if mpi.use_mpi():
+        return _mpi_subcomm(group)
+    return TorchComm(group)
+
+
+def _mpi_subcomm(group: Any) -> Any:
+    """The MPI communicator of a torch group's ranks (created once per group, by its members)."""
+    import torch.distributed as dist
+
+    from . import mpi
+
+    sub = _subcomms.get(group)
+    if sub is None:
+        world_comm = mpi.MPI().COMM_WORLD
+        ranks = dist.get_process_group_ranks(group)
+        if world_comm.Get_rank() not in ranks:
+            raise ValueError(f"this rank ({world_comm.Get_rank()}) is not a member of the group {ranks}")
+        sub = _subcomms[group] = mpi.sub_communicator(world_comm, ranks, str(ranks))
+    return sub

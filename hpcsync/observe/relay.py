@@ -109,6 +109,8 @@ def _ask_tree(ranks: Sequence[int], question: Tuple[Any, ...], wait_s: float,
             answers.update({k: v for k, v in got[r]["answers"].items() if k in share})
             silent_relays |= set(got[r]["silent"])
             asked_silent |= set(got[r].get("asked_silent", ())) & set(share)
+            if got[r].get("expired") and nodes is not None:  # it had no time to ask its share: asked again,
+                silent_relays.add(nodes.node_of[r])          # its node rank by rank
         else:
             asked_silent.add(r)
             if nodes is not None:
@@ -126,10 +128,11 @@ def _relay(asker: int, question: Tuple[Any, ...], share: List[int], wait_s: floa
     answers: Dict[int, Any] = {}
     silent: Set[int] = set()
     asked_silent: Set[int] = set()
-    if left > HOP_S / 2:  # past that its asker has given up: its own answer only, at once
+    expired = left <= HOP_S / 2  # its asker is about to give up: its own answer only, at once
+    if not expired:
         answers, silent, asked_silent = _ask_tree([r for r in share if r != me], question, left, set(suspects))
     answers[me] = responder.ANSWERS[question[0]](asker, *question[1:])
-    return {"answers": answers, "silent": sorted(silent), "asked_silent": sorted(asked_silent)}
+    return {"answers": answers, "silent": sorted(silent), "asked_silent": sorted(asked_silent), "expired": expired}
 
 
 responder.ANSWERS["relay"] = _relay

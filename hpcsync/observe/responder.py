@@ -32,6 +32,7 @@ _responder: Optional["Responder"] = None
 _inflight: List[Any] = []  # sends that may still be in flight when their caller returns: kept alive
 _questions = 0  # this process's questions so far: an answer names the one it answers
 _open: Dict[Tuple[int, int], Dict[int, Any]] = {}  # questions being waited for -> answers received so far
+_done: Dict[Any, Set[int]] = {}  # reports said to be done (by their ``about``) -> who said so
 
 
 class Responder:
@@ -152,22 +153,26 @@ def ask_each(questions: Dict[int, Tuple[Any, ...]], wait_s: float) -> Dict[int, 
 def wait_done(printer: Optional[int], wait_s: float, about: Any = None) -> bool:
     """Let the printing rank (None: whichever prints) finish before this one raises (an uncaught
     error here aborts the job). False when it did not say it was done within ``wait_s``. ``about``
-    names the report (a group and operation): a word about another report is dropped, and the
-    words this one waits for are taken off the line, so that a later report is not answered by
-    them."""
+    names the report (a group): the words are taken off the line and kept by report, so that a
+    word about another report waits for its own waiter (another thread) instead of being lost."""
     if _responder is None:
         return False
     MPI = mpi.MPI()
-    source = MPI.ANY_SOURCE if printer is None else printer
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        msg = _responder.comm.improbe(source=source, tag=_TAG_DONE)
+    while True:
+        with _lock:
+            said = _done.get(about, set())
+            if said and (printer is None or printer in said):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        status = MPI.Status()
+        with _lock:  # one thread at a time takes a word off the line
+            msg = _responder.comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_DONE, status=status)
+            if msg is not None:
+                _done.setdefault(msg.recv(), set()).add(status.Get_source())
         if msg is None:
             time.sleep(0.05)
-            continue
-        if msg.recv() == about:
-            return True
-    return False
 
 
 def notify_done(ranks: List[int], about: Any = None) -> None:

@@ -165,14 +165,15 @@ def _flight_state(group: str, seq: int) -> Dict[str, Any]:
 
 
 _gathering: set = set()  # the groups this rank gathers a hang report for: another gatherer defers to the lowest
-SKEW_S = 5.0  # a rank defers to one inside the same operation for at most this long less than itself
+SKEW_S = 2.0  # a rank defers to one inside the same operation for at most this long less than itself
 
 
 def report_bound() -> float:
     """Seconds from a rank's timeout to the end of the hang report it is part of: settling who
-    prints (a rank's node's first rank, then up to three others, 1 s each, each allowed to have
-    entered up to :data:`SKEW_S` later), the gathering (:func:`hpcsync.observe.relay.job_budget`),
-    the stacks (2 s) and printing; 30 s at least. It grows with the job's nodes (log N)."""
+    prints (this node's ranks, then the first three nodes' ranks, 1 s each, along a chain whose
+    every link entered at most :data:`SKEW_S` later), the gathering
+    (:func:`hpcsync.observe.relay.job_budget`), the stacks (2 s) and printing; 30 s at least. It
+    grows with the job's nodes (log N)."""
     return max(30.0, relay.job_budget() + 20.0)
 
 
