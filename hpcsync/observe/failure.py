@@ -224,7 +224,10 @@ def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[s
 def note_silent(silent: Sequence[int], reached: Iterable[int], what: str) -> Optional[str]:
     """The record of a failure report whose rank's wait timed out (``what``: its error) while
     ``silent`` ranks answered nobody: their nodes are blamed, as a hang report's silent ranks'
-    are, weighed by ``reached`` (the ranks that did answer)."""
+    are, weighed by ``reached`` (the ranks that did answer). Only where ``HPCSYNC_REPORT_DIR`` is
+    set, as for :func:`note_exception`."""
+    if not settings.text("HPCSYNC_REPORT_DIR"):
+        return None
     silent = sorted(set(silent))
     return write("hang", silent, nodes_of(silent), f"{what}; no reply: {silent}", blame_nodes=nodes_of(silent),
                  silent=silent, silent_at=_where(silent), **_reach(reached))
@@ -233,7 +236,10 @@ def note_silent(silent: Sequence[int], reached: Iterable[int], what: str) -> Opt
 def note_unreported(what: str, waited_s: float) -> Optional[str]:
     """The record of a rank that timed out in ``what`` and left the hang report to another rank,
     whose report did not come within ``waited_s``: nobody implicated, no node blamed, but the
-    job's end is not without a record (``hpcsync run`` then asks its other evidence)."""
+    job's end is not without a record (``hpcsync run`` then asks its other evidence). Only where
+    ``HPCSYNC_REPORT_DIR`` is set, as for :func:`note_exception`."""
+    if not settings.text("HPCSYNC_REPORT_DIR"):
+        return None
     me = _me()
     return write("timeout", [], [], f"{what} timed out on rank {me['rank']}; the hang report it left to another "
                  f"rank did not come within {waited_s:g} s", blame_nodes=[], **_reach([me["rank"]]))
