@@ -625,6 +625,23 @@ def test_failures_past_the_cap_end_the_run_with_every_attempt(cluster, tmp_path)
     assert f"attempt 1 on {', '.join(a)}: killed" in text and f"attempt 2 on {', '.join(b)}: killed" in text, text[-3000:]
 
 
+def cut_after_a_checkpoint(tmp_path, node, hosts, wait=300):
+    """``hpcsync run`` (on node 0, one restart allowed) of the example over four namespace nodes'
+    ``hosts`` (a slice of their names); ``node``'s link down after the first checkpoint. The
+    cluster, the supervisor's process, its log and its state."""
+    c = Cluster(tmp_path / "nodes", 4, ROUTED).start()
+    try:
+        out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+        proc, log = supervised(c, tmp_path, [EXAMPLE, *TRAIN, "--out", str(out), "--checkpoint-dir", str(ckpt),
+                                             "--checkpoint-every", "150"], "--max-restarts", "1", hosts=c.names[hosts])
+        wait_for_checkpoint(proc, log, ckpt)
+        c.link_down(node)
+        proc.wait(timeout=wait)
+    finally:
+        c.stop()
+    return c, proc, log.read_text(), json.loads((tmp_path / "state" / "state.json").read_text())
+
+
 def test_a_node_cut_off_is_blamed_by_the_larger_side_from_a_node_without_ranks(tmp_path):
     """``hpcsync run`` on node 0, which runs no rank, over nodes 1-3; node 3's link goes down.
     Each side's printer writes a record blaming the other side; the side of two ranks is believed:
@@ -633,18 +650,7 @@ def test_a_node_cut_off_is_blamed_by_the_larger_side_from_a_node_without_ranks(t
     daemon on node 3 lost), and may then wait for node 3 for good (ended by the supervisor within
     its grace): with no believable record, each node is probed, and node 3 is the one mpirun
     cannot start a process on. Either way node 3 alone is blamed, at the first attempt."""
-    c = Cluster(tmp_path / "nodes", 4, ROUTED).start()
-    try:
-        out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-        proc, log = supervised(c, tmp_path, [EXAMPLE, *TRAIN, "--out", str(out), "--checkpoint-dir", str(ckpt),
-                                             "--checkpoint-every", "150"], "--max-restarts", "1", hosts=c.names[1:])
-        wait_for_checkpoint(proc, log, ckpt)
-        c.link_down(3)
-        proc.wait(timeout=300)
-    finally:
-        c.stop()
-    text = log.read_text()
-    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    c, proc, text, state = cut_after_a_checkpoint(tmp_path, 3, hosts=slice(1, None))
     assert all(a["blamed"] in ([], [c.names[3]]) for a in state["attempts"]), (state, text[-3000:])
     recs = [json.loads(p.read_text()) for p in (tmp_path / "state" / "attempt-1").glob("hpcsync-failure-*")]
     assert proc.returncode == supervisor.EXIT_NO_NODES, text[-3000:]
@@ -664,18 +670,7 @@ def test_the_supervisors_own_node_cut_off_blames_no_healthy_node(tmp_path):
     Its own records are the small side now (one rank of four), and mpirun's start of a process on
     node 0 needs no network, so a probe from there proves nothing: the larger side's record blames
     node 0 when it is written in time; otherwise nobody is blamed. Never a healthy node."""
-    c = Cluster(tmp_path / "nodes", 4, ROUTED).start()
-    try:
-        out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-        proc, log = supervised(c, tmp_path, [EXAMPLE, *TRAIN, "--out", str(out), "--checkpoint-dir", str(ckpt),
-                                             "--checkpoint-every", "150"], "--max-restarts", "1")
-        wait_for_checkpoint(proc, log, ckpt)
-        c.link_down(0)
-        proc.wait(timeout=400)
-    finally:
-        c.stop()
-    text = log.read_text()
-    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    c, proc, text, state = cut_after_a_checkpoint(tmp_path, 0, hosts=slice(None), wait=400)
     blamed = {n for a in state["attempts"] for n in a["blamed"]}
     assert blamed <= {c.names[0]} and set(state["bad_nodes"]) <= {c.names[0]}, (state, text[-3000:])
     print(f"exit {proc.returncode}; attempts: {[(a['cause'], a['blamed']) for a in state['attempts']]}")

@@ -254,12 +254,7 @@ def control(what: str, group: Any = None, timeout: Optional[float] = None) -> An
         return base
     if not hasattr(base, "Iallgatherv") or base.Get_size() == 1:
         return base
-    private = _private.get(id(base))
-    if private is None or private.base is not base:
-        if not _private and not _abandoned and not _helper_private:
-            jobend.at_exit("backend", _at_exit)
-        private = _private[id(base)] = _Private(base)
-    return BoundedComm(private, default_timeout() if timeout is None else timeout, what)
+    return BoundedComm(_cached(_private, base), default_timeout() if timeout is None else timeout, what)
 
 
 def helper(what: str, base: Any) -> Any:
@@ -270,12 +265,18 @@ def helper(what: str, base: Any) -> Any:
     torch-backed or one-process communicator as it is."""
     if not hasattr(base, "Iallgatherv") or base.Get_size() == 1:
         return base
-    private = _helper_private.get(id(base))
+    return BoundedComm(_cached(_helper_private, base), default_timeout(), what)
+
+
+def _cached(cache: Dict[int, _Private], base: Any) -> _Private:
+    """``base``'s private duplicate in ``cache``, made once (the exit hook that frees them set up
+    with the first of all)."""
+    private = cache.get(id(base))
     if private is None or private.base is not base:
         if not _private and not _abandoned and not _helper_private:
             jobend.at_exit("backend", _at_exit)
-        private = _helper_private[id(base)] = _Private(base)
-    return BoundedComm(private, default_timeout(), what)
+        private = cache[id(base)] = _Private(base)
+    return private
 
 
 def abandon(why: str, req: Any, keep: Any = None) -> None:
