@@ -163,21 +163,22 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
         hosts = {int(f.name[5:]): f.read_text().split() for f in work.glob("ready[0-9]*")}
         row["placement_ok"] = all(hosts[r][1] == node_of[r] for r in range(n))
         time.sleep(2.0)  # steady training
-        if case == "stall":
-            (work / "stall").write_text("")
-            while not (work / "stalled").exists():
+
+        def trigger(name: str, marker: str, never: str) -> Path:
+            """Write the trigger file ``name``; wait for the program's ``marker`` file (its path)."""
+            (work / name).write_text("")
+            while not (work / marker).exists():
                 if proc.poll() is not None or time.time() - t_launch > ready_limit + 60:
-                    raise RuntimeError("the last rank never stalled")
+                    raise RuntimeError(never)
                 time.sleep(0.01)
-            t_fault = float((work / "stalled").read_text())
+            return work / marker
+
+        if case == "stall":
+            t_fault = float(trigger("stall", "stalled", "the last rank never stalled").read_text())
         elif case in ("frozen", "late0"):
             pid = _find_pid(cluster, faulty_node, prog, int(hosts[n - 1][0]))
             if case == "late0":
-                (work / "late0").write_text("")
-                while not (work / "late").exists():
-                    if proc.poll() is not None or time.time() - t_launch > ready_limit + 60:
-                        raise RuntimeError("rank 0 never began its evaluation")
-                    time.sleep(0.01)
+                trigger("late0", "late", "rank 0 never began its evaluation")
                 time.sleep(1.0)  # the others are in the next all_reduce, waiting for rank 0
             t_fault = time.time()
             os.kill(pid, signal.SIGSTOP)
