@@ -305,9 +305,13 @@ def test_killed_amid_small_files_then_restaged(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
+    # each big file starts 5 s late (a slow disk), so a folder journaled is seen before the stage
+    # ends, however fast the machine copies
+    slow = [{"rank": r, "patch": "hpcsync.data.staging.transfer:copy_file", "call": [1, 2, 3, 4], "do": "sleep",
+             "seconds": 5} for r in (0, 1)]
     proc = subprocess.Popen([*lau.command(2), PY, str(Path(__file__).parent / "programs" / "stage.py"), str(src),
-                             str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                             str(dst), json.dumps({"_fault": slow})], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(lambda: journaled(dst) >= 200, proc)
     done = journal_records(dst)
     assert len(done) >= 200

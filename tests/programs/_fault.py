@@ -1,9 +1,10 @@
 """Faults injected into a test program: ``{"rank": R, "patch": "module:Name.attr", "call": N, "do": D}``.
 
-On rank R, call N (from 1) of that function raises (``"raise"``: ``OSError(EIO)`` with
+On rank R, call N (from 1; a list: each of those calls) of that function raises (``"raise"``: ``OSError(EIO)`` with
 ``"error": "EIO"``, else ``RuntimeError``), ends the process as a kill would (``"exit"``),
 returns ``"value"`` without running it (``"return"``), never returns, as a read or write on a
-stuck disk or filesystem (``"block"``), or freezes the whole process as SIGSTOP does
+stuck disk or filesystem (``"block"``), runs it ``"seconds"`` late, as a slow disk would
+(``"sleep"``), or freezes the whole process as SIGSTOP does
 (``"stop"``, then runs the call once the process goes on).
 """
 import errno
@@ -12,6 +13,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 
 
 def inject(fault: dict) -> None:
@@ -23,9 +25,13 @@ def inject(fault: dict) -> None:
     real, calls = getattr(owner, name), itertools.count(1)
 
     def patched(*args, **kwargs):
-        if next(calls) != fault.get("call", 1):
+        which = fault.get("call", 1)
+        if next(calls) not in (which if isinstance(which, list) else [which]):
             return real(*args, **kwargs)
         do = fault.get("do", "raise")
+        if do == "sleep":
+            time.sleep(fault["seconds"])
+            return real(*args, **kwargs)
         if do == "exit":
             os._exit(9)
         if do == "return":
