@@ -1,5 +1,6 @@
 """Asking every rank through relays (``hpcsync.observe.relay``): the plan on paper, and a real job
-of 16 ranks on four namespace nodes, every rank answering and then with a relay silent."""
+of 16 ranks on four namespace nodes, every rank answering and then with a relay silent; who prints
+a failure report when rank 0 is frozen."""
 from hpcsync.core.nodemap import NodeMap
 from hpcsync.observe import relay
 from launch import run
@@ -59,3 +60,22 @@ def test_a_question_to_every_rank_goes_through_relays_across_nodes(tmp_path):
     assert silent["answered"] == [r for r in range(1, 16) if r != lead[2]], silent
     assert silent["took"] <= healthy["bound"], silent
     print(f"relays: every rank in {healthy['took']:.2f} s, a relay silent {silent['took']:.2f} s (bound {healthy['bound']:g} s)")
+
+
+def test_every_rank_raises_with_rank_0_frozen_and_one_report_comes_out(tmp_path):
+    """16 ranks on four nodes; rank 0 freezes (SIGSTOP) as rank 5 raises and every other rank
+    raises 0.2 s later. Rank 0 cannot settle who prints, so the next arbiter (node 1's first
+    rank) does: one block, naming rank 5 and its node, rank 0 said to give no answer; not one block
+    per rank that failed."""
+    c = Cluster(tmp_path / "nodes", 4, ROUTED).start()
+    try:
+        res = run(c.openmpi([4, 4, 4, 4]), 16, "many_ranks.py", "raise", "gloo", "5", "frozen0", tmp_path=tmp_path,
+                  expect_ok=False, timeout=240)
+    finally:
+        c.stop()
+    err = res.stderr
+    assert res.returncode != 0
+    assert err.count("the first to fail") == 1, err[-6000:]
+    assert f"uncaught exception on rank 5 ({c.names[1]}), the first to fail, at step 40" in err, err[-6000:]
+    assert err.count("ValueError: bad batch on rank 5") == 1, err[-6000:]
+    assert f"rank 0 on {c.names[0]}: no answer within" in err, err[-6000:]

@@ -1,9 +1,13 @@
 """One failure report for a job of many ranks: the rank that failed first, once, at the top.
 
 When a rank raises, the abort hook (:func:`hpcsync.install_abort_hook`) hands the exception here
-instead of printing it. The rank claims the report from rank 0's responder thread (the first
-claim wins, and prints); the winner asks every rank what it is doing (bounded: a rank that does
-not answer within a few seconds is said to be silent), and prints one block: the earliest raise
+instead of printing it. A rank whose node holds a lower rank that failed too leaves the report
+to it; the lowest failing rank of each node claims the report from an arbiter, rank 0 (when it
+does not answer, the first rank of the second node, then of the third): the first claim wins,
+and prints. So rank 0 answers one claim per node, not one per rank, and a rank 0 that is frozen
+or gone still gives one report. The winner asks every rank what it is doing through relays
+(bounded: a rank that does not answer within :func:`hpcsync.observe.relay.job_budget` is said
+to be silent), and prints one block: the earliest raise
 among the answers (a claim may reach rank 0 after its own, later one) with its traceback, node
 and step, then the other ranks in a few lines, grouped by what they
 do (still running at a line, or failed too with an error line), so 64 ranks that fail alike are
@@ -31,7 +35,9 @@ from . import failure, flight, logs, relay, watchdog
 
 log = logging.getLogger("hpcsync.digest")  # the name users configure, as before the packages
 
-CLAIM_WAIT_S = 2.0  # for rank 0's answer to a claim (none: this rank reports)
+CLAIM_WAIT_S = 2.0  # for an arbiter's answer to a claim (none: the next arbiter; none of them: this rank reports)
+LOCAL_WAIT_S = 1.0  # for the answers of this node's lower ranks (has it failed too?)
+ARBITERS = 3  # the first rank of each of the job's first nodes, asked in turn
 DONE_WAIT_S = 15.0  # and the gathering's bound: a rank that lost the claim waits this long for the report
 MAX_LINES = 12  # groups of other ranks printed; the rest are counted
 
@@ -63,11 +69,14 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
         printed = _collective_report()
         if printed is not None:
             return printed
-    me = mpi.MPI().COMM_WORLD.Get_rank()
-    winner = watchdog.claim(me) if me == 0 else watchdog.ask([0], ("claim",), CLAIM_WAIT_S).get(0, me)
+    me, size = mpi.MPI().COMM_WORLD.Get_rank(), mpi.MPI().COMM_WORLD.Get_size()
+    lower = _failed_before(me)
+    if lower is not None:  # it reports, or leaves the report to the winner: whichever prints
+        waited = DONE_WAIT_S + relay.job_budget() + LOCAL_WAIT_S + ARBITERS * CLAIM_WAIT_S
+        return False if watchdog.wait_done(None, waited) else None
+    winner = _claim(me, size)
     if winner != me:  # its report stands for this error; without it, this rank's own traceback
         return False if watchdog.wait_done(winner, DONE_WAIT_S + relay.job_budget()) else None
-    size = mpi.MPI().COMM_WORLD.Get_size()
     got = relay.ask_all(range(size), ("failure",))
     states = got.answers
     states[me] = watchdog.failure_state()
@@ -81,6 +90,44 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     sys.stderr.flush()
     watchdog.notify_done(list(range(size)))
     return True
+
+
+def _failed_before(me: int) -> Optional[int]:
+    """The lowest rank of this node before this one that failed too (asked at once, bounded by
+    :data:`LOCAL_WAIT_S`; a rank that does not answer is passed over), or None."""
+    nodes = nodemap.current()
+    if nodes is None or not 0 <= me < len(nodes.node_of):
+        return None
+    here = [r for r in range(me) if nodes.node_of[r] == nodes.node_of[me]]
+    answers = watchdog.ask(here, ("failed",), LOCAL_WAIT_S) if here else {}
+    return next((r for r in here if answers.get(r)), None)
+
+
+def arbiters(size: int) -> List[int]:
+    """The ranks that settle who prints, asked in turn: the first rank of each of the job's first
+    :data:`ARBITERS` nodes (without a node map, the first ranks)."""
+    nodes = nodemap.current()
+    if nodes is None or len(nodes.node_of) != size:
+        return list(range(min(ARBITERS, size)))
+    first: Dict[int, int] = {}
+    for r, k in enumerate(nodes.node_of):
+        first.setdefault(k, r)
+        if len(first) == ARBITERS:
+            break
+    return list(first.values())
+
+
+def _claim(me: int, size: int) -> int:
+    """The rank that prints: the first claim an arbiter heard (this rank's own claim where it is
+    the arbiter). An arbiter that does not answer within :data:`CLAIM_WAIT_S` is passed over for
+    the next; when none answers, this rank prints."""
+    for arbiter in arbiters(size):
+        if arbiter == me:
+            return watchdog.claim(me)
+        answer = watchdog.ask([arbiter], ("claim",), CLAIM_WAIT_S)
+        if arbiter in answer:
+            return answer[arbiter]
+    return me
 
 
 def build(me: int, states: Dict[int, Dict[str, Any]], size: int) -> Dict[str, Any]:
@@ -124,17 +171,22 @@ def format_block(rep: Dict[str, Any], text: str) -> str:
     if rep["others"] or rep["silent"]:
         lines.append("[hpcsync] the other ranks, when it was reported:")
     for g in rep["others"][:MAX_LINES]:
-        who = nodemap.describe(g["ranks"])
+        who = _ranks(g["ranks"])
         if g["state"] == "failed":
-            lines.append(f"  ranks {who}: raised too, {g['after_s']:+.1f} s: {g['error'][:200]} ({g['where']})")
+            lines.append(f"  {who}: raised too, {g['after_s']:+.1f} s: {g['error'][:200]} ({g['where']})")
         else:
-            lines.append(f"  ranks {who}: still running, at {_at(g['frames'][-1]) if g['frames'] else '?'}")
+            lines.append(f"  {who}: still running, at {_at(g['frames'][-1]) if g['frames'] else '?'}")
     if len(rep["others"]) > MAX_LINES:
         lines.append(f"  ... {len(rep['others']) - MAX_LINES} more group(s) of ranks in the JSON report")
     if rep["silent"]:
-        lines.append(f"  ranks {nodemap.describe(rep['silent'])}: no answer within {relay.job_budget():g} s")
+        lines.append(f"  {_ranks(rep['silent'])}: no answer within {relay.job_budget():g} s")
     lines.append("[hpcsync] " + "=" * (len(head) - 10))
     return "\n".join(lines)
+
+
+def _ranks(ranks: List[int]) -> str:
+    """``rank 3 on n1`` or ``ranks 0-2, 5 on n0, n1``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + nodemap.describe(ranks)
 
 
 def _at(frame: str) -> str:

@@ -4,12 +4,15 @@
   WARNING lines, its own INFO line, rank 2 a warning of its own, every rank prints; the
   application's own handler on logger ``app`` must still be there and see the records.
 - ``plain``: init() without a log folder: the root logger's handlers and level stay as they were.
-- ``raise RANK [others|timeout]``: training steps with an all_reduce each; RANK raises at step 40
-  (with ``others``, every other rank raises too, 0.2 s later; with ``timeout``, every rank warns
-  first and RANK's error is the program's own RuntimeError that says "timed out").
+- ``raise RANK [others|frozen0|timeout]``: training steps with an all_reduce each; RANK raises at
+  step 40 (with ``others``, every other rank raises too, 0.2 s later; with ``frozen0``, so do all
+  but rank 0, which freezes as SIGSTOP does; with ``timeout``, every rank warns first and RANK's
+  error is the program's own RuntimeError that says "timed out").
 - ``hang KIND``: rank 2 (of 3+) sleeps, loops or skips a collective at step 5; the others go on.
 """
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -62,9 +65,11 @@ elif mode == "raise":  # raise VICTIM [others|timeout]
             if topo.rank == victim:
                 time.sleep(0.3)
                 raise RuntimeError("DataLoader worker timed out after 60 seconds")
+        if step == 40 and how == "frozen0" and topo.rank == 0:  # rank 0 freezes as the others raise
+            os.kill(os.getpid(), signal.SIGSTOP)
         if step == 40 and topo.rank == victim:
             raise ValueError(f"bad batch on rank {victim}")
-        if step == 40 and how == "others":
+        if step == 40 and how in ("others", "frozen0"):
             time.sleep(0.2)
             raise RuntimeError("a consequence elsewhere")
         dist.all_reduce(t)
