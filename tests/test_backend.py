@@ -92,6 +92,21 @@ def test_sparse_all_reduce_sum(tmp_path):
         assert "supports ReduceOp.SUM only" in d["max"]
 
 
+@pytest.mark.parametrize("launcher,level", [("mpich", "serialized"), ("openmpi", "serialized"), ("mpich", "multiple")])
+def test_helpers_and_control_exchanges_hold_the_process_mpi_lock_below_multiple(launcher, level, tmp_path):
+    """Below THREAD_MULTIPLE the comm helpers, the bounded control exchanges and the preemption
+    guard's flags call MPI only while holding the lock the backend's operations hold (one MPI call
+    at a time in the process): with another thread holding it 1.5 s, each waits, then gives the
+    right result; at THREAD_MULTIPLE none waits."""
+    res = run(LAUNCHERS[launcher](), 2, "serial_helper.py", tmp_path=tmp_path, timeout=120,
+              env={"MPI4PY_RC_THREAD_LEVEL": level})
+    for d in res.ranks:
+        assert d["level"] == level, d
+        assert d["results"] == {"helper": [0, 1], "control": [0, 1], "guard": True}, d
+        for name, took in d["took"].items():
+            assert (took >= 1.3) if level != "multiple" else (took < 1.0), (name, d)
+
+
 @pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
 @pytest.mark.parametrize("level", ["serialized", "funneled", "multiple"])
 def test_point_to_point_completes_at_every_thread_level(launcher, level, tmp_path):

@@ -41,7 +41,7 @@ from . import deadline
 from .desync import _describe, _explain, debug_mode  # noqa: F401  (re-exported)
 from .engine import BACKEND_NAME, _broken_groups
 from .group import ProcessGroupHpcsync
-from .serial import SERIAL
+from ..core.serial import SERIAL
 from .work import MPIWork  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..core import mpi, jobend, nodemap, settings
 from ..core.errors import ranks_by_value
-from .serial import nap
+from ..core.serial import nap
 
 _OP_IDS = {name: k for k, name in enumerate((
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced", "gather",

@@ -33,7 +33,7 @@ from .deadline import _broken_groups  # noqa: F401  (re-exported)
 from .desync import DTYPE_NAMES, Agreement, Call, _describe, debug_mode
 from .hot import HotPath
 from .p2p import PointToPoint
-from .serial import SERIAL, check_thread, nap
+from ..core.serial import SERIAL, check_thread, nap
 from .work import DoneWork, MPIWork, ran
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from ..core import mpi, jobend
 from ..observe import watchdog
 from .buffers import _Staged
 from .desync import DTYPE_NAMES
-from .serial import nap
+from ..core.serial import nap
 from .work import MPIWork
 
 IDLE_S = 0.0002  # between two tests of the outstanding requests when none completed

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from . import bigmpi, mpi, jobend, settings
+from . import bigmpi, mpi, jobend, serial, settings
 from .errors import CollectiveTimeout
 
 SPIN_S = 0.05  # test without sleeping this long first (a peer a few µs late costs no ms)
@@ -39,12 +39,20 @@ def wait(req: Any, timeout: float, large: bool = False, idle: bool = False) -> N
     Spins first, then sleeps a millisecond between tests, unless ``large`` (a transfer that MPI
     progresses only inside calls: it spins throughout) or ``idle`` (a rank with nothing to do
     while the others work: it sleeps from the start, 0.5 ms at most, leaving them the cores)."""
-    if req.Test():
+    held = serial.lock()  # below THREAD_MULTIPLE: one MPI call at a time in the process
+
+    def test() -> bool:
+        if held is None:
+            return req.Test()
+        with held:
+            return req.Test()
+
+    if test():
         return
     now = time.monotonic()
     deadline, spin_until = now + timeout, (now if idle else now + SPIN_S)
     pause = 0.0002
-    while not req.Test():
+    while not test():
         now = time.monotonic()
         if now > deadline:
             raise CollectiveTimeout(f"an MPI request waited {timeout:g} s")
@@ -53,6 +61,8 @@ def wait(req: Any, timeout: float, large: bool = False, idle: bool = False) -> N
             pause = min(pause * 2, 0.0005)
         elif not large and now > spin_until:
             time.sleep(0.001)
+        elif held is not None:
+            time.sleep(0)  # a thread waiting for the lock gets it between two tests
 
 
 class _Private:
@@ -102,7 +112,7 @@ class BoundedComm:
         if p.broken:
             raise CollectiveTimeout(f"{self.what}: not attempted: {p.broken}")
         if p.dup is None:
-            comm, req = p.base.Idup()
+            comm, req = serial.call(p.base.Idup)
             self._wait(req, "creating hpcsync's private communicator", (comm,), large=False)
             p.dup = comm
         return p.dup
@@ -129,7 +139,7 @@ class BoundedComm:
     def _run(self, op: str, name: str, args: tuple, kwargs: Optional[dict] = None, into: Any = None) -> None:
         comm = self._comm()
         large = any(self._nbytes(a) > LARGE_BYTES for a in args if a is not None)
-        self._wait(getattr(comm, name)(*args, **(kwargs or {})), op, args, large)
+        self._wait(serial.call(getattr(comm, name), *args, **(kwargs or {})), op, args, large)
         if into is not None:
             self.received += self._nbytes(into) if not isinstance(into, int) else into
 
@@ -143,7 +153,7 @@ class BoundedComm:
         timeout: an abandoned operation is still in flight on it)."""
         p = self._p
         if p.dup is not None and not p.broken:
-            p.dup.Free()
+            serial.call(p.dup.Free)
         p.dup = None
 
     # -- buffer collectives (what bigmpi calls) ------------------------------------------------
@@ -173,7 +183,7 @@ class BoundedComm:
     def Barrier(self, idle: bool = False) -> None:
         """``idle``: this rank has nothing to do meanwhile (it sleeps while it waits)."""
         comm = self._comm()
-        self._wait(comm.Ibarrier(), "Barrier", None, large=False, idle=idle)
+        self._wait(serial.call(comm.Ibarrier), "Barrier", None, large=False, idle=idle)
 
     # -- object collectives (pickled; any size) -------------------------------------------------
     def allgather(self, obj: Any) -> List[Any]:

@@ -89,13 +89,12 @@ class _Exchange:
     def __init__(self, base: Any, timeout: float) -> None:
         import numpy as np
 
-        from ..core import mpi, bounded
+        from ..core import mpi, bounded, serial
 
-        self.MPI = MPI = mpi.MPI()
+        self.MPI = mpi.MPI()
         self.rank, self.size = base.Get_rank(), base.Get_size()
         self.timeout = timeout
-        serial = sys.modules.get("hpcsync.backend.serial")  # below THREAD_MULTIPLE: the process's MPI lock
-        self.serial = serial.SERIAL if serial is not None and MPI.Query_thread() < MPI.THREAD_MULTIPLE else None
+        self.serial = serial.lock()  # below THREAD_MULTIPLE: the process's MPI lock
         comm, req = base.Idup()
         try:
             bounded.wait(req, timeout)

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
-from ..core import settings
+from ..core import serial, settings
 from ..core.errors import CollectiveTimeout
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -135,7 +135,7 @@ class PreemptionGuard:
         if self._mode == "mpi":
             from ..core import bounded
 
-            self._comm, req = base.Idup()
+            self._comm, req = serial.call(base.Idup)
             try:
                 bounded.wait(req, self._timeout)
             except CollectiveTimeout as exc:  # MPI may still complete it: kept for good, the job ends at exit
@@ -204,7 +204,7 @@ class PreemptionGuard:
         if self._mode == "mpi":
             from ..core.mpi import MPI
 
-            self._req = self._comm.Iallreduce(self._flag, self._agreed, op=MPI().BOR)
+            self._req = serial.call(self._comm.Iallreduce, self._flag, self._agreed, op=MPI().BOR)
         elif self._mode == "torch":
             import torch
             import torch.distributed as dist
