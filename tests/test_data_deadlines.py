@@ -108,7 +108,7 @@ def test_a_frozen_node_leader_ends_the_stage_with_a_report_naming_it(cluster, tm
         # (Open MPI lets the stopped rank go on while it ends the job: it may report, too late)
         assert "broadcast round" in res.ranks[0]["error"] and "within 6 s" in res.ranks[0]["error"], res.ranks[0]
         report = res.stderr[res.stderr.index("[hpcsync] ====="):]
-        assert f"ranks 2 on {cluster.names[1]}: no answer" in report, report
+        assert f"rank 2 on {cluster.names[1]}: no answer" in report, report
         assert no_temporaries(node_dir(cluster, 0, "dst"))
     finally:
         _clean(cluster)
@@ -175,5 +175,5 @@ def test_a_rank_frozen_mid_gather_ends_the_sync_with_a_report_naming_it(cluster,
     assert res.ranks[0] is not None and res.ranks[0]["error"].startswith("SyncTimeout: "), res.ranks[0]
     assert "within 6 s" in res.ranks[0]["error"], res.ranks[0]
     report = res.stderr[res.stderr.index("[hpcsync] ====="):]
-    assert f"ranks 2 on {cluster.names[1]}: no answer" in report, report
+    assert f"rank 2 on {cluster.names[1]}: no answer" in report, report
     assert not target.exists() and all(p.exists() for p in parts)

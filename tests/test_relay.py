@@ -79,3 +79,31 @@ def test_every_rank_raises_with_rank_0_frozen_and_one_report_comes_out(tmp_path)
     assert f"uncaught exception on rank 5 ({c.names[1]}), the first to fail, at step 40" in err, err[-6000:]
     assert err.count("ValueError: bad batch on rank 5") == 1, err[-6000:]
     assert f"rank 0 on {c.names[0]}: no answer within" in err, err[-6000:]
+
+
+def test_who_settles_a_failure_report_on_paper(monkeypatch):
+    """The arbiters are the first rank of each of the first three nodes (the first three ranks
+    without a node map); a claim passes over an arbiter that does not answer, the next one's word
+    stands, and with none answering the claimant prints."""
+    from hpcsync.core import nodemap
+    from hpcsync.observe import digest, watchdog
+
+    monkeypatch.setattr(nodemap, "_current", NodeMap([0, 0, 0, 1, 1, 2, 3, 3], [f"n{k}" for k in range(4)]))
+    assert digest.arbiters(8) == [0, 3, 5]
+    monkeypatch.setattr(nodemap, "_current", None)
+    assert digest.arbiters(8) == [0, 1, 2] and digest.arbiters(2) == [0, 1]
+    monkeypatch.setattr(nodemap, "_current", NodeMap([0, 0, 0, 1, 1, 2, 3, 3], [f"n{k}" for k in range(4)]))
+    asked = []
+
+    def ask(ranks, question, wait_s):
+        asked.append(ranks[0])
+        return {3: 6} if ranks == [3] else {}  # rank 0 silent; rank 3 heard rank 6's claim first
+
+    monkeypatch.setattr(watchdog, "ask", ask)
+    assert digest._claim(7, 8) == 6 and asked == [0, 3]
+    asked.clear()
+    monkeypatch.setattr(watchdog, "ask", lambda ranks, question, wait_s: asked.append(ranks[0]) or {})
+    assert digest._claim(7, 8) == 7 and asked == [0, 3, 5]
+    asked.clear()
+    monkeypatch.setattr(watchdog, "_first_claim", None)
+    assert digest._claim(3, 8) == 3 and asked == [0]  # an arbiter itself, once rank 0 is silent

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from . import bigmpi, mpi, settings
+from . import bigmpi, mpi, serial, settings
 from .torchcomm import SELF, TorchComm, transport, world
 from .topology import local_comm, topology
 
@@ -321,9 +321,9 @@ def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_a
     deadline = time.monotonic() + limit
     if rank == 0:
         bufs = {r: bytearray(1) for r in range(1, size)}
-        reqs = {r: comm.Irecv([bufs[r], MPI.BYTE], source=r, tag=tag) for r in range(1, size)}
+        reqs = {r: serial.call(comm.Irecv, [bufs[r], MPI.BYTE], source=r, tag=tag) for r in range(1, size)}
         while reqs and time.monotonic() < deadline:
-            reqs = {r: q for r, q in reqs.items() if not q.Test()}
+            reqs = {r: q for r, q in reqs.items() if not serial.call(q.Test)}
             time.sleep(0.001)
         missing = sorted(reqs)
         verdict = (b"\x00" if not missing else b"\x01")
@@ -332,19 +332,19 @@ def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_a
             f"within {limit:g}s")
         for r in range(1, size):
             if r not in reqs:
-                comm.Send([verdict + msg.encode(), MPI.BYTE], dest=r, tag=tag)
+                serial.call(comm.Send, [verdict + msg.encode(), MPI.BYTE], dest=r, tag=tag)  # (1 byte+: eager)
         if missing:
             for q in reqs.values():
-                q.Cancel()
+                serial.call(q.Cancel)
             raise RuntimeError(msg)
         return
-    comm.Send([b"\x00", MPI.BYTE], dest=0, tag=tag)
+    serial.call(comm.Send, [b"\x00", MPI.BYTE], dest=0, tag=tag)  # (one byte: sent eagerly)
     status = MPI.Status()
-    while not comm.Iprobe(source=0, tag=tag, status=status):
+    while not serial.call(comm.Iprobe, source=0, tag=tag, status=status):
         if time.monotonic() > deadline + 5:
             raise RuntimeError(f"monitored_barrier: no answer from rank 0 within {limit:g}s")
         time.sleep(0.001)
     answer = bytearray(status.Get_count(MPI.BYTE))
-    comm.Recv([answer, MPI.BYTE], source=0, tag=tag)
+    serial.call(comm.Recv, [answer, MPI.BYTE], source=0, tag=tag)  # (probed: it is here)
     if answer[:1] != b"\x00":
         raise RuntimeError(bytes(answer[1:]).decode())

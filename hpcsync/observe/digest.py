@@ -41,6 +41,8 @@ ARBITERS = 3  # the first rank of each of the job's first nodes, asked in turn
 DONE_WAIT_S = 15.0  # and the gathering's bound: a rank that lost the claim waits this long for the report
 MAX_LINES = 12  # groups of other ranks printed; the rest are counted
 
+watchdog.ANSWERS["failed"] = lambda _asker: _claiming  # does this rank go for the failure report?
+
 def _where(tb: Any) -> str:
     """``file:line`` of the innermost frame of the program in a traceback."""
     frames = traceback.extract_tb(tb)
@@ -69,14 +71,16 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
         printed = _collective_report()
         if printed is not None:
             return printed
+    global _claiming
     me, size = mpi.MPI().COMM_WORLD.Get_rank(), mpi.MPI().COMM_WORLD.Get_size()
+    _claiming = True  # from here this rank's answer to "failed" is yes: it prints this report or waits for it
     lower = _failed_before(me)
     if lower is not None:  # it reports, or leaves the report to the winner: whichever prints
         waited = DONE_WAIT_S + relay.job_budget() + LOCAL_WAIT_S + ARBITERS * CLAIM_WAIT_S
         return False if watchdog.wait_done(None, waited) else None
     winner = _claim(me, size)
-    if winner != me:  # its report stands for this error; without it, this rank's own traceback
-        return False if watchdog.wait_done(winner, DONE_WAIT_S + relay.job_budget()) else None
+    if winner != me:  # its report (or another arbiter's winner's) stands for this error; without it,
+        return False if watchdog.wait_done(None, DONE_WAIT_S + relay.job_budget()) else None  # own traceback
     got = relay.ask_all(range(size), ("failure",))
     states = got.answers
     states[me] = watchdog.failure_state()
@@ -92,9 +96,14 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     return True
 
 
+_claiming = False  # this rank goes for the failure report (not a hang report's path): see report()
+
+
 def _failed_before(me: int) -> Optional[int]:
-    """The lowest rank of this node before this one that failed too (asked at once, bounded by
-    :data:`LOCAL_WAIT_S`; a rank that does not answer is passed over), or None."""
+    """The lowest rank of this node before this one that failed too and goes for this report
+    (asked at once, bounded by :data:`LOCAL_WAIT_S`; a rank that does not answer is passed
+    over), or None. A rank whose error became a hang report (a collective's) says no: the
+    failure report's words never come from it."""
     nodes = nodemap.current()
     if nodes is None or not 0 <= me < len(nodes.node_of):
         return None

@@ -42,7 +42,7 @@ from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import failure
-from ..core import settings
+from ..core import serial, settings
 from ..core.errors import CollectiveTimeout
 
 log = logging.getLogger("hpcsync.monitor")  # the name users configure, as before the packages
@@ -89,13 +89,13 @@ class _Exchange:
     def __init__(self, base: Any, timeout: float) -> None:
         import numpy as np
 
-        from ..core import mpi, bounded, serial
+        from ..core import mpi, bounded
 
         self.MPI = mpi.MPI()
         self.rank, self.size = base.Get_rank(), base.Get_size()
         self.timeout = timeout
         self.serial = serial.lock()  # below THREAD_MULTIPLE: the process's MPI lock
-        comm, req = base.Idup()
+        comm, req = serial.call(base.Idup)
         try:
             bounded.wait(req, timeout)
         except CollectiveTimeout:
@@ -153,7 +153,7 @@ class _Exchange:
 
     def free(self) -> None:
         if self.broken is None and self.reqs is None and not self.MPI.Is_finalized():
-            self.comm.Free()
+            serial.call(self.comm.Free)
         self.comm = None
 
 
@@ -493,12 +493,16 @@ def _where(base: Any) -> Tuple[List[int], List[str]]:
     from ..core import mpi, nodemap
 
     MPI = mpi.MPI()
-    mine, world = base.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        ranks = [int(r) for r in MPI.Group.Translate_ranks(mine, list(range(base.Get_size())), world)]
-    finally:
-        mine.Free()
-        world.Free()
+
+    def translate() -> List[int]:
+        mine, world = base.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            return [int(r) for r in MPI.Group.Translate_ranks(mine, list(range(base.Get_size())), world)]
+        finally:
+            mine.Free()
+            world.Free()
+
+    ranks = serial.call(translate)  # (local calls, but MPI calls: one at a time below THREAD_MULTIPLE)
     nodes = nodemap.current()
     return ranks, [nodes.host(r) if nodes is not None else "?" for r in ranks]
 

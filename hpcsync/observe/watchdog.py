@@ -211,7 +211,6 @@ ANSWERS.update({
     "digest": lambda _asker, group, seq: digest(group, seq),
     "snapshot": lambda _asker: snapshot(),
     "claim": claim,
-    "failed": lambda _asker: bool(failure.raised()),
     "failure": lambda _asker: failure_state(),
     "flush": lambda _asker: jobend.run_before_abort() or True,
 })

@@ -275,7 +275,7 @@ class PreemptionGuard:
                 self._complete()
         finally:
             if self._mode == "mpi" and not self._broken:
-                self._comm.Free()
+                serial.call(self._comm.Free)
             self._mode = "closed"
 
     def __enter__(self) -> "PreemptionGuard":

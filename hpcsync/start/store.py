@@ -8,7 +8,9 @@ path for the data is ``backend="hpcsync"``.)
 
 Rank 0 serves requests from a thread (polled every 0.2 ms within a second of the last request,
 every 5 ms when idle). ``get``/``wait`` block until the keys exist or the store's timeout passes;
-the server answers with the value or a timeout, so a client never waits for nothing.
+the server answers with the value or a timeout, so a client never waits for nothing; a client
+whose answer has not come :data:`REPLY_GRACE_S` after that (rank 0 gone or stuck) raises. Below
+``THREAD_MULTIPLE`` every MPI call here holds the process's MPI lock (:mod:`hpcsync.core.serial`).
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from ..core import mpi, settings
+from ..core import mpi, serial, settings
 
 _TAG_REQ, _TAG_REP = settings.TAG_STORE_REQUEST, settings.TAG_STORE_REPLY
+REPLY_GRACE_S = 30.0  # past the store's own timeout, for rank 0's answer to arrive
 
 
 class _Table:
@@ -96,8 +99,11 @@ class MPIStore(dist.Store):
         waiting: List[Tuple[int, int, str, List[str], float]] = []  # (src, id, op, keys, deadline)
         sends: List[Any] = []
         last = time.monotonic()
+        held = serial.lock()  # below THREAD_MULTIPLE: one MPI call at a time in the process
         while not self._stop.is_set():
             busy = False
+            if held is not None:
+                held.acquire()  # a pass over the requests: non-blocking calls only
             try:
                 msg = self._comm.improbe(source=MPI.ANY_SOURCE, tag=_TAG_REQ)
                 while msg is not None:
@@ -129,6 +135,9 @@ class MPIStore(dist.Store):
             except Exception:  # noqa: BLE001
                 if MPI.Is_finalized():
                     return
+            finally:
+                if held is not None:
+                    held.release()
             now = time.monotonic()
             if busy or waiting or sends:
                 last = now
@@ -153,11 +162,20 @@ class MPIStore(dist.Store):
             return self._table.apply(op, args)
         with self._lock:
             rid = next(self._ids)
-            self._comm.send((rid, op, args, t), dest=0, tag=_TAG_REQ)
+            sent = serial.call(self._comm.isend, (rid, op, args, t), dest=0, tag=_TAG_REQ)
+            deadline = time.monotonic() + t + REPLY_GRACE_S  # the server answers by t (a timeout, at worst)
             while True:
-                got, ok, value = self._comm.recv(source=0, tag=_TAG_REP)
+                msg = serial.call(self._comm.improbe, source=0, tag=_TAG_REP)
+                if msg is None:
+                    if time.monotonic() > deadline:
+                        raise dist.DistStoreError(f"MPIStore: no answer from rank 0 (the store's server) within "
+                                                  f"{t + REPLY_GRACE_S:g}s to {op}: rank 0 is gone or stuck")
+                    time.sleep(0.0005)
+                    continue
+                got, ok, value = serial.call(msg.recv)
                 if got == rid:
                     break
+            serial.call(sent.wait)  # (answered: the request arrived)
         if not ok:
             raise dist.DistStoreError(f"MPIStore: {value}")
         return value

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, List, Optional, Tuple
 
-from ...core import bounded
+from ...core import bounded, serial
 from ...core.errors import StageError, StageTimeout
 
 TAG = 0x5EA1  # on the node's private duplicate: never matches the program's own messages
@@ -48,15 +48,15 @@ class Heartbeat:
         self._send(("done", words, timed_out))
         deadline = time.monotonic() + self.timeout  # a few bytes each: sent at once unless a rank is gone
         while self.sends and time.monotonic() < deadline:
-            self.sends = [r for r in self.sends if not r.Test()]
+            self.sends = [r for r in self.sends if not serial.call(r.Test)]
             time.sleep(0.001)
         for r in self.sends:
             bounded.abandon("a stage's last message to a rank of this node was never received", r)
 
     def _send(self, msg: Tuple[Any, ...]) -> None:
         raw = self.node.raw()
-        self.sends = [r for r in self.sends if not r.Test()]
-        self.sends += [raw.isend(msg, dest=r, tag=TAG) for r in range(1, self.node.Get_size())]
+        self.sends = [r for r in self.sends if not serial.call(r.Test)]
+        self.sends += [serial.call(raw.isend, msg, dest=r, tag=TAG) for r in range(1, self.node.Get_size())]
 
     def follow(self, what: str) -> None:
         """A non-leader's wait: returns when the leader is done and its part went well; raises its
@@ -64,10 +64,10 @@ class Heartbeat:
         raw = self.node.raw()
         patience = 2 * self.timeout
         deadline = time.monotonic() + patience
-        req = raw.irecv(bytearray(MAX_BYTES + 512), source=0, tag=TAG)
+        req = serial.call(raw.irecv, bytearray(MAX_BYTES + 512), source=0, tag=TAG)
         pause = 0.0002
         while True:
-            ok, msg = req.test()
+            ok, msg = serial.call(req.test)
             now = time.monotonic()
             if ok:
                 kind, error, timed_out = msg
@@ -76,11 +76,11 @@ class Heartbeat:
                         raise (StageTimeout if timed_out else StageError)(f"{what}{error}")
                     return
                 deadline, pause = now + patience, 0.0002
-                req = raw.irecv(bytearray(MAX_BYTES + 512), source=0, tag=TAG)
+                req = serial.call(raw.irecv, bytearray(MAX_BYTES + 512), source=0, tag=TAG)
                 continue
             if now > deadline:
-                req.Cancel()  # a receive not yet matched can be cancelled: nothing stays in flight
-                req.Wait()
+                serial.call(req.Cancel)  # a receive not yet matched can be cancelled: nothing stays in flight
+                serial.call(req.Wait)
                 raise StageTimeout(f"{what}this node's leader, rank {self.leader}, showed no progress for "
                                    f"{patience:g} s "
                                    "while it staged for the node (twice the timeout): it is frozen or stuck, or "
