@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from launch import openmpi, run
+from launch import long_run, openmpi, run
 from test_checkpoint import ckpt_op
 
 CASES = [("gloo", "sync"), ("gloo", "background"), ("hpcsync", "background")]
@@ -43,7 +43,8 @@ def test_fsdp2_resumes_bit_for_bit_from_a_sharded_checkpoint(tmp_path, backend, 
         assert two.ranks[0]["loaded"]["local"] is False and four.ranks[2]["loaded"]["local"] == {"rank": 2, "step": 10}
 
 
-@pytest.mark.parametrize("mode", ["sharded", "sharded-background"])
+# (in the background the same filesystem changes come from the checkpoint thread: a long run)
+@pytest.mark.parametrize("mode", ["sharded", pytest.param("sharded-background", marks=long_run)])
 def test_a_sharded_save_keeps_a_complete_checkpoint_at_every_moment(mode, tmp_path):
     """step 5 saved sharded, then again by a process that dies just before its k-th filesystem
     change -- hpcsync's and torch.distributed.checkpoint's own -- for every k: the next start
