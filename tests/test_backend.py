@@ -92,20 +92,26 @@ def test_sparse_all_reduce_sum(tmp_path):
         assert "supports ReduceOp.SUM only" in d["max"]
 
 
-@pytest.mark.parametrize("launcher,level", [("mpich", "serialized"), ("openmpi", "serialized"), ("mpich", "multiple")])
+@pytest.mark.parametrize("launcher,level", [("mpich", "serialized"), ("openmpi", "serialized"), ("mpich", "multiple"),
+                                            ("openmpi", "funneled")])
 def test_helpers_and_control_exchanges_hold_the_process_mpi_lock_below_multiple(launcher, level, tmp_path):
     """Below THREAD_MULTIPLE the comm helpers, the bounded control exchanges and the preemption
     guard's flags and the MPI store (client and server) call MPI only while holding the lock the
     backend's operations hold (one MPI call at a time in the process): with another thread
     holding it 1.5 s, each waits, then gives the right result; at THREAD_MULTIPLE none waits (but
-    rank 0's own 1.6 s beside the store's client)."""
+    rank 0's own 1.6 s beside the store's client). Under THREAD_FUNNELED, where the store's server
+    thread may not call MPI at all, the MPI store is refused with the reason."""
     res = run(LAUNCHERS[launcher](), 2, "serial_helper.py", tmp_path=tmp_path, timeout=120,
               env={"MPI4PY_RC_THREAD_LEVEL": level})
     for d in res.ranks:
         assert d["level"] == level, d
-        assert d["results"] == {"helper": [0, 1], "control": [0, 1], "guard": True, "store": "v"}, d
+        if level == "funneled":
+            assert "store='mpi' needs MPI_THREAD_SERIALIZED" in d["refused"], d
+            continue
+        assert d["results"] == {"helper": [0, 1], "control": [0, 1], "guard": True, "store": "v",
+                                "store-server": "v"}, d
         for name, took in d["took"].items():
-            if name == "store" and d["rank"] == 0:
+            if name.startswith("store") and d["rank"] == 0:
                 continue
             assert (took >= 1.3) if level != "multiple" else (took < 1.0), (name, d)
 

@@ -1,20 +1,20 @@
 """One failure report for a job of many ranks: the rank that failed first, once, at the top.
 
 When a rank raises, the abort hook (:func:`hpcsync.install_abort_hook`) hands the exception here
-instead of printing it. A rank whose node holds a lower rank that failed too leaves the report
-to it; the lowest failing rank of each node claims the report from an arbiter, rank 0 (when it
-does not answer, the first rank of the second node, then of the third): the first claim wins,
-and prints. So rank 0 answers one claim per node, not one per rank, and a rank 0 that is frozen
-or gone still gives one report. The winner asks every rank what it is doing through relays
-(bounded: a rank that does not answer within :func:`hpcsync.observe.relay.job_budget` is said
-to be silent), and prints one block: the earliest raise
-among the answers (a claim may reach rank 0 after its own, later one) with its traceback, node
-and step, then the other ranks in a few lines, grouped by what they
-do (still running at a line, or failed too with an error line), so 64 ranks that fail alike are
-one line. A rank that lost the claim prints nothing to the console (its traceback goes to its
-log file, :mod:`hpcsync.observe.logs`, and to the JSON report), waits for the winner to finish, and the
-job ends. Without MPI, one rank, or no responder threads (below ``THREAD_MULTIPLE``), the rank
-prints its own traceback as before.
+instead of printing it. A rank whose node holds a lower rank that goes for this report too
+leaves it to that rank; the lowest such rank of each node claims the report from an arbiter,
+rank 0 (when it does not answer, the first rank of the second node, then of the third): the
+first claim wins, and prints. So rank 0 answers about one claim per node, not one per rank, and
+a rank 0 that is frozen or gone still gives one report. The winner asks every rank what it is
+doing through relays (bounded: a rank that does not answer within
+:func:`hpcsync.observe.relay.job_budget` is said to be silent), and prints one block: the
+earliest raise among the answers (a claim may reach rank 0 after its own, later one) with its
+traceback, node and step, then the other ranks in a few lines, grouped by what they do (still
+running at a line, or failed too with an error line), so 64 ranks that fail alike are one line.
+A rank that lost the claim, or left it to a node-mate, prints nothing to the console (its
+traceback goes to its log file, :mod:`hpcsync.observe.logs`, and to the JSON report), waits for
+whichever rank prints, and the job ends. Without MPI, one rank, or no responder threads (below
+``THREAD_MULTIPLE``), the rank prints its own traceback as before.
 
 A gloo or NCCL collective that timed out or lost its peer is not the program's error: it is
 reported like a stuck collective of hpcsync's own backend (:func:`hpcsync.observe.watchdog.report_timeout`),
@@ -41,6 +41,7 @@ ARBITERS = 3  # the first rank of each of the job's first nodes, asked in turn
 DONE_WAIT_S = 15.0  # and the gathering's bound: a rank that lost the claim waits this long for the report
 MAX_LINES = 12  # groups of other ranks printed; the rest are counted
 
+_claiming = False  # this rank goes for the failure report (not a hang report's path): see report()
 watchdog.ANSWERS["failed"] = lambda _asker: _claiming  # does this rank go for the failure report?
 
 def _where(tb: Any) -> str:
@@ -94,9 +95,6 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     sys.stderr.flush()
     watchdog.notify_done(list(range(size)))
     return True
-
-
-_claiming = False  # this rank goes for the failure report (not a hang report's path): see report()
 
 
 def _failed_before(me: int) -> Optional[int]:

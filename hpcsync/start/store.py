@@ -10,7 +10,10 @@ Rank 0 serves requests from a thread (polled every 0.2 ms within a second of the
 every 5 ms when idle). ``get``/``wait`` block until the keys exist or the store's timeout passes;
 the server answers with the value or a timeout, so a client never waits for nothing; a client
 whose answer has not come :data:`REPLY_GRACE_S` after that (rank 0 gone or stuck) raises. Below
-``THREAD_MULTIPLE`` every MPI call here holds the process's MPI lock (:mod:`hpcsync.core.serial`).
+``THREAD_MULTIPLE`` every MPI call here holds the process's MPI lock (:mod:`hpcsync.core.serial`),
+as hpcsync's own calls do; a program's own mpi4py calls on rank 0 must too (or the job asks for
+``THREAD_MULTIPLE``). Under ``THREAD_FUNNELED`` the server thread may not call MPI at all: the
+store is refused.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from ..core import mpi, serial, settings
+from ..core import bounded, mpi, serial, settings
 
 _TAG_REQ, _TAG_REP = settings.TAG_STORE_REQUEST, settings.TAG_STORE_REPLY
 REPLY_GRACE_S = 30.0  # past the store's own timeout, for rank 0's answer to arrive
@@ -76,6 +79,10 @@ class MPIStore(dist.Store):
     def __init__(self, comm: Any = None, timeout: _dt.timedelta = _dt.timedelta(minutes=30)) -> None:
         super().__init__()
         MPI = mpi.MPI()
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise ValueError("store='mpi' needs MPI_THREAD_SERIALIZED or more (rank 0 serves the store from a thread "
+                             "of its own); this MPI runs at THREAD_FUNNELED or less: use the TCP store "
+                             "(store='tcp') or ask for more (MPI4PY_RC_THREAD_LEVEL=multiple)")
         self._comm = (comm or MPI.COMM_WORLD).Dup()
         self._rank = self._comm.Get_rank()
         self._timeout = timeout
@@ -163,13 +170,17 @@ class MPIStore(dist.Store):
         with self._lock:
             rid = next(self._ids)
             sent = serial.call(self._comm.isend, (rid, op, args, t), dest=0, tag=_TAG_REQ)
-            deadline = time.monotonic() + t + REPLY_GRACE_S  # the server answers by t (a timeout, at worst)
+            # the server answers a get or wait by t (a timeout, at worst), anything else at once
+            allowed = (t if op in ("get", "wait") else 0.0) + REPLY_GRACE_S
+            deadline = time.monotonic() + allowed
             while True:
                 msg = serial.call(self._comm.improbe, source=0, tag=_TAG_REP)
                 if msg is None:
                     if time.monotonic() > deadline:
+                        if not serial.call(sent.Test):  # MPI may still read its buffer: kept for good
+                            bounded.abandon(f"MPIStore: a request to rank 0 was never received ({op})", sent)
                         raise dist.DistStoreError(f"MPIStore: no answer from rank 0 (the store's server) within "
-                                                  f"{t + REPLY_GRACE_S:g}s to {op}: rank 0 is gone or stuck")
+                                                  f"{allowed:g}s to {op}: rank 0 is gone or stuck")
                     time.sleep(0.0005)
                     continue
                 got, ok, value = serial.call(msg.recv)
