@@ -39,20 +39,13 @@ def wait(req: Any, timeout: float, large: bool = False, idle: bool = False) -> N
     Spins first, then sleeps a millisecond between tests, unless ``large`` (a transfer that MPI
     progresses only inside calls: it spins throughout) or ``idle`` (a rank with nothing to do
     while the others work: it sleeps from the start, 0.5 ms at most, leaving them the cores)."""
-    held = serial.lock()  # below THREAD_MULTIPLE: one MPI call at a time in the process
-
-    def test() -> bool:
-        if held is None:
-            return req.Test()
-        with held:
-            return req.Test()
-
-    if test():
+    serialized = serial.lock() is not None  # below THREAD_MULTIPLE: each test holds the process's MPI lock
+    if serial.call(req.Test):
         return
     now = time.monotonic()
     deadline, spin_until = now + timeout, (now if idle else now + SPIN_S)
     pause = 0.0002
-    while not test():
+    while not serial.call(req.Test):
         now = time.monotonic()
         if now > deadline:
             raise CollectiveTimeout(f"an MPI request waited {timeout:g} s")
@@ -61,7 +54,7 @@ def wait(req: Any, timeout: float, large: bool = False, idle: bool = False) -> N
             pause = min(pause * 2, 0.0005)
         elif not large and now > spin_until:
             time.sleep(0.001)
-        elif held is not None:
+        elif serialized:
             time.sleep(0)  # a thread waiting for the lock gets it between two tests
 
 
