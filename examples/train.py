@@ -161,6 +161,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint-sync", action="store_true", help="write the periodic checkpoints before going on")
     p.add_argument("--fsdp", action="store_true", help="shard the model over the ranks (FSDP2) instead of DDP; "
                    "checkpoints are then sharded: every rank writes its own part (--checkpoint-dir must be shared)")
+    p.add_argument("--checkpoint-local", metavar="DIR", help="with --fsdp: write checkpoints to this node-local "
+                   "folder on every node ($SLURM_TMPDIR), each rank's files copied to --replicas other nodes, and "
+                   "to --checkpoint-dir every --shared-every-th save and at a stop; a lost node's ranks restore from "
+                   "the copies")
+    p.add_argument("--replicas", type=int, default=1, help="with --checkpoint-local: how many other nodes hold a copy")
+    p.add_argument("--shared-every", type=int, default=10, metavar="K",
+                   help="with --checkpoint-local: also write every K-th save to --checkpoint-dir (0: only at a stop)")
     p.add_argument("--seed", type=int, help="seed of the initial weights (default: a random one, shared)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--step-time", type=float, default=0.0, metavar="SECONDS",
@@ -187,7 +194,10 @@ def main() -> None:
     sampler = ResumableSampler(DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0))
     if args.checkpoint_every and not args.checkpoint_dir:
         raise SystemExit("--checkpoint-every needs --checkpoint-dir")
-    ckpts = hpcsync.Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.checkpoint_local and not (args.fsdp and args.checkpoint_dir):
+        raise SystemExit("--checkpoint-local needs --fsdp and --checkpoint-dir")
+    ckpts = hpcsync.Checkpoints(args.checkpoint_dir, local_dir=args.checkpoint_local, replicas=args.replicas,
+                                shared_every=args.shared_every) if args.checkpoint_dir else None
     guard = hpcsync.preemption() if ckpts else None  # records SIGUSR1 / SIGTERM; stops at an agreed step
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         worker_init_fn=guard.worker_init_fn if guard else None)
@@ -266,9 +276,12 @@ def main() -> None:
                             where = {"epoch": epoch, "batch": step + 1, "history": history}
                             weights = {"sharded": sharded_state(model, opt)} if args.fsdp else \
                                 {"shared": {"model": model.state_dict(), "optimizer": opt.state_dict(), **where}}
+                            # (node-local copies are written before save() returns; a stop's go to the root too)
+                            node_local = {"to_root": stop} if args.checkpoint_local else {}
                             ckpts.save(steps_done, **weights, **({"shared": where} if args.fsdp else {}),
                                        local={"rows": rows, "total": total, "count": count, "rng": rng_states()},
-                                       background=not stop and not args.checkpoint_sync)
+                                       background=not stop and not args.checkpoint_sync and not node_local,
+                                       **node_local)
                     if stop:
                         stopped = guard.reason
                         break

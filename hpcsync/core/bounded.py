@@ -141,6 +141,14 @@ class BoundedComm:
         must never match the program's own."""
         return self._comm()
 
+    def give_up(self, op: str, reqs: Any, keep: Any) -> None:
+        """Point-to-point requests on :meth:`raw` that waited past their deadline: kept for good
+        with their buffers (MPI may still complete them), and this communicator unusable from here
+        (as after a collective's timeout)."""
+        self._p.broken = (f"{self.what}: {op} timed out after {self.timeout:g} s on rank {self._rank} "
+                          f"(hpcsync's control communicator of {self._size} ranks is unusable from here)")
+        abandon(self._p.broken, reqs, keep)
+
     def free(self) -> None:
         """Free the private duplicate of a communicator made by :func:`own` (not after a
         timeout: an abandoned operation is still in flight on it)."""
@@ -162,6 +170,9 @@ class BoundedComm:
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         self._run("Bcast", "Ibcast", (buf,), {"root": root}, into=_counted(buf) if self._rank != root else None)
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        self._run("Alltoall", "Ialltoall", (sendbuf, recvbuf), into=recvbuf)
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
         self._run("Allreduce", "Iallreduce", (sendbuf, recvbuf), {"op": op if op is not None else mpi.MPI().SUM},

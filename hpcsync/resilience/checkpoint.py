@@ -53,6 +53,7 @@ from ..observe import failure
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
 from . import checkpoint_io
+from . import node_copies as _node_copies
 from . import sharded as _sharded
 from .checkpoint_io import dumps, from_rank0, loads, numpy_safe_globals  # noqa: F401  (the API's)
 from .root_owner import OWNER, claim, job_running, this_job  # noqa: F401  (the API's)
@@ -73,6 +74,7 @@ class Checkpoint:
     shared: Any
     local: Any
     seq: int = -1
+    read: Optional[Dict[str, Any]] = None  #: with ``local_dir``: this rank's bytes read from its node, peers, the root
 
 
 class Checkpoints:
@@ -80,12 +82,24 @@ class Checkpoints:
     after a save (older ones are removed; at least 1). Every method is collective over the world
     or ``group`` (a torch process group or an mpi4py communicator), each exchange bounded by
     ``timeout`` seconds (default ``HPCSYNC_TIMEOUT``). ``safe_globals``: further types a
-    checkpoint may hold (``torch.serialization.add_safe_globals``'s kind)."""
+    checkpoint may hold (``torch.serialization.add_safe_globals``'s kind).
+
+    ``local_dir``: sharded saves go to this node-local folder on every node (``$SLURM_TMPDIR``),
+    each rank's files copied to ``replicas`` other nodes, and into ``root`` only every
+    ``shared_every``-th save (by sequence number; 0: only when ``save(to_root=True)``); a load
+    after a lost node reads from the surviving copies, not from ``root``:
+    :mod:`hpcsync.resilience.node_copies`."""
 
     def __init__(self, root: str, keep: int = 2, group: Any = None, timeout: Optional[float] = None,
-                 safe_globals: Sequence[Any] = ()) -> None:
+                 safe_globals: Sequence[Any] = (), local_dir: Optional[str] = None, replicas: int = 1,
+                 shared_every: int = 10) -> None:
         if keep < 1:
             raise ValueError(f"Checkpoints(keep={keep}): at least 1 must be kept")
+        if replicas < 0 or shared_every < 0:
+            raise ValueError(f"Checkpoints(replicas={replicas}, shared_every={shared_every}): neither may be negative")
+        self.local_dir = os.path.abspath(local_dir) if local_dir else None
+        self.replicas, self.shared_every = replicas, shared_every
+        self._layout: Any = None  # with local_dir: which ranks share a node (learned on first use)
         self.root = os.path.abspath(root)
         self.keep = keep
         self.timeout = timeout
@@ -153,14 +167,19 @@ class Checkpoints:
                     continue
         return max(seqs) + 1
 
-    def _name(self, step: int) -> Tuple[str, str, int]:
+    def _root_seq(self) -> int:
+        """Claim the root; the sequence number its next checkpoint would get."""
+        claim(self.root, self._job)
+        return self._next_seq()
+
+    def _name(self, step: int, seq: Optional[int] = None) -> Tuple[str, str, int]:
         """Claim the root, clear what an interrupted save left, and name the new checkpoint:
-        ``(temporary dir, final dir, sequence number)``."""
+        ``(temporary dir, final dir, sequence number)`` (``seq`` when given: a node-local save's)."""
         claim(self.root, self._job)
         for name in os.listdir(self.root):  # what an earlier, interrupted save of this root left
             if name.startswith(".step-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        seq = self._next_seq()
+        seq = self._next_seq() if seq is None else seq
         tmp = os.path.join(self.root, f".step-{step:08d}.{seq}.tmp")
         final = self.path(step)
         if os.path.lexists(final):  # the same step saved again: a name of its own, the old one stays
@@ -173,9 +192,9 @@ class Checkpoints:
         files = {"shared.pt": shared, **{f"rank-{r:05d}.pt": data for r, data in enumerate(locals_)}}
         return tmp, final, files, {"step": step, "seq": seq, "world_size": len(locals_)}
 
-    def _plan_sharded(self, step: int) -> Tuple[str, str, int]:
+    def _plan_sharded(self, step: int, seq: Optional[int] = None) -> Tuple[str, str, int]:
         """:meth:`_name`, the temporary directory made for every rank to write its part into."""
-        tmp, final, seq = self._name(step)
+        tmp, final, seq = self._name(step, seq)
         os.makedirs(os.path.join(tmp, "sharded"))
         return tmp, final, seq
 
@@ -240,6 +259,8 @@ class Checkpoints:
         """The step of the last saved complete checkpoint (rank 0 looks, every rank gets its answer)."""
         self.wait()
         ctl = self._ctl("latest()")
+        if self.local_dir:
+            return _node_copies.latest(self, ctl)
         found: Optional[int] = None
         error = None
         if ctl.Get_rank() == 0:
@@ -255,7 +276,7 @@ class Checkpoints:
         return found
 
     def save(self, step: int, shared: Any = None, local: Any = None, background: bool = False,
-             sharded: Any = None) -> str:
+             sharded: Any = None, to_root: bool = False) -> str:
         """Write checkpoint ``step``: rank 0's ``shared`` (the same on every rank under DDP, so only
         rank 0's is kept) and every rank's ``local``. Returns its directory on every rank once it is
         complete; raises :class:`CheckpointError` on every rank if any part failed.
@@ -270,9 +291,17 @@ class Checkpoints:
         ``sharded=``, every rank) writes the files on a thread of its own while training goes on.
         The next save, :meth:`load`, :meth:`latest` and :meth:`wait` first wait for it (and raise
         its error, if any, on every rank); a crash while it writes leaves the previous complete
-        checkpoint the latest. The returned directory exists once it completes."""
+        checkpoint the latest. The returned directory exists once it completes.
+
+        ``to_root``: with ``local_dir``, write this save into the root too (as every
+        ``shared_every``-th): a stop before the allocation ends, whose node-local disks go with it."""
         self.wait()
         ctl = self._ctl(f"save of step {step}")
+        if self.local_dir:
+            if sharded is None or background:
+                raise ValueError("Checkpoints(local_dir=...) takes sharded saves written before save() returns "
+                                 "(sharded=..., background=False): node-local copies are of a sharded state")
+            return _node_copies.save(self, ctl, step, shared, local, sharded, to_root)
         if sharded is not None:
             if background:
                 return self._save_sharded_background(ctl, step, shared, local, sharded)
@@ -380,6 +409,15 @@ class Checkpoints:
         ``local``, and a job of another size reshards (its ``local`` is then None)."""
         self.wait()
         ctl = self._ctl("load()")
+        if self.local_dir:
+            if sharded is None:
+                raise ValueError("Checkpoints(local_dir=...) loads sharded checkpoints: load(sharded=<a state dict>)")
+            got6 = _node_copies.load(self, ctl, step, sharded)
+            if got6 is None:
+                return None
+            found, folder, seq, shared, local, read = got6
+            log.info("hpcsync.checkpoint: resuming from step %d (%s, sharded)", found, folder)
+            return Checkpoint(found, folder, shared, local, seq, read)
         if sharded is not None:
             got = _sharded.load(self, ctl, step, sharded)
             if got is None:

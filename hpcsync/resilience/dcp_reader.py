@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from .checkpoint_io import numpy_safe_globals
 
@@ -55,10 +55,15 @@ class MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes 
 
 
 def read_metadata(path: str) -> Any:
-    """The metadata at ``path``, read by :class:`MetadataUnpickler`; every file it names must be a
-    plain name (no folder, no ``..``): a load reads nothing outside the checkpoint's folder."""
+    """The metadata at ``path``, read by :func:`parse_metadata`."""
     with open(path, "rb") as f:
-        metadata = MetadataUnpickler(io.BytesIO(f.read())).load()
+        return parse_metadata(f.read())
+
+
+def parse_metadata(data: bytes) -> Any:
+    """DCP's metadata from its bytes, read by :class:`MetadataUnpickler`; every file it names must
+    be a plain name (no folder, no ``..``): a load reads nothing outside the checkpoint's folder."""
+    metadata = MetadataUnpickler(io.BytesIO(data)).load()
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel = str(getattr(info, "relative_path", ""))
         if not rel or rel != os.path.basename(rel) or rel in (".", ".."):
@@ -80,6 +85,56 @@ def reader(path: str) -> Any:
             return metadata
 
     return SafeReader(path)
+
+
+def ranged_reader(metadata: bytes, fetch: Callable[[List[Tuple[str, int, int]]], Dict[Tuple[str, int, int], Any]],
+                  folder: str = "") -> Any:
+    """A DCP reader that reads no folder of its own: its metadata is ``metadata`` (bytes, read by
+    :func:`parse_metadata`) and :meth:`read_data` gets the bytes of every item its rank reads from
+    one call of ``fetch`` (collective: every rank makes it once per load) with the item's
+    ``(file name, offset, length)`` list, file names as in the metadata (inside ``folder``, when
+    given: ``folder/name``). What each item then
+    becomes is what DCP's own FileSystemReader makes of it (tensors with ``weights_only=True``)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed._shard._utils import narrow_tensor_by_index  # what DCP's own reader uses
+    from torch.futures import Future
+
+    class RangedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            parsed = parse_metadata(metadata)
+            if getattr(parsed, "storage_meta", None) is None:
+                parsed.storage_meta = StorageMeta()
+            parsed.storage_meta.load_id = self.load_id
+            return parsed
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            items = [(req, self.storage_data[req.storage_index]) for req in plan.items]
+            ranges = [(f"{folder}/{md.relative_path}" if folder else str(md.relative_path), int(md.offset),
+                       int(md.length)) for _, md in items]
+            got = fetch(ranges)
+            for (req, md), where in zip(items, ranges):
+                stream: Any = io.BytesIO(got[where])
+                if getattr(md, "transform_descriptors", None):
+                    stream = self.transforms.transform_load_stream(req, md.transform_descriptors, stream)
+                    stream = io.BytesIO(stream.read(-1))
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, stream)
+                    continue
+                tensor = torch.load(stream, map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+
+    return RangedReader("/nonexistent-hpcsync-ranged-reader")
 
 
 def planner(extra: Sequence[Any]) -> Any:

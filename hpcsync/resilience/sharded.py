@@ -130,19 +130,18 @@ def _own_files(folder: str, rank: int, names: Sequence[str]) -> Dict[str, int]:
     return sizes
 
 
-def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
-           ) -> Tuple[Any, bytes, bytes, str, str, int, int, Dict[str, Any]]:
+def prepare(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
+            ) -> Tuple[Any, bytes, bytes, int, Dict[str, Any]]:
     """What a sharded save does first, on every rank: ``(DCP's process group, local state's bytes,
-    shared state's bytes (rank 0), temporary dir, final dir, seq, the most bytes one rank writes,
-    the state with its Stateful objects read)``; every error so far agreed (a value other than a
-    DTensor that differs between ranks is one), the temporary directory made by rank 0 and seen by
-    every rank; ``ctl``'s waits from here on allow for the biggest rank's writes. Collective."""
+    shared state's bytes (rank 0), the most bytes one rank writes, the state with its Stateful
+    objects read)``; every error so far agreed (a value other than a DTensor that differs between
+    ranks is one); ``ctl``'s waits from here on allow for the biggest rank's writes. Collective."""
 
-    me, size = ctl.Get_rank(), ctl.Get_size()
+    me = ctl.Get_rank()
     failed = f"hpcsync.checkpoint: step {step} not saved: "
     error, pg, data, blob, plain, sums = None, None, b"", b"", {}, {}
     try:
-        pg = process_group(ckpts._group, size)
+        pg = process_group(ckpts._group, ctl.Get_size())
         doing = "serialise its local state"
         data = dumps(local)
         doing = "serialise the shared state"
@@ -165,11 +164,26 @@ def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
                      "one rank); give per-rank values as local=", CheckpointError, failed)
     biggest = max(n for n, _ in seen)
     checkpoint_io.allow_for(ctl, biggest)  # the others wait while the biggest part is written
-    tmp, final, seq = from_rank0(ctl, lambda: ckpts._plan_sharded(step), f"step {step} not saved (rank 0: {{}})")
+    return pg, data, blob, biggest, plain
+
+
+def visible(ctl: Any, step: int, tmp: str) -> None:
+    """Collective: every rank sees ``tmp``, which rank 0 made in the shared root; else the same
+    error on every rank."""
     error = None if os.path.isdir(tmp) else (
         f"does not see {tmp}, which rank 0 made: a sharded checkpoint's root must be a directory every rank sees "
         "(a shared filesystem)")
-    raise_if_any(ctl, error, CheckpointError, failed)
+    raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
+
+
+def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
+           ) -> Tuple[Any, bytes, bytes, str, str, int, int, Dict[str, Any]]:
+    """:func:`prepare`, then the checkpoint's temporary directory in the root, made by rank 0 and
+    seen by every rank: ``(process group, local bytes, shared bytes, temporary dir, final dir,
+    seq, the most bytes one rank writes, the state)``. Collective."""
+    pg, data, blob, biggest, plain = prepare(ckpts, ctl, step, shared, local, state)
+    tmp, final, seq = from_rank0(ctl, lambda: ckpts._plan_sharded(step), f"step {step} not saved (rank 0: {{}})")
+    visible(ctl, step, tmp)
     return pg, data, blob, tmp, final, seq, biggest, plain
 
 
@@ -300,11 +314,21 @@ def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any,
     return final, ckpts._thread().submit(finish), biggest
 
 
+def put_back(template: Dict[str, Any], plain: Dict[str, Any]) -> None:
+    """``plain``'s loaded values into ``template``: what DCP's own load does with a Stateful."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    for key, value in template.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(plain[key])
+        else:
+            template[key] = plain[key]
+
+
 def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[Tuple[int, str, int, Any, Any]]:
     """:meth:`Checkpoints.load` with ``sharded=template``: ``(step, folder, seq, shared, local)``
     with ``template`` loaded in place, or None when there is no checkpoint. Collective."""
-
-    me, size = ctl.Get_rank(), ctl.Get_size()
+    me = ctl.Get_rank()
     chosen, error = None, None
     if me == 0:
         try:
@@ -316,6 +340,14 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
         raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
     if chosen is None:
         return None
+    return load_chosen(ckpts, ctl, chosen, template, latest=step is None)
+
+
+def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optional[bytes]], template: Any,
+                latest: bool) -> Tuple[int, str, int, Any, Any]:
+    """The rest of :func:`load`, from the checkpoint in the root that rank 0 chose (``(step, folder,
+    seq, marker, shared.pt's bytes)`` on every rank). Collective."""
+    me, size = ctl.Get_rank(), ctl.Get_size()
     found, folder, seq, marker, shared_blob = chosen
     error, pg, plain = None, None, {}
     try:
@@ -327,15 +359,10 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
     error, local, shared = None, None, None
     try:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.stateful import Stateful
 
         dcp.load(plain, storage_reader=dcp_reader.reader(os.path.join(folder, FOLDER)),
                  planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_alone())
-        for key, value in template.items():  # what DCP's own load does with a Stateful
-            if isinstance(value, Stateful):
-                value.load_state_dict(plain[key])
-            else:
-                template[key] = plain[key]
+        put_back(template, plain)
         shared = loads(shared_blob, ckpts.safe_globals) if shared_blob is not None else None
         name = f"rank-{me:05d}.pt"
         if marker["world_size"] == size and name in marker["files"]:
@@ -347,7 +374,7 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
     except _failed() as exc:
         error = f"{folder}: {_why(exc)}"
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
-    if me == 0 and step is None:  # the latest: what a supervised attempt resumes from
+    if me == 0 and latest:  # the latest: what a supervised attempt resumes from
         from ..observe import failure
 
         failure.note_resume(found, folder, marker.get("time"))

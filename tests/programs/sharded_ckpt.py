@@ -54,7 +54,17 @@ def state():
 
 
 out = {"rank": R, "world_size": W, "mode": mode}
-ckpts = hpcsync.Checkpoints(root, keep=2)
+options = {}
+if os.environ.get("HPCSYNC_TEST_LOCAL_DIR"):  # node-local copies; FAKE_NODES=k: k ranks a "node" on this host
+    local_dir, per = os.environ["HPCSYNC_TEST_LOCAL_DIR"], int(os.environ.get("HPCSYNC_TEST_FAKE_NODES", "0"))
+    if per:
+        import socket
+
+        socket.gethostname = lambda: f"fake{R // per}"
+        local_dir = os.path.join(local_dir, f"fake{R // per}")
+    options = {"local_dir": local_dir, "replicas": int(os.environ.get("HPCSYNC_TEST_REPLICAS", "1")),
+               "shared_every": int(os.environ.get("HPCSYNC_TEST_SHARED_EVERY", "0"))}
+ckpts = hpcsync.Checkpoints(root, keep=2, **options)
 start = 0
 if mode in ("perrank", "partial", "stateful"):  # bad input: the same error on every rank, no hang
     from torch.distributed.checkpoint.stateful import Stateful
@@ -119,7 +129,7 @@ if mode in ("resume", "full"):
         sys.exit(0)
     set_state_dict(model, opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
     out["loaded"] = {"step": got.step, "shared": got.shared, "local": got.local is not None and {
-        "rank": got.local["rank"], "step": got.local["step"]}}
+        "rank": got.local["rank"], "step": got.local["step"]}, "read": got.read}
     if mode == "full":
         out["params"] = full_params()
         report(R, out)

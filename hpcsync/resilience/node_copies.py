@@ -1,0 +1,408 @@
+"""Sharded checkpoints on node-local disks, each rank's files copied to peers on other nodes.
+
+``Checkpoints(root, local_dir=DIR, replicas=1, shared_every=K)`` with ``save(step, sharded=...)``:
+
+- **written where the node is**: every rank writes its shard (torch.distributed.checkpoint's
+  files), its ``local`` state and, on rank 0, the shared state and DCP's metadata into its own
+  node's ``DIR/hpcsync-<root's name>-<hash>/`` (one folder per checkpoint root, made ``0700``
+  where anyone may create names; a symbolic link or another user's folder is refused);
+- **copied to ``replicas`` other nodes**: rank ``i`` of node ``k`` sends its files to rank ``i``
+  (modulo that node's ranks) of nodes ``k+1 .. k+replicas`` over MPI, in bounded chunks
+  (:mod:`hpcsync.resilience.peer_transfer`), so any ``replicas`` nodes may be lost;
+- **complete only when every part and every copy is durable**: the ranks agree, then each node's
+  first rank writes that node's marker (the files it holds, their sizes, how many the whole
+  checkpoint has) and renames the folder into place; older ones beyond ``keep`` are removed;
+- **the shared root every K-th save** (by sequence number; ``shared_every=0``: never): each rank
+  copies its own files from the node-local folder into the root, which is then marked complete as
+  any sharded checkpoint there. The other saves read and write nothing in the root but the owner
+  record (one job per root).
+
+A load gathers every node's list of complete copies to rank 0, which takes the last saved
+checkpoint whose files the nodes of this job hold between them (or the root's, if it is newer):
+each rank then reads the byte ranges DCP asks of it from its own node's disk, or fetches exactly
+those from a rank whose node holds them (one bounded exchange), and nothing from the shared root.
+Only when no complete set survived does it read the root.
+
+The node-local folder outlives a job step and a relaunch on the same nodes (it is a folder on the
+node's disk), not the allocation when ``DIR`` is the allocation's own (``$SLURM_TMPDIR``, or a
+job-named folder the job script removes at its end): clean-up is then the cluster's; otherwise
+``keep`` bounds what stays. A job of another world size loads the same copies (DCP reshards; the
+ranks' ``local`` states are then not loaded).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..core.errors import CheckpointError, raise_if_any
+from ..data.filesync import fsync_dir
+from ..data.staging.destination import make_private_dirs
+from . import checkpoint_io, dcp_reader, peer_transfer
+from . import sharded as _sharded
+from .checkpoint_io import from_rank0, loads
+from .root_owner import claim
+
+log = logging.getLogger("hpcsync.checkpoint")
+
+MARKER = "COMPLETE"
+FOLDER = _sharded.FOLDER
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which ranks of a communicator share a node (its hostname), nodes numbered by their lowest
+    rank; where each rank's copies go."""
+
+    node_of: Sequence[int]
+    ranks: Sequence[Sequence[int]]
+    names: Sequence[str]
+
+    @classmethod
+    def of(cls, hosts: Sequence[str]) -> "Layout":
+        index: Dict[str, int] = {}
+        for h in hosts:
+            index.setdefault(h, len(index))
+        ranks: List[List[int]] = [[] for _ in index]
+        for r, h in enumerate(hosts):
+            ranks[index[h]].append(r)
+        return cls([index[h] for h in hosts], ranks, list(index))
+
+    def leader(self, rank: int) -> int:
+        return self.ranks[self.node_of[rank]][0]
+
+    def peers(self, rank: int, replicas: int) -> List[int]:
+        """The ranks that get ``rank``'s copies: the same place on each of the next nodes."""
+        k, nodes = self.node_of[rank], len(self.ranks)
+        i = self.ranks[k].index(rank)
+        out = []
+        for j in range(1, min(replicas, nodes - 1) + 1):
+            theirs = self.ranks[(k + j) % nodes]
+            out.append(theirs[i % len(theirs)])
+        return out
+
+    def incoming(self, rank: int, replicas: int) -> List[int]:
+        return [r for r in range(len(self.node_of)) if rank in self.peers(r, replicas)]
+
+    def where(self, rank: int) -> str:
+        return f"rank {rank} on {self.names[self.node_of[rank]]}"
+
+
+def layout(ckpts: Any, ctl: Any) -> Layout:
+    """The layout of ``ctl``'s ranks (one allgather of hostnames, the first time)."""
+    if ckpts._layout is None or len(ckpts._layout.node_of) != ctl.Get_size():
+        ckpts._layout = Layout.of(ctl.allgather(socket.gethostname()))
+    return ckpts._layout
+
+
+def base(ckpts: Any) -> str:
+    """This node's folder for the checkpoints of ``ckpts.root``."""
+    name = os.path.basename(ckpts.root.rstrip("/")) or "root"
+    return os.path.join(ckpts.local_dir, f"hpcsync-{name}-{zlib.crc32(ckpts.root.encode()):08x}")
+
+
+def _name(step: int, seq: int) -> str:
+    return f"step-{step:08d}.{seq}"
+
+
+def _copies(folder: str) -> Dict[int, Tuple[str, dict]]:
+    """This node's complete copies: ``{seq: (folder, marker)}``; a copy whose files differ from
+    its marker is skipped with a warning."""
+    found: Dict[int, Tuple[str, dict]] = {}
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        path = os.path.join(folder, name)
+        if not name.startswith("step-"):
+            continue
+        try:
+            with open(os.path.join(path, MARKER)) as f:
+                marker = json.load(f)
+            bad = [n for n, size in marker["files"].items() if os.path.getsize(os.path.join(path, n)) != size]
+            if bad:
+                raise ValueError(f"{', '.join(bad[:3])} differ in size from its marker")
+            found[int(marker["seq"])] = (path, marker)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("hpcsync.checkpoint: skipping the node-local copy %s: %s", path, exc)
+    return found
+
+
+def _own(folder: str, rank: int) -> Dict[str, str]:
+    """The files this rank wrote into ``folder``: ``{name in the checkpoint: path}``."""
+    names = [f"rank-{rank:05d}.pt"] + [f"{FOLDER}/{n}" for n in os.listdir(os.path.join(folder, FOLDER))
+                                       if n.startswith(f"__{rank}_")]
+    if rank == 0:
+        names += [f"{FOLDER}/.metadata", "shared.pt"]
+    return {n: os.path.join(folder, n) for n in names}
+
+
+def _held(folder: str) -> Dict[str, int]:
+    """Every checkpoint file in ``folder`` (its own ranks' and the copies), with its size."""
+    out = {}
+    for sub in ("", FOLDER):
+        for n in os.listdir(os.path.join(folder, sub)):
+            path = os.path.join(folder, sub, n)
+            if n != MARKER and os.path.isfile(path):
+                out[f"{sub}/{n}" if sub else n] = os.path.getsize(path)
+    return out
+
+
+def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, to_root: bool = False) -> str:
+    """:meth:`Checkpoints.save` with ``sharded=`` and ``local_dir``: see the module. Returns this
+    node's folder of the new checkpoint (the root's, on a save that also went there). Collective."""
+    me, size = ctl.Get_rank(), ctl.Get_size()
+    failed = f"hpcsync.checkpoint: step {step} not saved: "
+    lay = layout(ckpts, ctl)
+    replicas = min(ckpts.replicas, len(lay.ranks) - 1)
+    if replicas < ckpts.replicas and me == 0 and "replicas" not in ckpts._warned:
+        ckpts._warned.add("replicas")
+        log.warning("hpcsync.checkpoint: replicas=%d, but the job has %d node(s): each checkpoint is on %d node(s); "
+                    "losing one loses its newest copies", ckpts.replicas, len(lay.ranks), replicas + 1)
+    pg, data, blob, _, plain = _sharded.prepare(ckpts, ctl, step, shared, local, state)
+    here, leader, newest, error = base(ckpts), lay.leader(me) == me, -1, None
+    if leader:
+        try:
+            refused = make_private_dirs(here)
+            if refused:
+                raise CheckpointError(f"local_dir: {refused}")
+            for name in os.listdir(here):  # what an interrupted save left
+                if name.startswith(".step-") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(here, name), ignore_errors=True)
+            newest = max(_copies(here), default=-1)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: ")
+    raise_if_any(ctl, error, CheckpointError, failed)
+    newest = max(ctl.allgather(newest))  # (one int a rank)
+
+    def plan() -> Tuple[int, bool]:  # rank 0: after the nodes' copies and the root's
+        seq = max(newest + 1, ckpts._root_seq())
+        return seq, to_root or (bool(ckpts.shared_every) and seq % ckpts.shared_every == 0)
+
+    seq, to_root = from_rank0(ctl, plan, f"step {step} not saved (rank 0: {{}})")
+    tmp, final = os.path.join(here, f".{_name(step, seq)}.tmp"), os.path.join(here, _name(step, seq))
+    error = None
+    try:
+        if leader:
+            os.makedirs(os.path.join(tmp, FOLDER))
+    except OSError as exc:
+        error = f"cannot make {tmp}: {exc}"
+    raise_if_any(ctl, error, CheckpointError, failed)
+    error, own = None, {}
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
+                 process_group=pg, no_dist=_sharded._alone())
+        checkpoint_io.write_file(os.path.join(tmp, f"rank-{me:05d}.pt"), data)
+        if me == 0:
+            checkpoint_io.write_file(os.path.join(tmp, "shared.pt"), blob)
+        own = _own(tmp, me)
+    except _sharded._failed() as exc:
+        error = _sharded._why(exc)
+    raise_if_any(ctl, error, CheckpointError, failed)
+    out = {peer: sorted(own.items()) for peer in lay.peers(me, replicas)}
+    _, errors = peer_transfer.send_files(ctl, out, lay.incoming(me, replicas), tmp, lay.where)
+    raise_if_any(ctl, errors[0] if errors else None, CheckpointError, failed)
+    count = sum(ctl.allgather(len(own)))  # every rank's files are on disk, its copies too
+    error = None
+    if leader:
+        try:
+            marker = {"step": step, "seq": seq, "world_size": size, "count": count, "files": _held(tmp),
+                      "job": ckpts._job, "time": time.time(), "sharded": True}
+            checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+            fsync_dir(os.path.join(tmp, FOLDER))
+            fsync_dir(tmp)
+            os.rename(tmp, final)
+            fsync_dir(here)
+            copies = _copies(here)
+            for old in sorted(copies, reverse=True)[ckpts.keep:]:
+                shutil.rmtree(copies[old][0], ignore_errors=True)
+        except OSError as exc:
+            error = f"cannot complete {final}: {exc}"
+    raise_if_any(ctl, error, CheckpointError, failed)
+    if not to_root:
+        return final
+    return _to_root(ckpts, ctl, step, seq, final, blob)
+
+
+def _to_root(ckpts: Any, ctl: Any, step: int, seq: int, folder: str, blob: bytes) -> str:
+    """The checkpoint just completed in the node-local ``folder``, copied into the shared root by
+    each rank (its own files), then marked complete there. Collective."""
+    me, size = ctl.Get_rank(), ctl.Get_size()
+    failed = f"hpcsync.checkpoint: step {step} saved on the nodes, not in {ckpts.root}: "
+    tmp, final, _ = from_rank0(ctl, lambda: ckpts._plan_sharded(step, seq), f"step {step} not saved (rank 0: {{}})")
+    _sharded.visible(ctl, step, tmp)
+    error, sizes = None, {}
+    try:
+        for name, path in _own(folder, me).items():
+            if name == "shared.pt":  # (rank 0 writes it from memory as it completes the checkpoint)
+                continue
+            with open(path, "rb") as src, open(os.path.join(tmp, name), "xb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+            if name != f"{FOLDER}/.metadata":
+                sizes[name] = os.path.getsize(path)
+    except OSError as exc:
+        error = f"cannot copy into {tmp}: {exc}"
+    raise_if_any(ctl, error, CheckpointError, failed)
+    every = ctl.gather(sizes, root=0)
+    return from_rank0(ctl, lambda: _sharded._complete(ckpts, step, seq, size, tmp, final, blob, every),
+                      f"step {step} not saved in the root (rank 0: {{}})")
+
+
+def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[int, dict]]], lay: Layout) -> Any:
+    """Rank 0: ``("local", step, seq, world size, {file: holding nodes}, {file: size})`` for the
+    last saved checkpoint the nodes hold between them, ``("root", chosen)`` when the root's is
+    newer (or the only one), or None."""
+    union: Dict[int, Dict[str, Any]] = {}
+    for node, copies in enumerate(every):
+        for seq, marker in (copies or {}).items():
+            if step is not None and marker["step"] != step:
+                continue
+            u = union.setdefault(seq, {"marker": marker, "holders": {}, "sizes": {}})
+            for name, n in marker["files"].items():
+                if u["sizes"].setdefault(name, n) != n:  # two copies that differ: never chosen
+                    u["marker"] = None
+                u["holders"].setdefault(name, []).append(node)
+    covered = [s for s, u in union.items() if u["marker"] is not None and len(u["sizes"]) == u["marker"]["count"]]
+    seq = max(covered, default=-1)
+    claim(ckpts.root, ckpts._job)
+    in_root = [(s, st) for s, st, _ in ckpts._complete() if step is None or st == step]  # (markers only)
+    if in_root and in_root[0][0] > seq:
+        return ("root", ckpts._choose(in_root[0][1], sharded=True))
+    if seq < 0:
+        if step is not None:
+            raise ValueError(f"no complete checkpoint of step {step} under {ckpts.root} or on this job's nodes")
+        return None
+    m = union[seq]["marker"]
+    return ("local", m["step"], seq, m["world_size"], union[seq]["holders"], union[seq]["sizes"], m.get("time"))
+
+
+def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int]) -> Any:
+    """Collective: every node's complete copies gathered to rank 0, its choice (:func:`_choose`)
+    on every rank; rank 0's error as one CheckpointError on every rank."""
+    me = ctl.Get_rank()
+    leader = lay.leader(me) == me
+    copies = {seq: marker for seq, (_, marker) in _copies(base(ckpts)).items()} if leader else None
+    every = ctl.gather(copies, root=0)
+    chosen, error = None, None
+    if me == 0:
+        try:
+            chosen = _choose(ckpts, step, [every[ranks[0]] for ranks in lay.ranks], lay)
+        except Exception as exc:
+            error = f"cannot load from {ckpts.root} or the nodes' copies: {type(exc).__name__}: {exc}"
+    chosen, error = ctl.bcast((chosen, error), root=0)
+    if error:
+        raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
+    return chosen
+
+
+def latest(ckpts: Any, ctl: Any) -> Optional[int]:
+    """:meth:`Checkpoints.latest` with ``local_dir``: the step a load would take. Collective."""
+    chosen = _decide(ckpts, ctl, layout(ckpts, ctl), None)
+    return None if chosen is None else chosen[1][0] if chosen[0] == "root" else chosen[1]
+
+
+def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[Tuple[int, str, int, Any, Any, dict]]:
+    """:meth:`Checkpoints.load` with ``sharded=`` and ``local_dir``: ``(step, folder, seq, shared,
+    local, bytes read by where from)``, ``template`` loaded in place; None when there is none.
+    Collective."""
+    me, size = ctl.Get_rank(), ctl.Get_size()
+    lay = layout(ckpts, ctl)
+    chosen = _decide(ckpts, ctl, lay, step)
+    if chosen is None:
+        return None
+    if chosen[0] == "root":
+        got = _sharded.load_chosen(ckpts, ctl, chosen[1], template, latest=step is None)
+        return (*got, {"from": "root"})
+    _, found, seq, world, holders, sizes, saved_at = chosen
+    folder = os.path.join(base(ckpts), _name(found, seq))
+    read = {"from": "nodes", "node": 0, "peers": 0, "root": 0}
+
+    def path_of(name: str) -> Optional[str]:
+        path = os.path.join(folder, name)
+        return path if os.path.isfile(path) else None
+
+    def holder(name: str) -> int:  # a rank on a node with the file: this one's, else spread over them
+        nodes = holders[name]
+        if lay.node_of[me] in nodes:
+            return me
+        ranks = lay.ranks[nodes[me % len(nodes)]]
+        return ranks[me % len(ranks)]
+
+    def fetch(ranges: List[Tuple[str, int, int]]) -> Dict[Tuple[str, int, int], Any]:
+        wants: Dict[int, List[Tuple[str, int, int]]] = {}
+        error = None
+        try:
+            for r in ranges:
+                wants.setdefault(holder(r[0]), []).append(r)
+        except KeyError as exc:
+            error = f"the checkpoint's metadata names {exc}, which is not among its files"
+        raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
+        got, errors = peer_transfer.fetch(ctl, wants, path_of, lay.where)
+        raise_if_any(ctl, errors[0] if errors else None, CheckpointError, "hpcsync.checkpoint: cannot load: ")
+        read["node"] += sum(n for _, _, n in wants.get(me, []))
+        read["peers"] += sum(n for peer, items in wants.items() if peer != me for _, _, n in items)
+        return got
+
+    def one(name: str) -> Optional[bytes]:  # a file every rank needs: read by a holder, broadcast
+        if name not in holders:
+            return None
+        root, data, error = lay.ranks[holders[name][0]][0], None, None
+        if me == root:
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                error = f"{lay.where(root)} cannot read its copy of {name}: {exc}"
+        data, error = ctl.bcast((data, error), root=root)
+        if error:
+            raise CheckpointError(f"hpcsync.checkpoint: cannot load: {error}")
+        read["node" if me == root else "peers"] += len(data)
+        return data
+
+    error, pg, plain = None, None, {}
+    try:
+        pg = _sharded.process_group(ckpts._group, size)
+        plain = _sharded._plain(template)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: hpcsync.checkpoint: ")
+    raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
+    metadata, blob = one(f"{FOLDER}/.metadata"), one("shared.pt")
+    mine = f"rank-{me:05d}.pt"
+    got = fetch([(mine, 0, sizes[mine])] if world == size and mine in sizes else [])
+    error, local, shared = None, None, None
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(plain, storage_reader=dcp_reader.ranged_reader(metadata, fetch, FOLDER),
+                 planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_sharded._alone())
+        _sharded.put_back(template, plain)
+        shared = loads(bytes(blob), ckpts.safe_globals) if blob is not None else None
+        if (mine, 0, sizes.get(mine, -1)) in got:
+            local = loads(bytes(got[(mine, 0, sizes[mine])]), ckpts.safe_globals)
+        elif me == 0:
+            log.warning("hpcsync.checkpoint: step %d was written by %d ranks, this job has %d: the sharded state is "
+                        "resharded, the ranks' local states are not loaded", found, world, size)
+    except _sharded._failed() as exc:
+        error = f"{folder}: {_sharded._why(exc)}"
+    raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
+    every = ctl.gather((read["node"], read["peers"]), root=0)
+    if me == 0:
+        log.info("hpcsync.checkpoint: step %d restored from the nodes' copies: %d B read from the ranks' own nodes, "
+                 "%d B from peers, 0 B from the shared root", found, sum(n for n, _ in every), sum(p for _, p in every))
+        if step is None:
+            from ..observe import failure
+
+            failure.note_resume(found, folder, saved_at)
+    return found, folder, seq, shared, local, read
+

@@ -1,0 +1,283 @@
+"""Files and byte ranges between ranks over MPI, every exchange bounded by its progress.
+
+Node-local checkpoints use it twice: on save a rank's files go to a peer on another node
+(:func:`send_files`), and on load each rank fetches the byte ranges it reads from a rank whose
+node holds them (:func:`fetch`). The messages are point-to-point on hpcsync's private control
+communicator (they never match the program's own), in chunks of at most :data:`CHUNK` bytes (MPI's
+counts are C ints), and every stream of a rank progresses at once, so a ring of ranks that each
+send and receive cannot deadlock.
+
+**Bounded.** An exchange ends with :class:`~hpcsync.core.errors.CollectiveTimeout` when none of
+its messages completed for ``timeout`` seconds plus a chunk's time at
+``HPCSYNC_CHECKPOINT_MBPS``, naming the ranks and nodes it still waited for: a deadline per chunk,
+not per job, so a large copy is never a false timeout. **Never silently wrong:** a local error (a
+file that cannot be read or written) does not break the exchange: the rank goes on sending zeros
+or dropping what it receives, and returns its error, for the ranks to agree on before anything
+they moved is used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..core import mpi, serial, settings
+from ..core.errors import CollectiveTimeout
+
+CHUNK = 64 << 20  #: the most bytes one message carries
+TAG_HEAD, TAG_DATA, TAG_ASK, TAG_RANGE = 7401, 7402, 7403, 7404
+SPIN_S = 0.05  # test without sleeping this long after the last progress
+
+Step = Tuple[Any, int, Any]  # (an MPI request, the peer rank, the buffers it uses)
+Range = Tuple[str, int, int]  # (a file's name, offset, length)
+
+
+def _plain_name(name: str) -> bool:
+    """A file name a peer may give: relative, inside the folder (``sharded/__3_0.distcp``)."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def _drive(ctl: Any, streams: Sequence[Generator[Step, None, None]], where: Callable[[int], str], doing: str) -> None:
+    """Run ``streams`` (each yields its next request once the previous one completed) until all
+    end; :class:`CollectiveTimeout` when none progressed for the deadline (see the module)."""
+    limit = ctl.timeout + CHUNK / (settings.number("HPCSYNC_CHECKPOINT_MBPS") * 1e6)
+    pending: List[List[Any]] = []
+
+    def advance(stream: Generator[Step, None, None]) -> None:
+        step = next(stream, None)
+        if step is not None:
+            pending.append([stream, *step])
+
+    for stream in streams:
+        advance(stream)
+    last = time.monotonic()
+    while pending:
+        moved = False
+        for item in list(pending):
+            if serial.call(item[1].Test):
+                pending.remove(item)
+                advance(item[0])
+                moved = True
+        now = time.monotonic()
+        if moved:
+            last = now
+        elif now - last > limit:
+            peers = sorted({item[2] for item in pending})
+            ctl.give_up(doing, [item[1] for item in pending], [item[3] for item in pending])
+            raise CollectiveTimeout(
+                f"{ctl.what}: {doing}: nothing moved for {limit:g} s between rank {ctl.Get_rank()} and "
+                + ", ".join(where(p) for p in peers[:8]) + (f" and {len(peers) - 8} more" if len(peers) > 8 else "")
+                + ": a peer raised or is stuck before this point (its own error says which), or its node was lost")
+        elif now - last > SPIN_S:
+            time.sleep(0.0002)
+
+
+def _sized(comm: Any, peer: int, blob: bytes, tag: int) -> Generator[Step, None, None]:
+    """Send ``blob`` to ``peer``: its length, then itself."""
+    MPI = mpi.MPI()
+    n = np.array([len(blob)], np.int64)
+    yield serial.call(comm.Isend, [n, MPI.INT64_T], peer, tag), peer, n
+    if blob:
+        yield serial.call(comm.Isend, [blob, MPI.BYTE], peer, tag), peer, blob
+
+
+def _receive_sized(comm: Any, peer: int, tag: int, into: List[bytes]) -> Generator[Step, None, None]:
+    MPI = mpi.MPI()
+    n = np.zeros(1, np.int64)
+    yield serial.call(comm.Irecv, [n, MPI.INT64_T], peer, tag), peer, n
+    blob = bytearray(int(n[0]))
+    if blob:
+        yield serial.call(comm.Irecv, [blob, MPI.BYTE], peer, tag), peer, blob
+    into.append(bytes(blob))
+
+
+def _send_chunks(comm: Any, peer: int, pieces: Sequence[Tuple[str, int, int]], errors: List[str]
+                 ) -> Generator[Step, None, None]:
+    """Send the bytes of ``pieces`` ((path, offset, length), in order) to ``peer`` in chunks; what
+    cannot be read goes as zeros (the error kept in ``errors``)."""
+    MPI = mpi.MPI()
+    for path, offset, length in pieces:
+        f = None
+        try:
+            f = open(path, "rb")
+            f.seek(offset)
+        except OSError as exc:
+            errors.append(f"cannot read {path}: {exc}")
+        try:
+            for at in range(0, length, CHUNK):
+                buf = bytearray(min(CHUNK, length - at))
+                try:
+                    if f is not None and f.readinto(buf) != len(buf):
+                        raise OSError(f"{path} is shorter than {offset + length} bytes")
+                except OSError as exc:
+                    errors.append(f"cannot read {path}: {exc}")
+                    f.close()
+                    f = None
+                yield serial.call(comm.Isend, [buf, MPI.BYTE], peer, TAG_DATA), peer, buf
+        finally:
+            if f is not None:
+                f.close()
+
+
+def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequence[int], folder: str,
+               where: Callable[[int], str]) -> Tuple[Dict[str, int], List[str]]:
+    """Collective over the ranks that send or receive: to each rank in ``out``, the files listed
+    there ((name, path): the name it is written under, in its ``folder``); from each rank in
+    ``incoming``, theirs, written into ``folder`` (each flushed to disk). Returns the sizes of the
+    files received and this rank's errors (empty when all went well)."""
+    comm = ctl.raw()
+    errors: List[str] = []
+    got: Dict[str, int] = {}
+
+    def sender(peer: int, files: List[Tuple[str, str]]) -> Generator[Step, None, None]:
+        listing = []
+        for name, path in files:
+            try:
+                listing.append((name, os.path.getsize(path)))
+            except OSError as exc:
+                errors.append(f"cannot read {path}: {exc}")
+                listing.append((name, 0))
+        yield from _sized(comm, peer, json.dumps(listing).encode(), TAG_HEAD)
+        yield from _send_chunks(comm, peer, [(p, 0, n) for (_, p), (_, n) in zip(files, listing)], errors)
+
+    def receiver(peer: int) -> Generator[Step, None, None]:
+        MPI = mpi.MPI()
+        head: List[bytes] = []
+        yield from _receive_sized(comm, peer, TAG_HEAD, head)
+        for name, size in json.loads(head[0]):
+            f = None
+            if _plain_name(name):
+                try:
+                    f = open(os.path.join(folder, name), "xb")
+                except OSError as exc:
+                    errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
+            else:
+                errors.append(f"rank {peer} sent a file named {name!r}, outside the checkpoint's folder")
+            for at in range(0, size, CHUNK):
+                buf = bytearray(min(CHUNK, size - at))
+                yield serial.call(comm.Irecv, [buf, MPI.BYTE], peer, TAG_DATA), peer, buf
+                try:
+                    if f is not None:
+                        f.write(buf)
+                except OSError as exc:
+                    errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
+                    f.close()
+                    f = None
+            if f is not None:
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    got[name] = size
+                except OSError as exc:
+                    errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
+                finally:
+                    f.close()
+
+    streams = [sender(p, files) for p, files in out.items()] + [receiver(p) for p in incoming]
+    _drive(ctl, streams, where, "copying checkpoint files to peers")
+    return got, errors
+
+
+def fetch(ctl: Any, wants: Dict[int, List[Range]], path_of: Callable[[str], Optional[str]],
+          where: Callable[[int], str]) -> Tuple[Dict[Range, memoryview], List[str]]:
+    """Collective over ``ctl``: from each rank in ``wants``, the byte ranges listed there, read by
+    that rank from ``path_of(name)`` (its own node's copy); this rank serves what the others ask of
+    it. Returns each range's bytes and this rank's errors (its own reads' and those it served).
+
+    One ``Alltoall`` of N integers says who asks whom (8 bytes a rank pair); then only the ranks
+    that ask and serve exchange messages: a rank receives just the bytes it asked for."""
+    MPI = mpi.MPI()
+    me, size = ctl.Get_rank(), ctl.Get_size()
+    asks = {peer: json.dumps(items).encode() for peer, items in wants.items() if items and peer != me}
+    counts = np.zeros(size, np.int64)
+    for peer, blob in asks.items():
+        counts[peer] = len(blob)
+    theirs = np.zeros(size, np.int64)
+    ctl.Alltoall([counts, MPI.INT64_T], [theirs, MPI.INT64_T])
+    comm, errors = ctl.raw(), []
+    got: Dict[Range, memoryview] = {}
+
+    def asker(peer: int, blob: bytes) -> Generator[Step, None, None]:
+        yield serial.call(comm.Isend, [blob, MPI.BYTE], peer, TAG_ASK), peer, blob
+        items = wants[peer]
+        data = bytearray(sum(n for _, _, n in items))
+        view = memoryview(data)
+        for at in range(0, len(data), CHUNK):
+            piece = view[at: at + CHUNK]
+            yield serial.call(comm.Irecv, [piece, MPI.BYTE], peer, TAG_RANGE), peer, data
+        at = 0
+        for item in items:
+            got[tuple(item)] = view[at: at + item[2]]  # type: ignore[index]
+            at += item[2]
+
+    def server(peer: int, n: int) -> Generator[Step, None, None]:
+        blob = bytearray(n)
+        yield serial.call(comm.Irecv, [blob, MPI.BYTE], peer, TAG_ASK), peer, blob
+        pieces, total = [], 0
+        for name, offset, length in json.loads(blob):
+            path = path_of(name) if _plain_name(name) else None
+            if path is None:
+                errors.append(f"rank {peer} asked for {name}, which this node does not hold")
+            pieces.append((path, int(offset), int(length)))
+            total += int(length)
+        # one stream of chunks, cut where the asker cuts its buffer: the pieces' bytes back to back
+        yield from _send_chunks_cut(comm, peer, pieces, total, errors)
+
+    streams = [asker(p, b) for p, b in asks.items()] + [server(p, int(n)) for p, n in enumerate(theirs) if n]
+    _drive(ctl, streams, where, "fetching checkpoint bytes from peers")
+    for name, offset, length in wants.get(me, []):
+        path = path_of(name)
+        try:
+            if path is None:
+                raise OSError(f"this node holds no copy of {name}")
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+            if len(data) != length:
+                raise OSError(f"{path} is shorter than {offset + length} bytes")
+            got[(name, offset, length)] = memoryview(data)
+        except OSError as exc:
+            errors.append(str(exc))
+    return got, errors
+
+
+def _send_chunks_cut(comm: Any, peer: int, pieces: Sequence[Tuple[Optional[str], int, int]], total: int,
+                     errors: List[str]) -> Generator[Step, None, None]:
+    """The bytes of ``pieces`` back to back, sent as messages of exactly :data:`CHUNK` bytes (the
+    last shorter), as :func:`fetch`'s asker receives them whatever the pieces' own sizes; a piece
+    without a path (its error already kept) or that cannot be read goes as zeros."""
+    MPI = mpi.MPI()
+    buf, fill = bytearray(min(CHUNK, total)), 0
+    for path, offset, length in pieces:
+        done, f = 0, None
+        try:
+            f = open(path, "rb") if path is not None else None
+        except OSError as exc:
+            errors.append(f"cannot read {path}: {exc}")
+        try:
+            if f is not None:
+                f.seek(offset)
+            while done < length:
+                n = min(length - done, len(buf) - fill)
+                view = memoryview(buf)[fill: fill + n]
+                try:
+                    if f is not None and f.readinto(view) != n:
+                        raise OSError(f"{path} is shorter than {offset + length} bytes")
+                except OSError as exc:
+                    errors.append(f"cannot read {path}: {exc}")
+                    f.close()
+                    f = None
+                if f is None:
+                    view[:] = bytes(n)
+                fill, done = fill + n, done + n
+                if fill == len(buf):
+                    yield serial.call(comm.Isend, [buf, MPI.BYTE], peer, TAG_RANGE), peer, buf
+                    total -= fill
+                    buf, fill = bytearray(min(CHUNK, total)), 0
+        finally:
+            if f is not None:
+                f.close()
