@@ -17,6 +17,7 @@ from hpcsync.observe import failure
 from hpcsync.resilience import probe
 from launch import LONG, PY, PROGRAMS, ROOT, clean_env, openmpi
 from netns_cluster import ROUTED, Cluster
+from test_staging import node_dir
 
 EXAMPLE = str(ROOT / "examples" / "train.py")
 TRAIN = ["--epochs", "120", "--samples", "1200", "--seed", "7", "--backend", "hpcsync"]
@@ -684,7 +685,7 @@ def test_the_supervisors_own_node_cut_off_blames_no_healthy_node(tmp_path):
 # side failed, and the probe decides: test_supervisor_slurm.py under Slurm. A split with a larger
 # side: the test above.)
 # (a DDP run under mpirun is a long run: the FSDP one and the DDP one under hydra cover its path)
-RELAUNCHES = [("kill", "fsdp"), ("kill-hydra", "ddp")] + ([("kill", "ddp")] if LONG else [])
+RELAUNCHES = [("kill", "fsdp"), ("kill", "fsdp-local"), ("kill-hydra", "ddp")] + ([("kill", "ddp")] if LONG else [])
 
 
 @pytest.mark.parametrize("failure,form", RELAUNCHES, ids=[f"{f}-{m}" for f, m in RELAUNCHES])
@@ -693,14 +694,24 @@ def test_mpirun_relaunches_without_the_failed_node(cluster, failure, form, tmp_p
     the first periodic checkpoint; ``hpcsync run`` relaunches on nodes 0 and 2, the run resumes
     from that checkpoint and ends with the weights and metrics of a run that was never interrupted,
     bit for bit; also with the model sharded (``--fsdp``: each rank's shard from the sharded
-    checkpoint); also under MPICH's hydra (`mpiexec`)."""
-    extra = ["--fsdp"] if form == "fsdp" else []
+    checkpoint); also under MPICH's hydra (`mpiexec`); also with the sharded checkpoints on each
+    node's own disk (``--checkpoint-local``, the shared root never written): node 2's ranks then
+    restore from node 0's copies, nothing is read from the shared root, and it holds no checkpoint."""
+    extra = ["--fsdp"] if form.startswith("fsdp") else []
     ref, ref_proc = reference(tmp_path, *extra)
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    local = ["--checkpoint-local", f"{cluster.node_local}/{tmp_path.name}", "--shared-every", "0"] \
+        if form == "fsdp-local" else []
     proc, log = supervised(cluster, tmp_path, [EXAMPLE, *TRAIN, *extra, "--out", str(out), "--checkpoint-dir",
-                                               str(ckpt), "--checkpoint-every", "150"], "--spare-nodes", "1",
+                                               str(ckpt), "--checkpoint-every", "150", *local], "--spare-nodes", "1",
                            mpi="mpich" if failure.endswith("hydra") else "openmpi")
-    wait_for_checkpoint(proc, log, ckpt)
+    if local:  # both nodes' copies complete (each holds the other's)
+        deadline = time.monotonic() + 150
+        while not all(list(node_dir(cluster, k, tmp_path.name).glob("hpcsync-*/step-*")) for k in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+    else:
+        wait_for_checkpoint(proc, log, ckpt)
     t_fail = time.time()
     break_node(cluster, "kill")
     proc.wait(timeout=300)
@@ -719,6 +730,11 @@ def test_mpirun_relaunches_without_the_failed_node(cluster, failure, form, tmp_p
           f"after it, relaunch {second['started'] - first['ended']:.1f} s, restore "
           f"{second['resumed_at'] - second['started']:.1f} s")
     same_training(ref, out)
+    if local:
+        assert not list(ckpt.glob("step-*")), "a node-local save wrote into the shared root"
+        restored = [ln for ln in text.splitlines() if "restored from the nodes' copies" in ln]
+        assert restored and restored[-1].endswith("from peers, 0 B from the shared root"), text[-4000:]
+        print(restored[-1])
 
 
 def test_ranks_per_node_come_from_the_allocation_whatever_asked_for_them():

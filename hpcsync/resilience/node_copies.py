@@ -275,6 +275,11 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[int, 
                 u["holders"].setdefault(name, []).append(node)
     covered = [s for s, u in union.items() if u["marker"] is not None and len(u["sizes"]) == u["marker"]["count"]]
     seq = max(covered, default=-1)
+    for lost in sorted((s for s in union if s > seq), reverse=True)[:1]:  # newer, but not whole here: say so
+        u = union[lost]
+        log.warning("hpcsync.checkpoint: step %s (saved as number %d) cannot be restored: this job's nodes hold %d of "
+                    "its %s files (more nodes lost than it has copies, or copies that differ)",
+                    u["marker"] and u["marker"]["step"], lost, len(u["sizes"]), u["marker"] and u["marker"]["count"])
     claim(ckpts.root, ckpts._job)
     in_root = [(s, st) for s, st, _ in ckpts._complete() if step is None or st == step]  # (markers only)
     if in_root and in_root[0][0] > seq:

@@ -155,6 +155,6 @@ for step in range(start + 1, steps + 1):
 ckpts.close()
 out["params"] = full_params()
 out["trained"] = [start + 1, steps]
-out["listing"] = sorted(os.listdir(root)) if R == 0 else None
+out["listing"] = sorted(os.listdir(root)) if R == 0 and os.path.isdir(root) else None
 report(R, out)
 hpcsync.shutdown()

@@ -1,0 +1,118 @@
+"""Sharded checkpoints on node-local disks with copies on peer nodes (``Checkpoints(root,
+local_dir=, replicas=, shared_every=)``): an FSDP2 model on 4 real MPI ranks, two "nodes" of two
+ranks on this host (each its own hostname to hpcsync and its own local folder), one node's folder
+lost after the save: the resumed run reads its shards from the other node's copies, nothing from
+the root, and ends bit for bit as the uninterrupted one. Across namespace nodes, with ``hpcsync
+run`` relaunching without a killed node: test_supervisor.py."""
+import os
+import shutil
+import zlib
+
+import pytest
+
+from hpcsync.resilience.node_copies import Layout
+from launch import openmpi, run
+
+
+def train(tmp_path, root, local, steps, mode, shared_every=0, replicas=1, n=4, expect_ok=True, logs=None):
+    env = {"HPCSYNC_TEST_LOCAL_DIR": str(local), "HPCSYNC_TEST_FAKE_NODES": "2", "HPCSYNC_TEST_REPLICAS": str(replicas),
+           "HPCSYNC_TEST_SHARED_EVERY": str(shared_every), **({"HPCSYNC_LOG_DIR": str(logs)} if logs else {})}
+    return run(openmpi(), n, "sharded_ckpt.py", "gloo", str(root), str(steps), "5", mode, tmp_path=tmp_path,
+               timeout=240, env=env, expect_ok=expect_ok)
+
+
+def copies(local, node):
+    """The complete node-local checkpoints of fake node ``node``: their folder names."""
+    return sorted(p.name for p in (local / f"fake{node}").glob("hpcsync-*/step-*"))
+
+
+def test_a_lost_nodes_ranks_restore_from_the_copies_and_read_nothing_from_the_root(tmp_path):
+    """10 steps saved at 5 and 10 (node-local only: shared_every=0), node 1's folder removed (its
+    disk lost); a fresh job resumes from step 10 on the same ranks: ranks 2 and 3 fetch their
+    shards and local states from node 0's copies (and nothing else), the root holds no checkpoint
+    at all, and the parameters after 12 steps equal an uninterrupted run's, bit for bit."""
+    whole = train(tmp_path, tmp_path / "whole", tmp_path / "whole-local", 12, "sync")
+    root, local = tmp_path / "root", tmp_path / "local"
+    train(tmp_path, root, local, 10, "sync")
+    assert copies(local, 0) == copies(local, 1) == ["step-00000005.0", "step-00000010.1"]
+    shutil.rmtree(local / "fake1")
+    resumed = train(tmp_path, root, local, 12, "resume")
+    for r, (a, b) in enumerate(zip(whole.ranks, resumed.ranks)):
+        read = b["loaded"].pop("read")
+        assert b["loaded"] == {"step": 10, "shared": {"every": 5}, "local": {"rank": r, "step": 10}}, b
+        assert read["from"] == "nodes" and read["root"] == 0, read
+        if r >= 2:  # node 1: everything from peers
+            assert read["node"] == 0 and read["peers"] > 0, (r, read)
+        assert a["params"] == b["params"], f"rank {r}: the resumed run differs from the uninterrupted one"
+    assert not list(root.glob("step-*")), "a node-local save wrote into the shared root"
+
+
+def test_the_root_every_kth_save_and_when_no_copy_survived(tmp_path):
+    """shared_every=2: saves 0 and 2 (steps 5 and 15) go to the root too, 1 and 3 stay on the
+    nodes. A load takes the nodes' newer step 20; with every node's folder gone it takes the
+    root's step 15 (and says where it read from); with one node's folder gone and no copies
+    (replicas=0) the nodes' step 20 is incomplete: the root's step 15 again, with a warning that
+    names the lost step (node 0 holds 6 of its 10 files: ranks 0 and 1's, the metadata, the shared state)."""
+    root, local = tmp_path / "root", tmp_path / "local"
+    train(tmp_path, root, local, 20, "sync", shared_every=2)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000005", "step-00000015"]
+    got = train(tmp_path, root, local, 20, "full").ranks
+    assert {r["loaded"]["step"] for r in got} == {20} and got[0]["loaded"]["read"]["from"] == "nodes", got[0]
+    held = tmp_path / "held"
+    shutil.copytree(local, held)
+    shutil.rmtree(local)
+    got = train(tmp_path, root, local, 20, "full").ranks
+    assert {r["loaded"]["step"] for r in got} == {15} and got[0]["loaded"]["read"] == {"from": "root"}, got[0]
+
+    root0, local0 = tmp_path / "root0", tmp_path / "local0"
+    train(tmp_path, root0, local0, 20, "sync", shared_every=2, replicas=0)
+    assert copies(local0, 0) == copies(local0, 1) == ["step-00000015.2", "step-00000020.3"]
+    shutil.rmtree(local0 / "fake1")
+    res = train(tmp_path, root0, local0, 20, "full", replicas=0, logs=tmp_path / "logs")
+    assert {r["loaded"]["step"] for r in res.ranks} == {15}, res.ranks[0]
+    assert "step 20 (saved as number 3) cannot be restored: this job's nodes hold 6 of its 10 files" in res.stderr, \
+        res.stderr[-3000:]
+
+
+def test_bad_node_local_options_are_refused_on_every_rank(tmp_path):
+    """The root's node-local folder made first as a symbolic link (another user's trap in a shared
+    /tmp), and a local_dir of another user where anyone may create names: the same error on every
+    rank, nothing written through the link; background=True with local_dir: a ValueError that says
+    why, on every rank."""
+    root = tmp_path / "root"
+    target, trap = tmp_path / "elsewhere", tmp_path / "trap"
+    target.mkdir()
+    trap.mkdir()
+    os.symlink(target, trap / f"hpcsync-root-{zlib.crc32(str(root).encode()):08x}")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chmod(theirs, 0o777)
+    os.chown(theirs, 12345, 12345)
+    for local, why in ((trap, "is a symbolic link"), (theirs, "is a directory of another user (uid 12345)")):
+        res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "5", "5", "sync", tmp_path=tmp_path,
+                  timeout=180, env={"HPCSYNC_TEST_LOCAL_DIR": str(local), "HPCSYNC_TEST_SHARED_EVERY": "0"})
+        errors = {r.get("error") for r in res.ranks}
+        assert len(errors) == 1, errors
+        [error] = errors
+        assert error and error.startswith("hpcsync.checkpoint: step 5 not saved: rank 0: local_dir: ") and why in error, \
+            error
+    assert not list(target.iterdir()) and not list(theirs.iterdir()), "something was written through the link"
+    res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "5", "5", "background",
+              tmp_path=tmp_path, timeout=180, env={"HPCSYNC_TEST_LOCAL_DIR": str(tmp_path / "ok")}, expect_ok=False)
+    assert res.returncode != 0 and "ValueError: Checkpoints(local_dir=...) takes sharded saves" in res.stderr, \
+        res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("hosts,replicas", [("aabbc", 1), ("aabbc", 2), ("abc", 5), ("aaaa", 1)])
+def test_every_rank_is_copied_to_other_nodes_on_paper(hosts, replicas):
+    """Each rank's copies go to min(replicas, nodes - 1) distinct other nodes; the incoming lists
+    are the inverse of the outgoing ones (every copy sent is received once)."""
+    lay = Layout.of(list(hosts))
+    nodes = len(set(hosts))
+    sent = set()
+    for r in range(len(hosts)):
+        peers = lay.peers(r, replicas)
+        assert len(peers) == min(replicas, nodes - 1), (r, peers)
+        assert len({lay.node_of[p] for p in peers} | {lay.node_of[r]}) == len(peers) + 1, (r, peers)
+        sent |= {(r, p) for p in peers}
+    assert sent == {(s, r) for r in range(len(hosts)) for s in lay.incoming(r, replicas)}
