@@ -1,8 +1,9 @@
-"""Benchmark: the two forms of ``hpcsync.Checkpoints`` side by side in one job -- rank 0 doing all
-file I/O, and every rank writing its own shard (torch.distributed.checkpoint) -- as the ranks grow.
+"""Benchmark: the forms of ``hpcsync.Checkpoints`` side by side in one job -- rank 0 doing all
+file I/O, every rank writing its own shard (torch.distributed.checkpoint), and those shards on
+node-local disks with copies on a peer node -- as the ranks grow.
 
     python bench/bench_checkpoint.py [--ranks 2 4 8 16 32] [--model-mib 64] [--local-kib 1024]
-                                     [--repeat 3] [--backend gloo] [--quick] [--out PATH]
+                                     [--repeat 3] [--per-node 4] [--backend gloo] [--quick] [--out PATH]
 
 One mpirun job per rank count N (Open MPI, one node, ``--oversubscribe --bind-to none``). Every
 rank builds the same FSDP2 model (``fully_shard`` over ``init_device_mesh("cpu", (N,))``, 4 square
@@ -32,6 +33,14 @@ exchange of load plans over gloo (small; not measured). Counted: what buffered r
 and DCP's .metadata, which every rank reads whole (~2 KB per rank of the job here). Bytes written
 per rank on the synchronous save: ``wchar``. The checkpoints go to a fresh folder under /dev/shm
 (RAM: the figures are the library's and the kernel's costs, not a disk's), removed after each job.
+- **nodes**: the sharded form with ``local_dir`` (a folder per "node" of ``--per-node`` ranks on
+  this host, each its own hostname to hpcsync; ``replicas=1``, ``shared_every=0``): saves go to
+  the node folders and to the next node, written before ``save()`` returns (its "bg" columns are
+  a second such save). Before each load node 1's folder is removed (its disk lost): its ranks
+  fetch their shards from node 2's copies. Its load bytes are the byte ranges each rank read from
+  its node's folder or received from peers (``Checkpoint.read``; none from the root, asserted),
+  not what it served to others.
+
 Prints a table; writes ``bench/results/checkpoint.json``.
 """
 from __future__ import annotations
@@ -40,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -93,13 +103,23 @@ def worker(args: argparse.Namespace) -> None:
     local = {"rank": rank, "bytes": torch.randint(0, 256, (args.local_kib * 1024,), dtype=torch.uint8, generator=gen)}
     ckpts = {form: hpcsync.Checkpoints(os.path.join(args.root, form), keep=1, timeout=600)
              for form in ("rank0", "sharded")}
+    per = max(1, min(args.per_node, size // 2))  # "nodes" of this host: `per` ranks each, a folder each
+    socket.gethostname = lambda: f"benchnode{rank // per}"  # (what node-local copies group ranks by)
+    ckpts["nodes"] = hpcsync.Checkpoints(os.path.join(args.root, "nodes"), keep=1, timeout=600, replicas=1,
+                                         local_dir=os.path.join(args.root, "local", f"node{rank // per}"),
+                                         shared_every=0)
 
     def save(form, step, bg):
         if form == "rank0":
             return ckpts[form].save(step, shared=full, local=local, background=bg)
-        return ckpts[form].save(step, sharded=sharded, local=local, background=bg)
+        return ckpts[form].save(step, sharded=sharded, local=local, background=bg and form != "nodes")
 
     def load(form):
+        if form == "nodes":  # node 1's disk lost first: its ranks restore from the copies on node 2
+            comm.Barrier()
+            if rank == 0:
+                shutil.rmtree(os.path.join(args.root, "local", "node1"))
+            comm.Barrier()
         return ckpts[form].load() if form == "rank0" else ckpts[form].load(sharded=sharded)
 
     def timed(fn):
@@ -125,7 +145,10 @@ def worker(args: argparse.Namespace) -> None:
             read = _io("rchar") - r0
             assert torch.equal(got.local["bytes"], local["bytes"]), f"rank {rank}: {form} loaded another local state"
             sent = 0
-            if rank != 0:
+            if form == "nodes":  # what it read for itself, what came over MPI from peers (not what it served)
+                read, sent = got.read["node"], got.read["peers"]
+                assert got.read["root"] == 0
+            elif rank != 0:
                 names = ("shared.pt", f"rank-{rank:05d}.pt") if form == "rank0" else ("shared.pt", "COMPLETE")
                 sent = sum(os.path.getsize(os.path.join(got.path, n)) for n in names)
             mine[form].append({"save_s": save_s, "stall_s": stall_s, "complete_s": complete_s, "load_s": load_s,
@@ -162,6 +185,7 @@ def main() -> None:
     ap.add_argument("--model-mib", type=float, default=64, help="the model's whole state: parameters + Adam's")
     ap.add_argument("--local-kib", type=int, default=1024, help="each rank's local state (random bytes)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; times are the median over them")
+    ap.add_argument("--per-node", type=int, default=4, help="ranks per node of the node-local form (at most half)")
     ap.add_argument("--backend", default="gloo", help="hpcsync.init's backend (torch.distributed's, for FSDP2 and DCP)")
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 and 4 ranks, a 2 MiB model, 2 rounds")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.json"))
@@ -184,7 +208,8 @@ def main() -> None:
             result = os.path.join(root, "result.json")
             cmd = ["mpirun.openmpi", "--oversubscribe", "--bind-to", "none", "-n", str(n), sys.executable, __file__,
                    "--worker", "--root", root, "--result", result, "--model-mib", str(args.model_mib),
-                   "--local-kib", str(args.local_kib), "--repeat", str(args.repeat), "--backend", args.backend]
+                   "--local-kib", str(args.local_kib), "--repeat", str(args.repeat), "--backend", args.backend,
+                   "--per-node", str(args.per_node)]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   timeout=1800)

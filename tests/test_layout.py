@@ -119,7 +119,8 @@ def test_every_setting_in_one_table():
             assert not re.search(r"environ(\.get)?\(?\[?[\"']HPCSYNC_", text), path
     assert named - {"HPCSYNC_TEST_OUT", "HPCSYNC_TEST_STAGE_OPTS"} <= set(settings.SETTINGS), named - set(settings.SETTINGS)
     tags = [settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE, settings.TAG_STORE_REQUEST,
-            settings.TAG_STORE_REPLY, settings.TAG_LOG, *range(settings.TAG_BARRIER_FIRST, settings.TAG_BARRIER_FIRST + settings.TAG_BARRIER_COUNT)]
+            settings.TAG_STORE_REPLY, settings.TAG_LOG, settings.TAG_COPY_HEAD, settings.TAG_COPY_DATA,
+            settings.TAG_COPY_ASK, settings.TAG_COPY_RANGE, *range(settings.TAG_BARRIER_FIRST, settings.TAG_BARRIER_FIRST + settings.TAG_BARRIER_COUNT)]
     assert len(tags) == len(set(tags)) and max(tags) <= 32767
 
 

@@ -144,3 +144,4 @@ TAG_REPORT_ASK, TAG_REPORT_STATE, TAG_REPORT_DONE = 31001, 31002, 31003  # hang 
 TAG_STORE_REQUEST, TAG_STORE_REPLY = 31101, 31102  # MPIStore
 TAG_BARRIER_FIRST, TAG_BARRIER_COUNT = 31200, 1000  # monitored_barrier: one tag per call, cycling
 TAG_LOG = 32300  # every rank's warnings to rank 0's console (hpcsync.logs)
+TAG_COPY_HEAD, TAG_COPY_DATA, TAG_COPY_ASK, TAG_COPY_RANGE = 32401, 32402, 32403, 32404  # node-local checkpoint copies

@@ -64,6 +64,37 @@ MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
 
 
+def read_marker(folder: str, warned: Set[str]) -> Optional[dict]:
+    """The marker of a complete checkpoint directory, or None (warned once, through ``warned``)
+    when it is not."""
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            marker = json.load(f)
+        bad = [n for n, size in marker["files"].items() if os.path.getsize(os.path.join(folder, n)) != size]
+        why = f"{', '.join(bad)} differ in size from its marker" if bad else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        why = str(exc)
+    if why is None:
+        return marker
+    if folder not in warned:
+        warned.add(folder)
+        log.warning("hpcsync.checkpoint: skipping %s: %s", folder, why)
+    return None
+
+
+def next_seq(root: str) -> int:
+    """The sequence number the next checkpoint under ``root`` gets (one past every marker's)."""
+    seqs = [-1]
+    for name in os.listdir(root):
+        if _NAME.match(name):
+            try:
+                with open(os.path.join(root, name, MARKER)) as f:
+                    seqs.append(int(json.load(f).get("seq", -1)))
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+    return max(seqs) + 1
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """What :meth:`Checkpoints.save` was given: ``shared`` (rank 0's) and this rank's ``local``;
@@ -123,22 +154,6 @@ class Checkpoints:
         return os.path.join(self.root, f"step-{step:08d}")
 
     # -- rank 0 only ---------------------------------------------------------------------------
-    def _marker(self, folder: str) -> Optional[dict]:
-        """The marker of a complete checkpoint directory, or None (warned once) when it is not."""
-        try:
-            with open(os.path.join(folder, MARKER)) as f:
-                marker = json.load(f)
-            bad = [n for n, size in marker["files"].items() if os.path.getsize(os.path.join(folder, n)) != size]
-            why = f"{', '.join(bad)} differ in size from its marker" if bad else None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            why = str(exc)
-        if why is None:
-            return marker
-        if folder not in self._warned:
-            self._warned.add(folder)
-            log.warning("hpcsync.checkpoint: skipping %s: %s", folder, why)
-        return None
-
     def _complete(self) -> List[Tuple[int, int, str]]:
         """``(seq, step, folder)`` of the complete checkpoints under root, the last saved first;
         a marker without a sequence number (an older hpcsync's) counts as older than any with one."""
@@ -151,26 +166,15 @@ class Checkpoints:
             m = _NAME.match(name)
             if m:
                 folder = os.path.join(self.root, name)
-                marker = self._marker(folder)
+                marker = read_marker(folder, self._warned)
                 if marker is not None:
                     found.append((int(marker.get("seq", -1)), int(m.group(1)), folder))
         return sorted(found, reverse=True)
 
-    def _next_seq(self) -> int:
-        seqs = [-1]
-        for name in os.listdir(self.root):
-            if _NAME.match(name):
-                try:
-                    with open(os.path.join(self.root, name, MARKER)) as f:
-                        seqs.append(int(json.load(f).get("seq", -1)))
-                except (OSError, ValueError, TypeError, AttributeError):
-                    continue
-        return max(seqs) + 1
-
     def _root_seq(self) -> int:
         """Claim the root; the sequence number its next checkpoint would get."""
         claim(self.root, self._job)
-        return self._next_seq()
+        return next_seq(self.root)
 
     def _name(self, step: int, seq: Optional[int] = None) -> Tuple[str, str, int]:
         """Claim the root, clear what an interrupted save left, and name the new checkpoint:
@@ -179,7 +183,7 @@ class Checkpoints:
         for name in os.listdir(self.root):  # what an earlier, interrupted save of this root left
             if name.startswith(".step-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        seq = self._next_seq() if seq is None else seq
+        seq = next_seq(self.root) if seq is None else seq
         tmp = os.path.join(self.root, f".step-{step:08d}.{seq}.tmp")
         final = self.path(step)
         if os.path.lexists(final):  # the same step saved again: a name of its own, the old one stays
@@ -409,22 +413,15 @@ class Checkpoints:
         ``local``, and a job of another size reshards (its ``local`` is then None)."""
         self.wait()
         ctl = self._ctl("load()")
-        if self.local_dir:
-            if sharded is None:
-                raise ValueError("Checkpoints(local_dir=...) loads sharded checkpoints: load(sharded=<a state dict>)")
-            got6 = _node_copies.load(self, ctl, step, sharded)
-            if got6 is None:
-                return None
-            found, folder, seq, shared, local, read = got6
-            log.info("hpcsync.checkpoint: resuming from step %d (%s, sharded)", found, folder)
-            return Checkpoint(found, folder, shared, local, seq, read)
+        if self.local_dir and sharded is None:
+            raise ValueError("Checkpoints(local_dir=...) loads sharded checkpoints: load(sharded=<a state dict>)")
         if sharded is not None:
-            got = _sharded.load(self, ctl, step, sharded)
+            got = (_node_copies if self.local_dir else _sharded).load(self, ctl, step, sharded)
             if got is None:
                 return None
-            found, folder, seq, shared, local = got
+            found, folder, seq, shared, local, *read = got
             log.info("hpcsync.checkpoint: resuming from step %d (%s, sharded)", found, folder)
-            return Checkpoint(found, folder, shared, local, seq)
+            return Checkpoint(found, folder, shared, local, seq, *read)
         payload, error = None, None
         if ctl.Get_rank() == 0:
             try:

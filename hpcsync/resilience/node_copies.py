@@ -296,8 +296,13 @@ def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int]) -> Any:
     """Collective: every node's complete copies gathered to rank 0, its choice (:func:`_choose`)
     on every rank; rank 0's error as one CheckpointError on every rank."""
     me = ctl.Get_rank()
-    leader = lay.leader(me) == me
-    copies = {seq: marker for seq, (_, marker) in _copies(base(ckpts)).items()} if leader else None
+    copies, error = None, None
+    if lay.leader(me) == me:
+        try:
+            copies = {seq: marker for seq, (_, marker) in _copies(base(ckpts)).items()}
+        except OSError as exc:
+            error = f"cannot list {base(ckpts)}: {exc}"
+    raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
     every = ctl.gather(copies, root=0)
     chosen, error = None, None
     if me == 0:

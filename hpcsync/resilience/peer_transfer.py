@@ -28,7 +28,8 @@ from ..core import mpi, serial, settings
 from ..core.errors import CollectiveTimeout
 
 CHUNK = 64 << 20  #: the most bytes one message carries
-TAG_HEAD, TAG_DATA, TAG_ASK, TAG_RANGE = 7401, 7402, 7403, 7404
+TAG_HEAD, TAG_DATA, TAG_ASK, TAG_RANGE = (settings.TAG_COPY_HEAD, settings.TAG_COPY_DATA, settings.TAG_COPY_ASK,
+                                         settings.TAG_COPY_RANGE)
 SPIN_S = 0.05  # test without sleeping this long after the last progress
 
 Step = Tuple[Any, int, Any]  # (an MPI request, the peer rank, the buffers it uses)
