@@ -22,8 +22,9 @@ def train(tmp_path, root, local, steps, mode, shared_every=0, replicas=1, n=4, e
 
 
 def copies(local, node):
-    """The complete node-local checkpoints of fake node ``node``: their folder names."""
-    return sorted(p.name for p in (local / f"fake{node}").glob("hpcsync-*/step-*"))
+    """The complete node-local checkpoints of fake node ``node``: ``step-<N>.<seq>`` (their
+    folders' names without the save's token)."""
+    return sorted(p.name.rsplit(".", 1)[0] for p in (local / f"fake{node}").glob("hpcsync-*/step-*"))
 
 
 def test_a_lost_nodes_ranks_restore_from_the_copies_and_read_nothing_from_the_root(tmp_path):
@@ -97,6 +98,12 @@ def test_bad_node_local_options_are_refused_on_every_rank(tmp_path):
         assert error and error.startswith("hpcsync.checkpoint: step 5 not saved: rank 0: local_dir: ") and why in error, \
             error
     assert not list(target.iterdir()) and not list(theirs.iterdir()), "something was written through the link"
+    (target / "step-99999999.9.planted").mkdir()  # what a load would find through the link: never read
+    res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "5", "5", "full", tmp_path=tmp_path, timeout=180,
+              env={"HPCSYNC_TEST_LOCAL_DIR": str(trap)})
+    errors = {r.get("error") for r in res.ranks}
+    assert len(errors) == 1 and "local_dir: " in next(iter(errors)) and "is a symbolic link" in next(iter(errors)), \
+        errors
     res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "5", "5", "background",
               tmp_path=tmp_path, timeout=180, env={"HPCSYNC_TEST_LOCAL_DIR": str(tmp_path / "ok")}, expect_ok=False)
     assert res.returncode != 0 and "ValueError: Checkpoints(local_dir=...) takes sharded saves" in res.stderr, \
@@ -116,3 +123,22 @@ def test_every_rank_is_copied_to_other_nodes_on_paper(hosts, replicas):
         assert len({lay.node_of[p] for p in peers} | {lay.node_of[r]}) == len(peers) + 1, (r, peers)
         sent |= {(r, p) for p in peers}
     assert sent == {(s, r) for r in range(len(hosts)) for s in lay.incoming(r, replicas)}
+
+
+def test_copies_of_two_saves_with_one_number_never_pass_for_one_checkpoint(tmp_path):
+    """Node 0 holds half of save 3 of one job, node 1 half of another job's save 3 (nodes that met
+    again after a restore from the root): on paper, rank 0's choice finds no whole checkpoint on
+    the nodes (the saves' tokens differ); the same halves of one save are one checkpoint."""
+    from hpcsync.resilience.checkpoint import Checkpoints
+    from hpcsync.resilience.node_copies import _choose
+
+    def half(token, names):
+        return {(3, token): {"step": 30, "seq": 3, "token": token, "count": 4, "world_size": 2,
+                             "files": {n: 10 for n in names}}}
+
+    ckpts, lay = Checkpoints(str(tmp_path / "root")), Layout.of(["a", "b"])
+    mixed = [half("one", ["rank-00000.pt", "sharded/__0_0.distcp"]), half("two", ["rank-00001.pt", "sharded/__1_0.distcp"])]
+    assert _choose(ckpts, None, mixed, lay) is None
+    whole = [half("one", ["rank-00000.pt", "sharded/__0_0.distcp"]), half("one", ["rank-00001.pt", "sharded/__1_0.distcp"])]
+    chosen = _choose(ckpts, None, whole, lay)
+    assert chosen[:4] == ("local", 30, (3, "one"), 2) and chosen[4]["rank-00001.pt"] == [1], chosen

@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from ..core import bounded, comm
 from ..core.worker import result
 from ..observe import failure
-from ..core.errors import CheckpointError, raise_if_any
+from ..core.errors import CheckpointError, raise_if_any, raise_if_settings_differ
 from ..data.filesync import fsync_dir
 from . import checkpoint_io
 from . import node_copies as _node_copies
@@ -301,6 +301,7 @@ class Checkpoints:
         ``shared_every``-th): a stop before the allocation ends, whose node-local disks go with it."""
         self.wait()
         ctl = self._ctl(f"save of step {step}")
+        self._same_options(ctl, sharded)
         if self.local_dir:
             if sharded is None or background:
                 raise ValueError("Checkpoints(local_dir=...) takes sharded saves written before save() returns "
@@ -341,6 +342,13 @@ class Checkpoints:
         else:
             log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
         return path
+
+    def _same_options(self, ctl: Any, sharded: Any) -> None:
+        """Collective (sharded forms): the ranks take one path, or all raise the same error."""
+        if sharded is not None:
+            raise_if_settings_differ(ctl, {"local_dir": self.local_dir is not None, "replicas": self.replicas,
+                                           "shared_every": self.shared_every}, CheckpointError,
+                                     "hpcsync.checkpoint: the ranks' Checkpoints differ: ")
 
     def _thread(self) -> Any:
         """The thread that writes in the background (one, made on first use)."""
@@ -413,6 +421,7 @@ class Checkpoints:
         ``local``, and a job of another size reshards (its ``local`` is then None)."""
         self.wait()
         ctl = self._ctl("load()")
+        self._same_options(ctl, sharded)
         if self.local_dir and sharded is None:
             raise ValueError("Checkpoints(local_dir=...) loads sharded checkpoints: load(sharded=<a state dict>)")
         if sharded is not None:

@@ -14,19 +14,27 @@
   checkpoint has) and renames the folder into place; older ones beyond ``keep`` are removed;
 - **the shared root every K-th save** (by sequence number; ``shared_every=0``: never): each rank
   copies its own files from the node-local folder into the root, which is then marked complete as
-  any sharded checkpoint there. The other saves read and write nothing in the root but the owner
-  record (one job per root).
+  any sharded checkpoint there. The other saves write no checkpoint data there: rank 0 claims the
+  root (its owner record: one job per root) and reads its markers (the next sequence number).
 
 A load gathers every node's list of complete copies to rank 0, which takes the last saved
 checkpoint whose files the nodes of this job hold between them (or the root's, if it is newer):
 each rank then reads the byte ranges DCP asks of it from its own node's disk, or fetches exactly
-those from a rank whose node holds them (one bounded exchange), and nothing from the shared root.
-Only when no complete set survived does it read the root.
+those from a rank whose node holds them (one bounded exchange), and no checkpoint data from the
+shared root (rank 0 lists it and reads its markers, to compare). Only when no complete set
+survived does it read the root. A copy is one save's: its marker carries a token rank 0 drew for
+that save, so copies of two jobs' saves with the same number never pass for one checkpoint. The
+copies move over MPI (a job under torchrun alone gets a clear error); the ranks must give the same
+options (checked).
 
 The node-local folder outlives a job step and a relaunch on the same nodes (it is a folder on the
 node's disk), not the allocation when ``DIR`` is the allocation's own (``$SLURM_TMPDIR``, or a
-job-named folder the job script removes at its end): clean-up is then the cluster's; otherwise
-``keep`` bounds what stays. A job of another world size loads the same copies (DCP reshards; the
+job-named folder the job script removes at its end): clean-up is then the cluster's. Meanwhile
+each node keeps at most ``keep`` complete copies while it is in the job; a node left out by a
+relaunch keeps what it had until the allocation ends, and hpcsync never removes a ``DIR`` that
+outlives the allocation. Each node completes its copy on its own after the ranks agreed: a crash
+between two nodes' renames leaves the newest checkpoint incomplete on the nodes (with ``keep=1``,
+the root's is then loaded). A job of another world size loads the same copies (DCP reshards; the
 ranks' ``local`` states are then not loaded).
 """
 from __future__ import annotations
@@ -37,13 +45,14 @@ import os
 import shutil
 import socket
 import time
+import uuid
 import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
-from ..data.staging.destination import make_private_dirs
+from ..data.staging.destination import make_private_dirs, not_private
 from . import checkpoint_io, dcp_reader, peer_transfer
 from . import sharded as _sharded
 from .checkpoint_io import from_rank0, loads
@@ -94,6 +103,14 @@ class Layout:
         return f"rank {rank} on {self.names[self.node_of[rank]]}"
 
 
+def needs_mpi(ctl: Any) -> None:
+    """The copies move point-to-point over MPI: a job of several ranks without it (torchrun alone)
+    gets the same error on every rank (one process needs no exchange)."""
+    if ctl.Get_size() > 1 and not hasattr(ctl, "raw"):
+        raise CheckpointError("hpcsync.checkpoint: Checkpoints(local_dir=...) needs MPI (mpi4py under mpirun, "
+                              "mpiexec or srun): node-local copies move between the ranks over it")
+
+
 def layout(ckpts: Any, ctl: Any) -> Layout:
     """The layout of ``ctl``'s ranks (one allgather of hostnames, the first time)."""
     if ckpts._layout is None or len(ckpts._layout.node_of) != ctl.Get_size():
@@ -107,14 +124,16 @@ def base(ckpts: Any) -> str:
     return os.path.join(ckpts.local_dir, f"hpcsync-{name}-{zlib.crc32(ckpts.root.encode()):08x}")
 
 
-def _name(step: int, seq: int) -> str:
-    return f"step-{step:08d}.{seq}"
+def _name(step: int, seq: int, token: str) -> str:
+    """A node-local checkpoint's folder: its step, sequence number and the save's own token (two
+    jobs' saves of one number, on nodes that met later, never pass for one checkpoint)."""
+    return f"step-{step:08d}.{seq}.{token}"
 
 
-def _copies(folder: str) -> Dict[int, Tuple[str, dict]]:
-    """This node's complete copies: ``{seq: (folder, marker)}``; a copy whose files differ from
-    its marker is skipped with a warning."""
-    found: Dict[int, Tuple[str, dict]] = {}
+def _copies(folder: str) -> Dict[Tuple[int, str], Tuple[str, dict]]:
+    """This node's complete copies: ``{(seq, token): (folder, marker)}``; a copy whose marker is
+    damaged or whose files differ from it is skipped with a warning."""
+    found: Dict[Tuple[int, str], Tuple[str, dict]] = {}
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
@@ -129,8 +148,10 @@ def _copies(folder: str) -> Dict[int, Tuple[str, dict]]:
             bad = [n for n, size in marker["files"].items() if os.path.getsize(os.path.join(path, n)) != size]
             if bad:
                 raise ValueError(f"{', '.join(bad[:3])} differ in size from its marker")
-            found[int(marker["seq"])] = (path, marker)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not all(isinstance(marker.get(k), int) for k in ("step", "seq", "count", "world_size")):
+                raise ValueError("its marker lacks a step, sequence number, file count or world size")
+            found[(marker["seq"], str(marker["token"]))] = (path, marker)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("hpcsync.checkpoint: skipping the node-local copy %s: %s", path, exc)
     return found
 
@@ -160,6 +181,7 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
     node's folder of the new checkpoint (the root's, on a save that also went there). Collective."""
     me, size = ctl.Get_rank(), ctl.Get_size()
     failed = f"hpcsync.checkpoint: step {step} not saved: "
+    needs_mpi(ctl)
     lay = layout(ckpts, ctl)
     replicas = min(ckpts.replicas, len(lay.ranks) - 1)
     if replicas < ckpts.replicas and me == 0 and "replicas" not in ckpts._warned:
@@ -176,18 +198,19 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
             for name in os.listdir(here):  # what an interrupted save left
                 if name.startswith(".step-") and name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(here, name), ignore_errors=True)
-            newest = max(_copies(here), default=-1)
+            newest = max((seq for seq, _ in _copies(here)), default=-1)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: ")
     raise_if_any(ctl, error, CheckpointError, failed)
     newest = max(ctl.allgather(newest))  # (one int a rank)
 
-    def plan() -> Tuple[int, bool]:  # rank 0: after the nodes' copies and the root's
+    def plan() -> Tuple[int, str, bool]:  # rank 0: after the nodes' copies and the root's
         seq = max(newest + 1, ckpts._root_seq())
-        return seq, to_root or (bool(ckpts.shared_every) and seq % ckpts.shared_every == 0)
+        return seq, uuid.uuid4().hex[:12], to_root or (bool(ckpts.shared_every) and seq % ckpts.shared_every == 0)
 
-    seq, to_root = from_rank0(ctl, plan, f"step {step} not saved (rank 0: {{}})")
-    tmp, final = os.path.join(here, f".{_name(step, seq)}.tmp"), os.path.join(here, _name(step, seq))
+    seq, token, to_root = from_rank0(ctl, plan, f"step {step} not saved (rank 0: {{}})")
+    name = _name(step, seq, token)
+    tmp, final = os.path.join(here, f".{name}.tmp"), os.path.join(here, name)
     error = None
     try:
         if leader:
@@ -215,8 +238,8 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
     error = None
     if leader:
         try:
-            marker = {"step": step, "seq": seq, "world_size": size, "count": count, "files": _held(tmp),
-                      "job": ckpts._job, "time": time.time(), "sharded": True}
+            marker = {"step": step, "seq": seq, "token": token, "world_size": size, "count": count,
+                      "files": _held(tmp), "job": ckpts._job, "time": time.time(), "sharded": True}
             checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
             fsync_dir(os.path.join(tmp, FOLDER))
             fsync_dir(tmp)
@@ -263,9 +286,9 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[int, 
     """Rank 0: ``("local", step, seq, world size, {file: holding nodes}, {file: size})`` for the
     last saved checkpoint the nodes hold between them, ``("root", chosen)`` when the root's is
     newer (or the only one), or None."""
-    union: Dict[int, Dict[str, Any]] = {}
+    union: Dict[Tuple[int, str], Dict[str, Any]] = {}
     for node, copies in enumerate(every):
-        for seq, marker in (copies or {}).items():
+        for seq, marker in (copies or {}).items():  # (seq: (sequence number, token))
             if step is not None and marker["step"] != step:
                 continue
             u = union.setdefault(seq, {"marker": marker, "holders": {}, "sizes": {}})
@@ -274,22 +297,22 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[int, 
                     u["marker"] = None
                 u["holders"].setdefault(name, []).append(node)
     covered = [s for s, u in union.items() if u["marker"] is not None and len(u["sizes"]) == u["marker"]["count"]]
-    seq = max(covered, default=-1)
-    for lost in sorted((s for s in union if s > seq), reverse=True)[:1]:  # newer, but not whole here: say so
+    best = max(covered, default=(-1, ""))
+    for lost in sorted((s for s in union if s > best), reverse=True)[:1]:  # newer, but not whole here: say so
         u = union[lost]
         log.warning("hpcsync.checkpoint: step %s (saved as number %d) cannot be restored: this job's nodes hold %d of "
                     "its %s files (more nodes lost than it has copies, or copies that differ)",
-                    u["marker"] and u["marker"]["step"], lost, len(u["sizes"]), u["marker"] and u["marker"]["count"])
+                    u["marker"] and u["marker"]["step"], lost[0], len(u["sizes"]), u["marker"] and u["marker"]["count"])
     claim(ckpts.root, ckpts._job)
     in_root = [(s, st) for s, st, _ in ckpts._complete() if step is None or st == step]  # (markers only)
-    if in_root and in_root[0][0] > seq:
+    if in_root and in_root[0][0] > best[0]:
         return ("root", ckpts._choose(in_root[0][1], sharded=True))
-    if seq < 0:
+    if best[0] < 0:
         if step is not None:
             raise ValueError(f"no complete checkpoint of step {step} under {ckpts.root} or on this job's nodes")
         return None
-    m = union[seq]["marker"]
-    return ("local", m["step"], seq, m["world_size"], union[seq]["holders"], union[seq]["sizes"], m.get("time"))
+    m = union[best]["marker"]
+    return ("local", m["step"], best, m["world_size"], union[best]["holders"], union[best]["sizes"], m.get("time"))
 
 
 def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int]) -> Any:
@@ -299,9 +322,12 @@ def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int]) -> Any:
     copies, error = None, None
     if lay.leader(me) == me:
         try:
+            refused = not_private(base(ckpts))  # (a folder another user made first: never read)
+            if refused:
+                raise CheckpointError(f"local_dir: {refused}")
             copies = {seq: marker for seq, (_, marker) in _copies(base(ckpts)).items()}
-        except OSError as exc:
-            error = f"cannot list {base(ckpts)}: {exc}"
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: ")
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
     every = ctl.gather(copies, root=0)
     chosen, error = None, None
@@ -327,6 +353,7 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
     local, bytes read by where from)``, ``template`` loaded in place; None when there is none.
     Collective."""
     me, size = ctl.Get_rank(), ctl.Get_size()
+    needs_mpi(ctl)
     lay = layout(ckpts, ctl)
     chosen = _decide(ckpts, ctl, lay, step)
     if chosen is None:
@@ -334,8 +361,9 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
     if chosen[0] == "root":
         got = _sharded.load_chosen(ckpts, ctl, chosen[1], template, latest=step is None)
         return (*got, {"from": "root"})
-    _, found, seq, world, holders, sizes, saved_at = chosen
-    folder = os.path.join(base(ckpts), _name(found, seq))
+    _, found, (seq, token), world, holders, sizes, saved_at = chosen
+    folder = os.path.join(base(ckpts), _name(found, seq, token))
+    checkpoint_io.allow_for(ctl, sum(sizes.values()) // len(lay.ranks))  # (a node's share, fetched by its ranks)
     read = {"from": "nodes", "node": 0, "peers": 0, "root": 0}
 
     def path_of(name: str) -> Optional[str]:

@@ -130,9 +130,11 @@ def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequen
     there ((name, path): the name it is written under, in its ``folder``); from each rank in
     ``incoming``, theirs, written into ``folder`` (each flushed to disk). Returns the sizes of the
     files received and this rank's errors (empty when all went well)."""
-    comm = ctl.raw()
     errors: List[str] = []
     got: Dict[str, int] = {}
+    if not out and not incoming:
+        return got, errors
+    comm = ctl.raw()
 
     def sender(peer: int, files: List[Tuple[str, str]]) -> Generator[Step, None, None]:
         listing = []
@@ -198,9 +200,11 @@ def fetch(ctl: Any, wants: Dict[int, List[Range]], path_of: Callable[[str], Opti
     for peer, blob in asks.items():
         counts[peer] = len(blob)
     theirs = np.zeros(size, np.int64)
-    ctl.Alltoall([counts, MPI.INT64_T], [theirs, MPI.INT64_T])
-    comm, errors = ctl.raw(), []
+    if size > 1:
+        ctl.Alltoall([counts, MPI.INT64_T], [theirs, MPI.INT64_T])
+    errors: List[str] = []
     got: Dict[Range, memoryview] = {}
+    comm = ctl.raw() if asks or theirs.any() else None
 
     def asker(peer: int, blob: bytes) -> Generator[Step, None, None]:
         yield serial.call(comm.Isend, [blob, MPI.BYTE], peer, TAG_ASK), peer, blob
@@ -257,11 +261,14 @@ def _send_chunks_cut(comm: Any, peer: int, pieces: Sequence[Tuple[Optional[str],
         done, f = 0, None
         try:
             f = open(path, "rb") if path is not None else None
-        except OSError as exc:
-            errors.append(f"cannot read {path}: {exc}")
-        try:
             if f is not None:
                 f.seek(offset)
+        except OSError as exc:
+            errors.append(f"cannot read {path}: {exc}")
+            if f is not None:
+                f.close()
+            f = None
+        try:
             while done < length:
                 n = min(length - done, len(buf) - fill)
                 view = memoryview(buf)[fill: fill + n]

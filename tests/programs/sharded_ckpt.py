@@ -129,7 +129,7 @@ if mode in ("resume", "full"):
         sys.exit(0)
     set_state_dict(model, opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
     out["loaded"] = {"step": got.step, "shared": got.shared, "local": got.local is not None and {
-        "rank": got.local["rank"], "step": got.local["step"]}, "read": got.read}
+        "rank": got.local["rank"], "step": got.local["step"]}, **({"read": got.read} if got.read else {})}
     if mode == "full":
         out["params"] = full_params()
         report(R, out)
