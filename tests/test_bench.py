@@ -135,12 +135,16 @@ def test_logs_benchmark_quick(tmp_path):
 
 
 def test_checkpoint_benchmark_quick(tmp_path):
-    """bench_checkpoint --quick: both forms of Checkpoints at 2 and 4 ranks, every time measured; on
-    load, a sharded rank gets less than the rank-0 form's rank 0 reads, and the rank-0 form's rank 0
-    reads the shared state and every rank's local."""
+    """bench_checkpoint --quick: the three forms of Checkpoints at 2 and 4 ranks, every time
+    measured; on load, a sharded rank gets less than the rank-0 form's rank 0 reads, and the rank-0
+    form's rank 0 reads the shared state and every rank's local; with node-local copies, the lost
+    node's ranks (2 and 3 at 4 ranks) read nothing themselves and get their part from peers."""
     _, data, stdout = run_quick(tmp_path, "bench_checkpoint.py", timeout=300)
     rows = {(r["ranks"], r["form"]): r for r in data["rows"]}
-    assert set(rows) == {(n, f) for n in (2, 4) for f in ("rank0", "sharded")}, rows
+    assert set(rows) == {(n, f) for n in (2, 4) for f in ("rank0", "sharded", "nodes")}, rows
+    state, local, nodes = rows[(4, "rank0")]["state_mib"] * 2**20, data["local_kib"] * 1024, rows[(4, "nodes")]
+    assert nodes["load_read_bytes"][2:] == [0, 0] and min(nodes["load_mpi_bytes"][2:]) >= local, nodes
+    assert nodes["load_bytes_max"] < state / 4 + local + 2**20, nodes
     times = ("save_s", "stall_s", "complete_s", "load_s")
     assert all(r[k] > 0 and len(r[k + "_rounds"]) == 2 for r in rows.values() for k in times), rows
     rank0, sharded = rows[(4, "rank0")], rows[(4, "sharded")]

@@ -12,6 +12,7 @@ import pytest
 
 from hpcsync.resilience.node_copies import Layout
 from launch import openmpi, run
+from test_checkpoint import ckpt_op
 
 
 def train(tmp_path, root, local, steps, mode, shared_every=0, replicas=1, n=4, expect_ok=True, logs=None):
@@ -49,30 +50,25 @@ def test_a_lost_nodes_ranks_restore_from_the_copies_and_read_nothing_from_the_ro
 
 
 def test_the_root_every_kth_save_and_when_no_copy_survived(tmp_path):
-    """shared_every=2: saves 0 and 2 (steps 5 and 15) go to the root too, 1 and 3 stay on the
-    nodes. A load takes the nodes' newer step 20; with every node's folder gone it takes the
-    root's step 15 (and says where it read from); with one node's folder gone and no copies
-    (replicas=0) the nodes' step 20 is incomplete: the root's step 15 again, with a warning that
-    names the lost step (node 0 holds 6 of its 10 files: ranks 0 and 1's, the metadata, the shared state)."""
+    """shared_every=2, no copies on other nodes (replicas=0): save 0 (step 5) goes to the root
+    too, save 1 (step 10) stays on the nodes. With node 1's folder gone, step 10 is incomplete on
+    the nodes: the root's step 5 is loaded (and says so), with a warning that names the lost step
+    (node 0 holds 6 of its 10 files: ranks 0 and 1's, the metadata, the shared state); with every
+    node's folder gone, the root's step 5 again. (The nodes' newer step wins when whole: the
+    other tests.)"""
     root, local = tmp_path / "root", tmp_path / "local"
-    train(tmp_path, root, local, 20, "sync", shared_every=2)
-    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000005", "step-00000015"]
-    got = train(tmp_path, root, local, 20, "full").ranks
-    assert {r["loaded"]["step"] for r in got} == {20} and got[0]["loaded"]["read"]["from"] == "nodes", got[0]
-    held = tmp_path / "held"
-    shutil.copytree(local, held)
-    shutil.rmtree(local)
-    got = train(tmp_path, root, local, 20, "full").ranks
-    assert {r["loaded"]["step"] for r in got} == {15} and got[0]["loaded"]["read"] == {"from": "root"}, got[0]
-
-    root0, local0 = tmp_path / "root0", tmp_path / "local0"
-    train(tmp_path, root0, local0, 20, "sync", shared_every=2, replicas=0)
-    assert copies(local0, 0) == copies(local0, 1) == ["step-00000015.2", "step-00000020.3"]
-    shutil.rmtree(local0 / "fake1")
-    res = train(tmp_path, root0, local0, 20, "full", replicas=0, logs=tmp_path / "logs")
-    assert {r["loaded"]["step"] for r in res.ranks} == {15}, res.ranks[0]
-    assert "step 20 (saved as number 3) cannot be restored: this job's nodes hold 6 of its 10 files" in res.stderr, \
+    train(tmp_path, root, local, 10, "sync", shared_every=2, replicas=0)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000005"]
+    assert copies(local, 0) == copies(local, 1) == ["step-00000005.0", "step-00000010.1"]
+    shutil.rmtree(local / "fake1")
+    res = train(tmp_path, root, local, 10, "full", replicas=0, logs=tmp_path / "logs")
+    assert {r["loaded"]["step"] for r in res.ranks} == {5}, res.ranks[0]
+    assert res.ranks[0]["loaded"]["read"] == {"from": "root"}, res.ranks[0]
+    assert "step 10 (saved as number 1) cannot be restored: this job's nodes hold 6 of its 10 files" in res.stderr, \
         res.stderr[-3000:]
+    shutil.rmtree(local)
+    got = train(tmp_path, root, local, 10, "full", replicas=0).ranks
+    assert {r["loaded"]["step"] for r in got} == {5} and got[0]["loaded"]["read"] == {"from": "root"}, got[0]
 
 
 def test_bad_node_local_options_are_refused_on_every_rank(tmp_path):
@@ -142,3 +138,32 @@ def test_copies_of_two_saves_with_one_number_never_pass_for_one_checkpoint(tmp_p
     whole = [half("one", ["rank-00000.pt", "sharded/__0_0.distcp"]), half("one", ["rank-00001.pt", "sharded/__1_0.distcp"])]
     chosen = _choose(ckpts, None, whole, lay)
     assert chosen[:4] == ("local", 30, (3, "one"), 2) and chosen[4]["rank-00001.pt"] == [1], chosen
+
+
+@pytest.mark.heavy  # (one process, but a dozen starts of it: beside the tests that build nodes)
+def test_a_node_local_save_keeps_a_complete_checkpoint_at_every_moment(tmp_path):
+    """One process, node-local copies only (``keep=1``): step 5 saved, then again by a process
+    that dies just before its k-th filesystem change -- hpcsync's and torch.distributed.checkpoint's
+    own -- for every k: the next start always finds a complete step 5, the old content or the new,
+    never nothing and never a mix."""
+    from hpcsync.resilience.checkpoint import Checkpoints
+    from hpcsync.resilience.node_copies import base
+
+    ckpt_op(tmp_path, "save-local", tmp_path / "base", 1, "5=old")
+    seen, k = set(), 1
+    while True:
+        root = tmp_path / f"crash{k}"
+        shutil.copytree(f"{tmp_path}/base-local", f"{root}-local")
+        [inner] = (tmp_path / f"crash{k}-local").glob("hpcsync-*")  # (named after its root: renamed to this one's)
+        inner.rename(base(Checkpoints(str(root), local_dir=f"{root}-local")))
+        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", "sharded-local", expect_ok=False)
+        got = ckpt_op(tmp_path, "load-local", root).ranks[0]["loaded"]
+        assert got and (got["step"], got["v"]) in {(5, "old"), (5, "new")}, f"killed before change {k}: {got}\n{res}"
+        seen.add(got["v"])
+        if res.returncode == 0:  # no k-th change: the save ran to its end
+            assert res.ranks[0]["points"] == k - 1 and got["v"] == "new", res
+            break
+        assert res.returncode == 9, res
+        k += 1
+    assert k > 6 and seen == {"old", "new"}, (k, seen)
+    assert not list((tmp_path / f"crash{k}").glob("step-*")), "a node-local save wrote into the root"

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from hpcsync.data.filesync import part_path
-from launch import LAUNCHERS, PY, clean_env, mpich, openmpi, run
+from launch import LAUNCHERS, PY, clean_env, long_run, mpich, openmpi, run
 
 
 def write_parts(target, parts, parts_dir=None):
@@ -262,7 +262,7 @@ def test_merge_past_2gib_with_bounded_root_memory(tmp_path):
     assert root_peak < 1.0 * 2**30, f"root peak RSS {root_peak / 2**20:.0f} MiB for a {sum(sizes) / 2**30:.1f} GiB merge"
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=long_run), 4])  # (2 ranks: a long run; 4 stays)
 def test_repeated_sync_of_one_target_is_race_free(n, tmp_path):
     """1000 back-to-back SyncedFile syncs of one target (a rank's rmdir of the parts folder once
     raced another rank's next part), then two same-named targets sharing one parts_dir."""

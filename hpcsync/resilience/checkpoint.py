@@ -263,6 +263,7 @@ class Checkpoints:
         """The step of the last saved complete checkpoint (rank 0 looks, every rank gets its answer)."""
         self.wait()
         ctl = self._ctl("latest()")
+        self._same_options(ctl, True)
         if self.local_dir:
             return _node_copies.latest(self, ctl)
         found: Optional[int] = None

@@ -204,11 +204,12 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
     raise_if_any(ctl, error, CheckpointError, failed)
     newest = max(ctl.allgather(newest))  # (one int a rank)
 
-    def plan() -> Tuple[int, str, bool]:  # rank 0: after the nodes' copies and the root's
+    def plan() -> Tuple[int, str, float, bool]:  # rank 0: after the nodes' copies and the root's
         seq = max(newest + 1, ckpts._root_seq())
-        return seq, uuid.uuid4().hex[:12], to_root or (bool(ckpts.shared_every) and seq % ckpts.shared_every == 0)
+        return (seq, uuid.uuid4().hex[:12], time.time(),
+                to_root or (bool(ckpts.shared_every) and seq % ckpts.shared_every == 0))
 
-    seq, token, to_root = from_rank0(ctl, plan, f"step {step} not saved (rank 0: {{}})")
+    seq, token, saved_at, to_root = from_rank0(ctl, plan, f"step {step} not saved (rank 0: {{}})")
     name = _name(step, seq, token)
     tmp, final = os.path.join(here, f".{name}.tmp"), os.path.join(here, name)
     error = None
@@ -239,7 +240,7 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
     if leader:
         try:
             marker = {"step": step, "seq": seq, "token": token, "world_size": size, "count": count,
-                      "files": _held(tmp), "job": ckpts._job, "time": time.time(), "sharded": True}
+                      "files": _held(tmp), "job": ckpts._job, "time": saved_at, "sharded": True}
             checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
             fsync_dir(os.path.join(tmp, FOLDER))
             fsync_dir(tmp)
@@ -282,10 +283,12 @@ def _to_root(ckpts: Any, ctl: Any, step: int, seq: int, folder: str, blob: bytes
                       f"step {step} not saved in the root (rank 0: {{}})")
 
 
-def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[int, dict]]], lay: Layout) -> Any:
-    """Rank 0: ``("local", step, seq, world size, {file: holding nodes}, {file: size})`` for the
-    last saved checkpoint the nodes hold between them, ``("root", chosen)`` when the root's is
-    newer (or the only one), or None."""
+def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[Tuple[int, str], dict]]],
+            lay: Layout) -> Any:
+    """Rank 0: ``("local", step, (seq, token), world size, {file: holding nodes}, {file: size},
+    time)`` for the last saved checkpoint the nodes hold between them (by sequence number, then by
+    rank 0's clock when it was saved), ``("root", chosen)`` when the root's is newer (or the only
+    one), or None."""
     union: Dict[Tuple[int, str], Dict[str, Any]] = {}
     for node, copies in enumerate(every):
         for seq, marker in (copies or {}).items():  # (seq: (sequence number, token))
@@ -297,8 +300,11 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[int, 
                     u["marker"] = None
                 u["holders"].setdefault(name, []).append(node)
     covered = [s for s, u in union.items() if u["marker"] is not None and len(u["sizes"]) == u["marker"]["count"]]
-    best = max(covered, default=(-1, ""))
-    for lost in sorted((s for s in union if s > best), reverse=True)[:1]:  # newer, but not whole here: say so
+    def newest(s: Tuple[int, str]) -> Tuple[int, float]:
+        return s[0], float(union[s]["marker"].get("time") or 0)
+
+    best = max(covered, key=newest, default=(-1, ""))
+    for lost in sorted((s for s in union if s[0] > best[0]), reverse=True)[:1]:  # newer, not whole here: say so
         u = union[lost]
         log.warning("hpcsync.checkpoint: step %s (saved as number %d) cannot be restored: this job's nodes hold %d of "
                     "its %s files (more nodes lost than it has copies, or copies that differ)",

@@ -193,20 +193,21 @@ def fetch(ctl: Any, wants: Dict[int, List[Range]], path_of: Callable[[str], Opti
 
     One ``Alltoall`` of N integers says who asks whom (8 bytes a rank pair); then only the ranks
     that ask and serve exchange messages: a rank receives just the bytes it asked for."""
-    MPI = mpi.MPI()
     me, size = ctl.Get_rank(), ctl.Get_size()
     asks = {peer: json.dumps(items).encode() for peer, items in wants.items() if items and peer != me}
     counts = np.zeros(size, np.int64)
     for peer, blob in asks.items():
         counts[peer] = len(blob)
     theirs = np.zeros(size, np.int64)
-    if size > 1:
+    if size > 1:  # (one process: nothing to exchange, and perhaps no MPI at all)
+        MPI = mpi.MPI()
         ctl.Alltoall([counts, MPI.INT64_T], [theirs, MPI.INT64_T])
     errors: List[str] = []
     got: Dict[Range, memoryview] = {}
     comm = ctl.raw() if asks or theirs.any() else None
 
     def asker(peer: int, blob: bytes) -> Generator[Step, None, None]:
+        MPI = mpi.MPI()
         yield serial.call(comm.Isend, [blob, MPI.BYTE], peer, TAG_ASK), peer, blob
         items = wants[peer]
         data = bytearray(sum(n for _, _, n in items))
@@ -233,7 +234,8 @@ def fetch(ctl: Any, wants: Dict[int, List[Range]], path_of: Callable[[str], Opti
         yield from _send_chunks_cut(comm, peer, pieces, total, errors)
 
     streams = [asker(p, b) for p, b in asks.items()] + [server(p, int(n)) for p, n in enumerate(theirs) if n]
-    _drive(ctl, streams, where, "fetching checkpoint bytes from peers")
+    if streams:
+        _drive(ctl, streams, where, "fetching checkpoint bytes from peers")
     for name, offset, length in wants.get(me, []):
         path = path_of(name)
         try:

@@ -10,7 +10,9 @@
 
 MODE sharded or sharded-background: the value goes into a sharded state ({"v": tensor of its
 bytes}) instead, and torch.distributed.checkpoint's own filesystem changes count too;
-``load-sharded ROOT`` loads such a checkpoint (v decoded back to a string).
+``load-sharded ROOT`` loads such a checkpoint (v decoded back to a string). ``save-local``,
+``load-local`` and MODE ``sharded-local``: the same with node-local copies (``local_dir`` ROOT-local,
+never into the root).
 """
 import os
 import shutil
@@ -30,6 +32,10 @@ def sharded(value: str = "") -> dict:
     return {"v": torch.tensor(list(value.ljust(8).encode()), dtype=torch.uint8)}
 
 
+def checkpoints(root, keep=2, local=False):
+    return hpcsync.Checkpoints(root, keep=keep, **({"local_dir": root + "-local", "shared_every": 0} if local else {}))
+
+
 def load(ckpts, as_sharded=False):
     try:
         if as_sharded:
@@ -43,17 +49,17 @@ def load(ckpts, as_sharded=False):
         return {"error": str(exc)}
 
 
-if op in ("save", "save-sharded"):
-    ckpts = hpcsync.Checkpoints(root, keep=int(sys.argv[3]))
+if op in ("save", "save-sharded", "save-local"):
+    ckpts = checkpoints(root, int(sys.argv[3]), op == "save-local")
     out["saved"] = []
     for item in sys.argv[4:]:
         step, value = item.split("=")
-        path = ckpts.save(int(step), sharded=sharded(value)) if op == "save-sharded" else \
+        path = ckpts.save(int(step), sharded=sharded(value)) if op != "save" else \
             ckpts.save(int(step), shared={"v": value})
         out["saved"].append([os.path.basename(path), os.path.isdir(path)])
     out["listing"] = sorted(os.listdir(root))
-elif op in ("load", "load-sharded"):
-    out["loaded"] = load(hpcsync.Checkpoints(root), op == "load-sharded")
+elif op in ("load", "load-sharded", "load-local"):
+    out["loaded"] = load(checkpoints(root, local=op == "load-local"), op != "load")
 elif op == "crash":
     k, count = int(sys.argv[3]), [0]
 
@@ -68,7 +74,7 @@ elif op == "crash":
 
     mode = sys.argv[6]
     counted = ("hpcsync.", "torch.distributed.checkpoint") if mode.startswith("sharded") else ("hpcsync.",)
-    ckpts = hpcsync.Checkpoints(root, keep=1)
+    ckpts = checkpoints(root, 1, mode == "sharded-local")
     for mod, name in ((os, "rename"), (os, "replace"), (os, "fsync"), (os, "makedirs"), (shutil, "rmtree")):
         setattr(mod, name, dying(getattr(mod, name)))
     if mode.startswith("sharded"):
