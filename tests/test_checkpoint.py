@@ -95,6 +95,19 @@ def load_here(root):
     return None if got is None else (got.step, got.shared["v"])
 
 
+def load_sharded_here(root, local=False):
+    """The latest sharded checkpoint of ``programs/ckpt_ops.py`` as a new job sees it (this process,
+    without torch.distributed; ``local``: its node-local copies): ``(step, v)`` or None."""
+    import torch
+
+    import hpcsync
+
+    template = {"v": torch.zeros(8, dtype=torch.uint8)}
+    options = {"local_dir": f"{root}-local", "shared_every": 0} if local else {}
+    got = hpcsync.Checkpoints(str(root), **options).load(sharded=template)
+    return None if got is None else (got.step, bytes(template["v"].tolist()).decode().strip())
+
+
 def test_the_last_saved_wins_over_a_higher_step_of_an_older_run(tmp_path):
     """A root holding step 6000 of an abandoned run; a new run saves 100 and 200 with keep=1:
     each save's path exists when it returns, and the resume is step 200, not 6000."""
