@@ -95,6 +95,26 @@ def load_here(root):
     return None if got is None else (got.step, got.shared["v"])
 
 
+def killed_at_every_change(tmp_path, mode, prepare, load):
+    """Step 5 saved again as "new" (``ckpt_ops.py crash``, ``mode``) over ``prepare(root)``'s
+    step 5 = "old", by a process that dies just before its k-th filesystem change, for k = 1, 2, ...
+    until a save runs to its end; after each, ``load(root)`` (a new start) must find step 5
+    whole, old or new, never nothing. Returns how many saves there were and the contents seen."""
+    seen, k = set(), 1
+    while True:
+        root = tmp_path / f"crash{k}"
+        prepare(root)
+        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", mode, expect_ok=False)
+        got = load(root)
+        assert got in {(5, "old"), (5, "new")}, f"killed before change {k}: the resume found {got}\n{res}"
+        seen.add(got[1])
+        if res.returncode == 0:  # no k-th change: the save ran to its end
+            assert res.ranks[0]["points"] == k - 1 and got == (5, "new"), res
+            return k, seen
+        assert res.returncode == 9, res
+        k += 1
+
+
 def load_sharded_here(root, local=False):
     """The latest sharded checkpoint of ``programs/ckpt_ops.py`` as a new job sees it (this process,
     without torch.distributed; ``local``: its node-local copies): ``(step, v)`` or None."""
@@ -126,19 +146,7 @@ def test_saving_a_step_again_keeps_a_complete_checkpoint_at_every_moment(mode, t
     content or the new, never nothing; the same when the new one is written in the background."""
     base = tmp_path / "base"
     ckpt_op(tmp_path, "save", base, 1, "5=old")
-    seen, k = set(), 1
-    while True:
-        root = tmp_path / f"crash{k}"
-        shutil.copytree(base, root)
-        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", mode, expect_ok=False)
-        got = load_here(root)
-        assert got in {(5, "old"), (5, "new")}, f"killed before change {k}: the resume found {got}\n{res}"
-        seen.add(got[1])
-        if res.returncode == 0:  # no k-th change: the save ran to its end
-            assert res.ranks[0]["points"] == k - 1 and got == (5, "new"), res
-            break
-        assert res.returncode == 9, res
-        k += 1
+    k, seen = killed_at_every_change(tmp_path, mode, lambda root: shutil.copytree(base, root), load_here)
     assert k > 5 and seen == {"old", "new"}, (k, seen)
 
 

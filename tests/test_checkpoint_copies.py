@@ -7,12 +7,13 @@ run`` relaunching without a killed node: test_supervisor.py."""
 import os
 import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 
 from hpcsync.resilience.node_copies import Layout
 from launch import openmpi, run
-from test_checkpoint import ckpt_op, load_sharded_here
+from test_checkpoint import ckpt_op, killed_at_every_change, load_sharded_here
 
 
 def train(tmp_path, root, local, steps, mode, shared_every=0, replicas=1, n=4, expect_ok=True, logs=None):
@@ -150,20 +151,12 @@ def test_a_node_local_save_keeps_a_complete_checkpoint_at_every_moment(tmp_path)
     from hpcsync.resilience.node_copies import base
 
     ckpt_op(tmp_path, "save-local", tmp_path / "base", 1, "5=old")
-    seen, k = set(), 1
-    while True:
-        root = tmp_path / f"crash{k}"
+
+    def prepare(root):  # the node-local copies only; their folder is named after its root: renamed
         shutil.copytree(f"{tmp_path}/base-local", f"{root}-local")
-        [inner] = (tmp_path / f"crash{k}-local").glob("hpcsync-*")  # (named after its root: renamed to this one's)
+        [inner] = Path(f"{root}-local").glob("hpcsync-*")
         inner.rename(base(Checkpoints(str(root), local_dir=f"{root}-local")))
-        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", "sharded-local", expect_ok=False)
-        got = load_sharded_here(root, local=True)  # (in this process: a start of its own would cost 3 s)
-        assert got in {(5, "old"), (5, "new")}, f"killed before change {k}: {got}\n{res}"
-        seen.add(got[1])
-        if res.returncode == 0:  # no k-th change: the save ran to its end
-            assert res.ranks[0]["points"] == k - 1 and got[1] == "new", res
-            break
-        assert res.returncode == 9, res
-        k += 1
+
+    k, seen = killed_at_every_change(tmp_path, "sharded-local", prepare, lambda root: load_sharded_here(root, True))
     assert k > 6 and seen == {"old", "new"}, (k, seen)
     assert not list((tmp_path / f"crash{k}").glob("step-*")), "a node-local save wrote into the root"

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from launch import long_run, openmpi, run
-from test_checkpoint import ckpt_op, load_sharded_here
+from test_checkpoint import ckpt_op, killed_at_every_change, load_sharded_here
 
 # (gloo in the background is a long run: the thread's own groups are the same code on either backend)
 CASES = [("gloo", "sync"), pytest.param("gloo", "background", marks=long_run), ("hpcsync", "background")]
@@ -52,19 +52,7 @@ def test_a_sharded_save_keeps_a_complete_checkpoint_at_every_moment(mode, tmp_pa
     always finds a complete step 5, the old content or the new, never nothing."""
     base = tmp_path / "base"
     ckpt_op(tmp_path, "save-sharded", base, 1, "5=old")
-    seen, k = set(), 1
-    while True:
-        root = tmp_path / f"crash{k}"
-        shutil.copytree(base, root)
-        res = ckpt_op(tmp_path, "crash", root, k, 5, "new", mode, expect_ok=False)
-        got = load_sharded_here(root)  # (in this process: a start of its own per change would cost 3 s)
-        assert got in {(5, "old"), (5, "new")}, f"killed before change {k}: {got}\n{res}"
-        seen.add(got[1])
-        if res.returncode == 0:  # no k-th change: the save ran to its end
-            assert res.ranks[0]["points"] == k - 1 and got[1] == "new", res
-            break
-        assert res.returncode == 9, res
-        k += 1
+    k, seen = killed_at_every_change(tmp_path, mode, lambda root: shutil.copytree(base, root), load_sharded_here)
     assert k > 8 and seen == {"old", "new"}, (k, seen)
 
 
