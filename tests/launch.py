@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -105,14 +106,21 @@ def run(launcher: Optional[Launcher], n: int, program: str, *args: str, tmp_path
     python = [] if launcher and launcher.name == "torchrun" else [PY]  # torchrun adds its own
     full_env = clean_env({**(launcher.env if launcher else {}), "HPCSYNC_TEST_OUT": str(out), **(env or {})})
     cmd = [*(launcher.command(n, full_env) if launcher else []), *python, prog, *args]
-    if watch is None:
-        try:
-            proc = subprocess.run(cmd, env=full_env, cwd=cwd or tmp_path, capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\nstdout:{exc.stdout}\nstderr:{exc.stderr}")
-    else:
-        proc = _watched(cmd, full_env, cwd or tmp_path, timeout, *watch)
+    for attempt in (1, 2):
+        if watch is None:
+            try:
+                proc = subprocess.run(cmd, env=full_env, cwd=cwd or tmp_path, capture_output=True, text=True,
+                                      timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\nstdout:{exc.stdout}\nstderr:{exc.stderr}")
+        else:
+            proc = _watched(cmd, full_env, cwd or tmp_path, timeout, *watch)
+        if attempt == 2 or not _mpi_crashed(launcher, program, proc.stderr):
+            break
+        warnings.warn(f"{launcher.name}: a rank of {program} crashed (SIGSEGV) under Open MPI 4.1 and "  # type: ignore[union-attr]
+                      f"srun --mpi=pmix; run again once. Its stderr:\n{proc.stderr[-6000:]}", stacklevel=2)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
     ranks = []
     for r in range(n):
         f = out / f"rank{r}.json"
@@ -124,6 +132,18 @@ def run(launcher: Optional[Launcher], n: int, program: str, *args: str, tmp_path
         sizes = {r.get("world_size") for r in ranks}
         assert sizes == {n}, f"ranks saw world sizes {sizes}, expected {n} (degraded run?): {res}"
     return res
+
+
+# Debian's Open MPI 4.1.4 with THREAD_MULTIPLE under `srun --mpi=pmix` across namespace nodes
+# has crashed a rank with SIGSEGV, rarely: twice in recent full runs, in two different programs,
+# each time beside other jobs; not reproduced in some 60 jobs run alone or beside busy cores.
+# Such a job runs again, once, with a warning that carries the crash's stderr: every thread's
+# Python stack (hpcsync prints them on a crash) and Open MPI's C frames. A second crash fails.
+CRASHES = "Signal: Segmentation fault (11)"
+
+
+def _mpi_crashed(launcher: Optional[Launcher], program: str, stderr: str) -> bool:
+    return launcher is not None and launcher.name == "srun-pmix" and program != "crash.py" and CRASHES in stderr
 
 
 WATCH_GRACE = 15.0

@@ -511,3 +511,17 @@ def test_a_rank_missing_from_a_comm_helper_is_a_timeout_not_a_hang(helper, tmp_p
     for d in res.ranks[:2]:
         assert d is not None and d["error"] == "CollectiveTimeout", (d, str(res))
         assert f"hpcsync.comm.{helper}" in d["message"] and 2.5 <= d["took"] < 10, d
+
+
+def test_a_crashed_rank_says_where_its_threads_were(tmp_path):
+    """A segmentation fault prints every Python thread's stack (the crashing line of the program
+    first), then the MPI library's own C frames; the job ends."""
+    t0 = time.monotonic()
+    res = run(openmpi(), 2, "crash.py", tmp_path=tmp_path, expect_ok=False, timeout=120)
+    assert res.returncode != 0 and time.monotonic() - t0 < 60, res
+    line = next(i for i, text in enumerate((ROOT / "tests/programs/crash.py").read_text().splitlines(), 1)
+                if "CRASH HERE" in text)
+    assert "Fatal Python error: Segmentation fault" in res.stderr, res.stderr
+    assert f'crash.py", line {line} in <module>' in res.stderr, res.stderr
+    assert "hpcsync-watchdog" in res.stderr or "Thread 0x" in res.stderr, res.stderr  # the other threads too
+    assert "Signal: Segmentation fault (11)" in res.stderr, res.stderr  # then Open MPI's handler

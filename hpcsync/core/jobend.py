@@ -105,6 +105,22 @@ def end_within(seconds: float) -> None:
     faulthandler.dump_traceback_later(max(seconds, 0.1), exit=True)
 
 
+def stacks_on_crash() -> None:
+    """On a fatal signal (a segmentation fault, a bus error, an abort) print every Python thread's
+    stack first: the MPI library's own handler, which ``MPI_Init`` installed and which runs next,
+    prints only C frames, so a crash inside MPI would not say which of the program's threads was
+    where. Left alone when the program enabled :mod:`faulthandler` itself, or where stderr has no
+    file descriptor."""
+    import faulthandler
+
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # (io.UnsupportedOperation is an OSError)
+        pass
+
+
 def _stat(pid: int) -> Tuple[str, int]:
     """(comm, parent pid) of ``pid`` from /proc."""
     with open(f"/proc/{pid}/stat") as f:

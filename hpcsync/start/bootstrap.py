@@ -210,6 +210,7 @@ def init(
             raise MissingDependencyError(f"hpcsync.init needs torch: pip install torch ({exc})") from exc
         _our_backend_available()  # registers "hpcsync" with torch, so new_group(backend="hpcsync") works
         topo = topology()
+        jobend.stacks_on_crash()  # after MPI_Init: its handler for SIGSEGV runs after ours
         if log_dir or settings.text("HPCSYNC_LOG_DIR"):
             from ..observe.logs import setup_logging
 
