@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
-from ..data.staging.destination import make_private_dirs, not_private
+from ..data.staging.private import make_private_dirs, not_private
 from . import checkpoint_io, dcp_reader, peer_transfer
 from . import sharded as _sharded
 from .checkpoint_io import from_rank0, loads

@@ -68,7 +68,8 @@ import numpy as np
 from ...core import bigmpi, bounded, mpi
 from ...core.errors import CollectiveTimeout, StageError, StageTimeout, raise_if_any, raise_if_settings_differ
 from ...observe.progress import Progress
-from .destination import MANIFEST, TMP_SUFFIX, Destination
+from .destination import TMP_SUFFIX, Destination
+from .manifest import MANIFEST
 from .journal import JOURNAL
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks,
                       collector_paused, scan, stat_names, walk_names)

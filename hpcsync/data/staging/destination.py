@@ -1,7 +1,6 @@
 """One node's copy: what it lacks, temporary files, checks, renames, the manifest and the journal."""
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -14,13 +13,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal
+from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal, syncfs
 from .journal import JOURNAL, Journal, journals, read_journals
 from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, Entry, Piece, trailer_at, whole
+from .manifest import load_all, up_to_date, write_object
+from .private import make_private_dirs
 
 log = logging.getLogger("hpcsync.staging")
 
-MANIFEST = ".hpcsync-stage.json"
 TMP_SUFFIX = ".hpcsync-tmp"
 _JOURNAL_SECONDS = 1.0
 
@@ -125,7 +125,7 @@ class Destination:
         to copy whole (:attr:`units`). Returns an error naming node and path, or None."""
         dst = self.dst
         found = journals(dst)
-        self.records = _load_manifest(dst, self.src, self.host)
+        self.records = load_all(dst, self.src, self.host)
         self.journal.carried = read_journals(dst, found, self.src, self.records, self.host)
         self.interrupted = bool(found)
         if self.interrupted:
@@ -154,7 +154,7 @@ class Destination:
                         have = None
                     if have is not None and st.S_ISDIR(have.st_mode):
                         return self._where(f"{path} is a directory, the source has a file there")
-                    if not _up_to_date(e, rec, have):
+                    if not up_to_date(e, rec, have):
                         needed.append(i)
                         need_bytes += e.size
                         if have is not None:
@@ -313,7 +313,7 @@ class Destination:
             return
         if self.durable:
             try:
-                _syncfs(self.dst)
+                syncfs(self.dst)
             except OSError as exc:
                 self.note(f"syncing {self.dst}: {exc.strerror}")
                 return
@@ -362,7 +362,7 @@ class Destination:
             if self.files_written or self.journal.started or self.interrupted or self._stale_records():
                 if self.note(self.journal.start()):  # (the manifest too has a temporary name)
                     return self._where(self.journal.error)  # type: ignore[arg-type]
-                _write_manifest(self)
+                write_object(self)
             _set_dir_attributes(self.entries, self.path)
         except OSError as exc:
             return self._where(f"finishing {exc.filename or self.dst}: {exc.strerror}")
@@ -374,60 +374,6 @@ class Destination:
         return len(self.records) + self.more_files != sum(e.kind == FILE for e in self.entries)
 
 
-def encode_records(node: "Destination", files: Sequence[int]) -> None:
-    """Encode the records of ``files`` (entry indexes this rank copied and recorded) for the
-    manifest now, as :meth:`Destination.add_records` takes another rank's: the root of a one-node
-    copy does it before it waits for the other ranks, which encode theirs at the same time."""
-    records, entries = node.records, node.entries
-    mine = {}
-    for i in files:
-        rel = entries[i].rel
-        rec = records.pop(rel, None)
-        if rec is not None:
-            mine[rel] = rec
-    if mine:
-        node.more.append(json.dumps(mine, separators=(",", ":")))
-        node.more_files += len(mine)
-
-
-def _load_manifest(dst: str, src: str, host: str) -> Dict[str, list]:
-    """The records of the manifest in ``dst``, when it is one of a stage of ``src``."""
-    try:
-        with open(os.path.join(dst, MANIFEST)) as f:
-            doc = json.load(f)
-        if doc.get("version") == 1 and doc.get("source") == src:
-            return doc["files"]
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        log.warning("%s: ignoring unreadable stage manifest in %s: %s", host, dst, exc)
-    return {}
-
-
-def _write_manifest(node: Destination) -> None:
-    """Replace ``node``'s manifest with its records (its own and the other ranks'), then remove
-    the journals."""
-    mine = "{}"
-    if node.records:  # (the records of the files copied here may be encoded already: add_records, encode_records())
-        current = {e.rel for e in node.entries if e.kind == FILE}
-        mine = json.dumps({rel: rec for rel, rec in node.records.items() if rel in current}, separators=(",", ":"))
-    files = ",".join(part[1:-1] for part in (mine, *node.more) if part != "{}")  # objects joined
-    if node.durable:
-        _syncfs(node.dst)
-    tmp = node.tmp_path(os.path.join(node.dst, MANIFEST), mine=False)
-    with open(tmp, "w") as f:  # the C encoder; json.dump is pure Python
-        f.write(f'{{"version":1,"source":{json.dumps(node.src)},"files":{{{files}}}}}')
-        if node.durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(node.dst, MANIFEST))
-    for name in journals(node.dst):
-        try:
-            os.unlink(os.path.join(node.dst, name))
-        except FileNotFoundError:
-            pass
-
-
 def _set_dir_attributes(entries: Sequence[Entry], path: Callable[[int], str]) -> None:
     """Directories' modes and mtimes, once their files are in."""
     for i in range(len(entries) - 1, -1, -1):  # children before their parents
@@ -437,89 +383,10 @@ def _set_dir_attributes(entries: Sequence[Entry], path: Callable[[int], str]) ->
             os.utime(path(i), ns=(e.atime_ns, e.mtime_ns))
 
 
-def _up_to_date(e: Entry, rec: Optional[list], have: Optional[os.stat_result]) -> bool:
-    """The copy is the one this stage recorded, with the source's permissions (a copy made under
-    a default ACL by an older version may lack them), and the source is unchanged since."""
-    if rec is None or have is None or not st.S_ISREG(have.st_mode):
-        return False
-    size, mtime, mode, _crc, ino, ctime = rec
-    return ((size, mtime, mode, have.st_mode & 0o777) == (e.size, e.mtime_ns, e.mode, e.mode & 0o777)
-            and (have.st_ino, have.st_size, have.st_mtime_ns, have.st_ctime_ns) == (ino, size, mtime, ctime))
-
-
 def _make_writable(path: str) -> None:
     mode = st.S_IMODE(os.stat(path).st_mode)
     if mode & 0o700 != 0o700:  # a read-only source directory, staged before: writable until the end
         os.chmod(path, mode | 0o700)
-
-
-def _squattable(folder: str) -> bool:
-    """A folder anyone may create names in (``/tmp``, ``/dev/shm``: sticky, world-writable)."""
-    try:
-        mode = os.stat(folder).st_mode
-    except OSError:
-        return False
-    return bool(mode & st.S_ISVTX and mode & st.S_IWOTH)
-
-
-def not_private(dst: str) -> Optional[str]:
-    """Why ``dst`` may not take a copy, or None. Refused: ``dst`` a symbolic link; a symbolic link
-    of another user on the way to it; ``dst`` another user's; and while ``dst`` is missing, its
-    nearest existing folder when another user made it where anyone may create names (a
-    ``/tmp/hpcsync-<job>`` made first by someone else: their files would join the copy, or they
-    could swap a folder of it for a link). Root's folders and links (``/tmp``, ``/scratch``) are
-    fine, and so is a group's project folder. Nothing is created."""
-    me, path = os.geteuid(), os.path.abspath(dst)
-    parts = path.strip("/").split("/")
-    existing = "/"
-    for i in range(1, len(parts) + 1):
-        here = "/" + "/".join(parts[:i])
-        try:
-            s = os.lstat(here)
-        except FileNotFoundError:
-            break
-        if st.S_ISLNK(s.st_mode) and here == path:
-            return f"destination {dst} is a symbolic link: give the folder it points to, if it is yours"
-        if st.S_ISLNK(s.st_mode) and s.st_uid not in (me, 0):
-            return (f"destination {dst}: {here} is a symbolic link of another user (uid {s.st_uid}); stage only "
-                    "into a folder of your own (e.g. $SLURM_TMPDIR, or a new one)")
-        existing = here
-    else:  # dst exists
-        s = os.stat(path)
-        if s.st_uid not in (me, 0):
-            return (f"destination {dst} is a directory of another user (uid {s.st_uid}); stage only into a folder "
-                    "of your own (e.g. $SLURM_TMPDIR, or a new one)")
-        return None
-    s = os.stat(existing)
-    if s.st_uid not in (me, 0) and (_squattable(os.path.dirname(existing) or "/") or s.st_mode & st.S_IWOTH):
-        return (f"destination {dst}: {existing} is a directory of another user (uid {s.st_uid}) where anyone "
-                "may create names; stage only into a folder of your own (e.g. $SLURM_TMPDIR, or a new one)")
-    return None
-
-
-def make_private_dirs(dst: str) -> Optional[str]:
-    """Create ``dst`` and its missing parents unless :func:`not_private` refuses it (returned): the
-    first made inside a folder where anyone may create names (``/tmp``) is ``0700``, the others
-    follow the umask. A folder that appears meanwhile is checked again, so another user's cannot
-    slip in between the check and the creation. Raises OSError when a folder cannot be made."""
-    refused = not_private(dst)
-    if refused is not None:
-        return refused
-    missing = []
-    path = os.path.abspath(dst)
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700 if _squattable(os.path.dirname(path)) else 0o777)
-        except FileExistsError:
-            refused = not_private(path)
-            if refused is not None:
-                return refused
-    if not missing and not os.path.isdir(dst):
-        raise FileExistsError(17, "File exists", dst)
-    return None
 
 
 def _ensure_dir(path: str) -> bool:
@@ -577,12 +444,3 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _syncfs(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)

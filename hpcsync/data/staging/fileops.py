@@ -283,3 +283,15 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
+
+
+def syncfs(path: str) -> None:
+    """Flush the filesystem that holds ``path`` (``syncfs``; ``sync`` where that fails)."""
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)

@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...observe.progress import Progress
 from .broadcast import Reader, unexpected
-from .destination import _JOURNAL_SECONDS, Destination, encode_records
+from .destination import _JOURNAL_SECONDS, Destination
+from .manifest import encode_records
 from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
 from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, source_path
