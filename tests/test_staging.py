@@ -18,6 +18,7 @@ import pytest
 
 import hpcsync
 from hpcsync import staging
+from hpcsync.data.staging.rounds import _writers
 from launch import PY, Launcher, clean_env, long_run, mpich, openmpi, run
 from netns_cluster import ROUTED, Cluster
 
@@ -530,9 +531,9 @@ def test_destination_shared_by_the_nodes_is_written_once(cluster, tmp_path):
 
 def test_writer_choice_for_shared_destinations():
     # (sees leader 0's probe, sees the previous leader's probe) per leader
-    assert staging._writers([(False, False)] * 3) == [0, 1, 2]  # node-local everywhere
-    assert staging._writers([(False, False), (True, False), (True, True)]) == [0, 0, 0]  # one shared dst
-    assert staging._writers([(False, False), (False, False), (False, True), (False, False)]) == [0, 1, 1, 3]
+    assert _writers([(False, False)] * 3) == [0, 1, 2]  # node-local everywhere
+    assert _writers([(False, False), (True, False), (True, True)]) == [0, 0, 0]  # one shared dst
+    assert _writers([(False, False), (False, False), (False, True), (False, False)]) == [0, 1, 1, 3]
 
 
 def test_blocks_keep_folders_whole_and_bound_the_rest():

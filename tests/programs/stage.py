@@ -1,7 +1,8 @@
 """hpcsync.stage(SRC, DST, **options) on every rank; report the result or the error.
 
 Options: JSON in argv[3] or in $HPCSYNC_TEST_STAGE_OPTS (what crosses a namespace node's shell).
-``_fault``: a list of faults (see ``_fault.py``). ``_init``: ``hpcsync.init()`` first; ``_again``: after a stage that failed, stage
+``_fault``: a list of faults (see ``_fault.py``). ``_round_entries``: entries per round of the
+listing across nodes. ``_init``: ``hpcsync.init()`` first; ``_again``: after a stage that failed, stage
 once more (the faults were one call each) and report that too (``again``); ``_uncaught``: let
 the error escape (the abort hook's failure report).
 """
@@ -26,6 +27,10 @@ src, dst = opts.pop("src", src), opts.pop("dst", dst)
 
 
 inject_faults(opts.pop("_fault", []), rank)
+if "_round_entries" in opts:  # rounds of the listing across nodes, small enough to see several
+    import hpcsync.data.staging.rounds
+
+    hpcsync.data.staging.rounds.ROUND_ENTRIES = opts.pop("_round_entries")
 again, uncaught = opts.pop("_again", False), opts.pop("_uncaught", False)
 opts.setdefault("names", True)  # the tests compare names; "names": false checks the summary
 if opts.pop("_init", False):

@@ -56,12 +56,11 @@ the result, a summary of a few hundred bytes (no names unless asked).
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -73,8 +72,9 @@ from .manifest import MANIFEST
 from .journal import JOURNAL
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks,
                       collector_paused, scan, stat_names, walk_names)
-from .broadcast import Reader, broadcast, unexpected
+from .broadcast import Reader, unexpected
 from .heartbeat import Heartbeat
+from .rounds import stage_across_nodes
 from .transfer import SPLIT_BYTES, copy_blocks, copy_shared, help_on_one_node, identity, idle_until_all_arrive
 
 __all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
@@ -360,70 +360,43 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
                      durable: bool, progress: Optional[bool], helpers: Any = None, limit: Optional[float] = None,
                      names: bool = False, beat: Optional[Heartbeat] = None, phase: str = "%s"
                      ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-    """Listing to every leader, what each node lacks, the transfer; the result on the root.
-    ``helpers``: a one-node job's communicator, whose ranks share the copying; ``limit``: the
-    exchanges' timeout (the node's own reads and writes get a quarter); ``beat``: tells the node's
-    other ranks of each step; ``phase``: what a timeout says the ranks were doing (``%s``: the step)."""
+    """What each node lacks, the transfer; the result on the root. Across nodes, the leaders take
+    the listing in rounds (:mod:`.rounds`); on one node, the root copies (``helpers``: a one-node
+    job's communicator, whose ranks share the copying). ``limit``: the exchanges' timeout (the
+    node's own reads and writes get a quarter); ``beat``: tells the node's other ranks of each
+    step; ``phase``: what a timeout says the ranks were doing (``%s``: the step)."""
     tick = beat.beat if beat is not None else (lambda: None)
-
-    def now(doing: str) -> None:
-        _say(leaders, phase % doing)
-        tick()
-
-    is_root = leaders.Get_rank() == 0
-    many = leaders.Get_size() > 1
-    token = uuid.uuid4().hex[:12]
-    if many:
-        blob = bigmpi.bcast_bytes(leaders, pickle.dumps((entries, ignored, token), protocol=5) if is_root else b"",
-                                   root=0)
-        entries, ignored, token = pickle.loads(blob)
+    if leaders.Get_size() > 1:
+        return stage_across_nodes(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress, limit, names,
+                                  tick, lambda doing: _say(leaders, phase % doing))
     host = socket.gethostname()
     node = Destination(dst, src, entries, durable, host, call=uuid.uuid4().hex)
-    now("looking at the destination")
-    err = node.open_destination(token, leaders.Get_rank())
-    try:
-        if many and not any(leaders.allgather(err)):
-            node.writes = _writers(leaders.allgather(node.sees_probes(token, leaders.Get_rank())))[leaders.Get_rank()] \
-                == leaders.Get_rank()
-    finally:
-        node.close_probe()
-    if err is None and node.writes:
+    err = node.open_destination(uuid.uuid4().hex[:12], 0)
+    node.close_probe()
+    if err is None:
         try:
-            err = node.prepare(whole_folders=not many)
+            err = node.prepare(whole_folders=True)
         except Exception as exc:  # every rank must still reach the collectives below
             err = f"node {host}: {unexpected(exc)}"
-    if many and any(leaders.allgather(err)):
-        return None, err  # no node moves anything when one cannot take it; every rank raises
     if err is not None:
         if helpers is not None:
             idle_until_all_arrive(helpers)
             helpers.scatter([None] * helpers.Get_size(), root=0)  # nothing for them to do
         return None, err
-    union = node.need.copy()
-    now("agreeing on which files the nodes lack")
-    if many:
-        leaders.Allreduce(node.need, union, op=mpi.MPI().MAX)
-    todo = [(i, entries[i].size) for i in np.flatnonzero(union).tolist()]
+    todo = [(i, entries[i].size) for i in np.flatnonzero(node.need).tolist()]
     total = sum(n for _, n in todo)
-    rounds = 0
-    reader = Reader(src, entries) if is_root else None
+    reader = Reader(src, entries)
     bar = None
-    try:  # an error from here on is this node's: every leader and helper still takes part in the copy
-        if node.writes:
-            node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
-        if is_root:
-            bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress)
+    try:  # an error from here on is this node's: every helper still takes part in the copy
+        node.start()  # the journal, then the links: nothing is written where a node cannot take the copy
+        bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress)
     except Exception as exc:
         node.note(unexpected(exc))
     try:
-        if many:
-            now("the transfer")
-            rounds = broadcast(leaders, todo, chunk_bytes, reader, node, bar, limit / 4 if limit else None, tick)
-        elif helpers is not None:
-            copy_shared(helpers, src, entries, todo, node, reader, bar)  # type: ignore[arg-type]
+        if helpers is not None:
+            copy_shared(helpers, src, entries, todo, node, reader, bar)
         elif todo:
-            copy_blocks(blocks(entries, [i for i, _ in todo], node.units), src, entries, node, reader,  # type: ignore[arg-type]
-                        bar)
+            copy_blocks(blocks(entries, [i for i, _ in todo], node.units), src, entries, node, reader, bar)
     finally:
         if bar is not None:
             try:
@@ -431,33 +404,17 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
             except Exception as exc:  # (stderr gone) every rank must still reach what follows
                 node.note(unexpected(exc))
     try:
-        err = err or (reader.error if reader is not None else None) or node.finish()
-    except Exception as exc:  # every leader must still reach the gather below
+        err = reader.error or node.finish()
+    except Exception as exc:
         err = f"node {host}: {unexpected(exc)}"
-    stats = (host, node.files_written, node.bytes_written)
-    now("gathering what each node wrote")
-    every = leaders.gather(stats, root=0) if many else [stats]
-    if not is_root:
-        return None, err
     files = [e for e in entries if e.kind == FILE]
-    copied = union.view(bool)
+    need = node.need.view(bool)
     result = dict(
         source=src, destination=dst, files=len(files), bytes=sum(e.size for e in files),
         dirs=sum(e.kind == DIR for e in entries), symlinks=sum(e.kind == LINK for e in entries),
         copied_files=len(todo), skipped_files=len(files) - len(todo),
         copied=tuple(entries[i].rel for i, _ in todo) if names else None,
-        skipped=tuple(e.rel for i, e in enumerate(entries) if e.kind == FILE and not copied[i]) if names else None,
-        copied_bytes=total, source_reads=reader.read_bytes, broadcasts=rounds,  # type: ignore[union-attr]
-        nodes=leaders.Get_size(), written=tuple(tuple(s) for s in every), ignored=tuple(ignored))
+        skipped=tuple(e.rel for i, e in enumerate(entries) if e.kind == FILE and not need[i]) if names else None,
+        copied_bytes=total, source_reads=reader.read_bytes, broadcasts=0,
+        nodes=1, written=((host, node.files_written, node.bytes_written),), ignored=tuple(ignored))
     return result, err
-
-
-def _writers(sees: Sequence[Tuple[bool, bool]]) -> List[int]:
-    """Which leader writes for each node, from whether each sees the probe file of leader 0 and of
-    the leader before it in ``dst``: nodes that share ``dst`` (a shared filesystem given as the
-    destination) write it once. Sharing that is neither with leader 0 nor between neighbours goes
-    undetected; it stays correct (per-node temporary names, atomic renames), only redundant."""
-    writer: List[int] = []
-    for i, (first, previous) in enumerate(sees):
-        writer.append(0 if i and first else writer[i - 1] if i and previous else i)
-    return writer

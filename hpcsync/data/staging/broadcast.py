@@ -18,7 +18,7 @@ from ...core.worker import result as worker_result
 from ...observe.progress import Progress
 from .destination import Destination
 from .fileops import source_changed
-from .listing import Entry, Piece, chunks, source_path, trailer_at
+from .listing import FILE, Entry, Piece, chunks, trailer_at
 
 log = logging.getLogger("hpcsync.staging")
 
@@ -257,8 +257,9 @@ def unexpected(exc: Exception) -> str:
 class Reader:
     """The root's side of the transfer: fills each round's buffer from the source files."""
 
-    def __init__(self, src: str, entries: List[Entry]) -> None:
+    def __init__(self, src: str, entries: List[Entry], single: Optional[bool] = None) -> None:
         self.src, self.entries = src, entries
+        self.single = (len(entries) == 1 and entries[0].kind == FILE) if single is None else single
         self.fd, self.crc = -1, 0
         self.read_bytes = 0
         self.failed: Dict[Any, str] = {}
@@ -281,6 +282,11 @@ class Reader:
         self.stopped = self.stopped or why
         self.fail(("stop",), why)
 
+    def next_round(self, entries: List[Entry]) -> None:
+        """A stage across nodes: the next round of the listing (its file indexes start at 0)."""
+        self.entries = entries
+        self.failed = {("before", i): why for i, why in enumerate(self.failed.values())}
+
     def close(self) -> None:
         """Close the file that a stop left open (no read is under way)."""
         if self.fd >= 0:
@@ -298,7 +304,7 @@ class Reader:
             view = mv[pos: pos + n]
             ok = idx not in self.failed
             if ok:
-                path = source_path(self.src, self.entries, e)
+                path = self.src if self.single else f"{self.src}/{e.rel}"
                 self.reading = path
                 try:
                     if off == 0:

@@ -71,16 +71,12 @@ class Destination:
             name = hashlib.sha1(name.encode()).hexdigest()
         return f"{folder}/.{name}.{self.call if mine else ''}{self.tag}{TMP_SUFFIX}"
 
-    def claims_path(self) -> str:
-        """The folder where a one-node copy's ranks claim blocks of work (removed at the end)."""
-        return os.path.join(self.dst, f".hpcsync-claims.{self.tag}{TMP_SUFFIX}")
-
     def _where(self, msg: str) -> str:
         return f"node {self.host}: {msg}"
 
     # - before the transfer
 
-    def _probe_path(self, token: str, index: int) -> str:
+    def probe_path(self, token: str, index: int) -> str:
         return os.path.join(self.dst, f".probe-{token}-{index}{TMP_SUFFIX}")
 
     def open_destination(self, token: str, index: int) -> Optional[str]:
@@ -95,7 +91,7 @@ class Destination:
             return self._where(refused)
         if not os.path.isdir(dst):
             return self._where(f"destination {dst} is not a directory")
-        probe = self._probe_path(token, index)
+        probe = self.probe_path(token, index)
         try:
             _make_writable(dst)
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -104,19 +100,9 @@ class Destination:
             return self._where(f"destination {dst} is not writable: {exc.strerror}")
         return None
 
-    def sees_probes(self, token: str, index: int) -> Tuple[bool, bool]:
-        """Whether leader 0's and the previous leader's probe files are visible in our ``dst``."""
-        if index == 0:
-            return False, False
-        return (os.path.exists(self._probe_path(token, 0)),
-                index > 1 and os.path.exists(self._probe_path(token, index - 1)))
-
     def close_probe(self) -> None:
         if self.probe is not None:
-            try:
-                os.unlink(self.probe)
-            except OSError:
-                pass
+            unlink(self.probe)
             self.probe = None
 
     def prepare(self, whole_folders: bool = False) -> Optional[str]:
@@ -129,14 +115,19 @@ class Destination:
         self.journal.carried = read_journals(dst, found, self.src, self.records, self.host)
         self.interrupted = bool(found)
         if self.interrupted:
-            _remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
+            remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
         else:  # a stage killed amid the write of its first journal leaves it under its temporary name
-            _unlink(self.journal.tmp)
-        shutil.rmtree(self.claims_path(), ignore_errors=True)  # a killed one-node copy's (see transfer)
+            unlink(self.journal.tmp)
+        shutil.rmtree(claims_path(self.dst, self.tag), ignore_errors=True)  # a killed one-node copy's (see transfer)
+        return self._compare(self.records, whole_folders)
+
+    def _compare(self, records: Dict[str, Any], whole_folders: bool = False) -> Optional[str]:
+        """Mark in :attr:`need` the files of :attr:`entries` whose copy is missing or not the one
+        ``records`` describe; make the folders; list the links; check the room for the copies."""
+        dst = self.dst
         need_bytes = replaced = largest = 0
         made = set()
         links = []
-        records = self.records
         needed: List[int] = []  # marked in self.need at once
         try:
             for i, e in enumerate(self.entries):
@@ -291,10 +282,7 @@ class Destination:
                     os.close(fd)
                 except OSError:  # (EIO on a network filesystem) the file is dropped anyway
                     pass
-            try:
-                os.unlink(self.tmp_path(self.path(idx)))
-            except OSError:
-                pass
+            unlink(self.tmp_path(self.path(idx)))
         if why is not None:
             self.failed.setdefault(idx, why)
             self.broken = self.broken or why
@@ -341,8 +329,9 @@ class Destination:
 
     # - after the transfer
 
-    def finish(self) -> Optional[str]:
-        """Write the manifest (or keep the journal after an error), then directories' modes and
+    def finish(self, complete: bool = True) -> Optional[str]:
+        """Write the manifest (or keep the journal after an error, or when another node's error
+        ended the stage before its last round: ``complete`` False), then directories' modes and
         mtimes. Returns this node's first error, named."""
         if not self.writes:
             return None
@@ -351,30 +340,44 @@ class Destination:
         for idx in list(self.fds):
             self.fail(idx, f"{self.path(idx)}: incomplete")
         try:
-            if self.failed:
+            if self.failed or not complete:
                 for more in self.more:
                     self.unjournaled.extend(json.loads(more).items())
                 self.checkpoint()  # what did finish is kept for the next call
+                self._no_manifest()
+                if not self.failed:
+                    return None
                 key, first = next(iter(self.failed.items()))
                 if isinstance(key, tuple) and key[0] == "rank":  # another rank's, named (see transfer._gathered)
                     return first
                 return self._where(first)
-            if self.files_written or self.journal.started or self.interrupted or self._stale_records():
+            if self.files_written or self.journal.started or self.interrupted or self._stale():
                 if self.note(self.journal.start()):  # (the manifest too has a temporary name)
                     return self._where(self.journal.error)  # type: ignore[arg-type]
-                write_object(self)
-            _set_dir_attributes(self.entries, self.path)
+                self._put_manifest()
+            else:
+                self._no_manifest()
+            self._set_dir_attributes()
         except OSError as exc:
             return self._where(f"finishing {exc.filename or self.dst}: {exc.strerror}")
         finally:
             self.journal.close()
         return None
 
-    def _stale_records(self) -> bool:
+    def _stale(self) -> bool:  # the manifest found differs from what this stage would write
         return len(self.records) + self.more_files != sum(e.kind == FILE for e in self.entries)
 
+    def _put_manifest(self) -> None:
+        write_object(self)
 
-def _set_dir_attributes(entries: Sequence[Entry], path: Callable[[int], str]) -> None:
+    def _no_manifest(self) -> None:
+        """The manifest found stays (an error: the journal keeps what finished; or no change)."""
+
+    def _set_dir_attributes(self) -> None:
+        set_dir_attributes(self.entries, self.path)
+
+
+def set_dir_attributes(entries: Sequence[Entry], path: Callable[[int], str]) -> None:
     """Directories' modes and mtimes, once their files are in."""
     for i in range(len(entries) - 1, -1, -1):  # children before their parents
         e = entries[i]
@@ -424,7 +427,7 @@ def _ensure_link(path: str, e: Entry, tmp: str, begin: Callable[[], None]) -> No
     os.replace(tmp, path)
 
 
-def _remove_temporaries(dst: str, suffix: str) -> None:
+def remove_temporaries(dst: str, suffix: str) -> None:
     """A stage was killed here: this node's temporary files and folders (``suffix``) are not data,
     remove them."""
     for folder, dirs, files in os.walk(dst):
@@ -439,8 +442,13 @@ def _remove_temporaries(dst: str, suffix: str) -> None:
                     pass
 
 
-def _unlink(path: str) -> None:
+def unlink(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:
         pass
+
+
+def claims_path(dst: str, tag: str) -> str:
+    """The folder where a one-node copy's ranks claim blocks of work (removed at the end)."""
+    return os.path.join(dst, f".hpcsync-claims.{tag}{TMP_SUFFIX}")

@@ -150,34 +150,39 @@ class Lines:
 
 class LinesWriter:
     """A version-2 manifest written round by round under a temporary name (``tmp``), put in place
-    by :meth:`commit` (or removed by :meth:`discard`)."""
+    by :meth:`commit` (or removed by :meth:`discard`). Each round's line goes straight to the
+    file (no buffer that a close would have to flush on a disk that stopped answering)."""
 
     def __init__(self, dst: str, tmp: str, src: str) -> None:
         self.final, self.tmp = os.path.join(dst, MANIFEST), tmp
-        self.f: Optional[IO[str]] = open(tmp, "w")
-        self.f.write(json.dumps({"version": 2, "source": src}) + "\n")
+        self.fd: Optional[int] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        self._write(json.dumps({"version": 2, "source": src}) + "\n")
+
+    def _write(self, text: str) -> None:
+        data = memoryview(text.encode("utf-8", "surrogateescape"))
+        while data:
+            data = data[os.write(self.fd, data):]  # type: ignore[arg-type]
 
     def add(self, records: List[Tuple[str, Record]]) -> None:
         """One round's records, in listing order (the C encoder's JSON)."""
-        if records and self.f is not None:
-            self.f.write(json.dumps(records, separators=(",", ":")) + "\n")
+        if records and self.fd is not None:
+            self._write(json.dumps(records, separators=(",", ":")) + "\n")
 
     def commit(self, durable: bool) -> None:
-        assert self.f is not None
-        self.f.flush()
+        assert self.fd is not None
         if durable:
-            os.fsync(self.f.fileno())
-        self.f.close()
-        self.f = None
+            os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
         os.replace(self.tmp, self.final)
 
     def discard(self) -> None:
-        if self.f is not None:
+        if self.fd is not None:
             try:
-                self.f.close()
+                os.close(self.fd)
             except OSError:
                 pass
-            self.f = None
+            self.fd = None
         try:
             os.unlink(self.tmp)
         except OSError:

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...observe.progress import Progress
 from .broadcast import Reader, unexpected
-from .destination import _JOURNAL_SECONDS, Destination
+from .destination import _JOURNAL_SECONDS, Destination, claims_path
 from .manifest import encode_records
 from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
@@ -209,7 +209,7 @@ def _share_out(size: int, entries: List[Entry], todo: List[Tuple[int, int]], nod
         cuts = [n * k // size for k in range(size + 1)]
         for r in range(size):
             ranges[r].append((i, tmp, cuts[r], cuts[r + 1] - cuts[r]))
-    claims = node.claims_path()
+    claims = claims_path(node.dst, node.tag)
     try:
         new_folder(claims)
     except OSError as exc:

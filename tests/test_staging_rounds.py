@@ -1,0 +1,147 @@
+"""Stage-in across nodes takes the listing in rounds: the manifest is read forward and written
+round by round, in the listing's order; a node that cannot take a later round ends the stage
+with the earlier rounds kept.
+
+On paper: the order of the manifest is the order of the walk, and its forward reader passes over
+names that left the source and finds those that remain. Across namespace nodes (netns): real MPI
+jobs with rounds of a few entries."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcsync import staging
+from hpcsync.data.staging.listing import walk_names
+from hpcsync.data.staging.manifest import Lines, LinesWriter, load, order_key
+from launch import run
+from netns_cluster import ROUTED, Cluster
+from test_staging import _ranks_ok, _same_error_everywhere, expected, make_tree, no_temporaries, snapshot
+
+
+def test_the_manifests_order_is_the_walks(tmp_path):
+    """Names that sort differently as paths and as folders ("a" / "a.txt" / "a/b" / "a-b")."""
+    for rel in ["a/x", "a/y/z", "a/y.txt", "a.txt", "a-b/c", "a b", "A", "é/f", "b", "a/y/zz/q", "a0"]:
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(rel)
+    names, _, err = walk_names(str(tmp_path))
+    assert err is None and len(names) > 15
+    assert names == sorted(names, key=order_key)
+
+
+def test_the_forward_reader_passes_over_names_that_left(tmp_path):
+    out = LinesWriter(str(tmp_path), str(tmp_path / ".tmp"), "/src")
+    rec = [1, 2, 0o644, None, 3, 4]
+    out.add([("a", rec), ("b", rec), ("d/x", rec)])
+    out.add([("d/y", rec), ("d/z", rec), ("e/w", rec)])
+    out.commit(durable=False)
+    assert load(str(tmp_path), "/other-src", "h") == {}  # another source's manifest is none
+    lines = load(str(tmp_path), "/src", "h")
+    assert isinstance(lines, Lines)
+    assert set(lines.take(["a", "c", "d"])) == {"a"}  # "b" left the source; "c", "d" are new
+    assert lines.passed == 1
+    assert set(lines.take(["d/x", "d/z"])) == {"d/x", "d/z"} and lines.passed == 2  # "d/y" left
+    assert lines.rest() == 1 and lines.passed == 3  # "e/w" too
+    (tmp_path / staging.MANIFEST).write_text('{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n[["b"')
+    lines = load(str(tmp_path), "/src", "h")
+    assert set(lines.take(["a", "b"])) == {"a"}  # a torn line ends it: "b" is copied again
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("rounds-nodes"), 2, ROUTED).start()
+    yield c
+    c.stop()
+
+
+def _node(cluster, i, *rel) -> Path:
+    return Path(cluster.dir, "nodes", cluster.names[i], *rel)
+
+
+def _stage(cluster, src, tmp_path, n=3, expect_ok=True, **opts):
+    opts = {"_round_entries": 16, **opts}
+    res = run(cluster.openmpi([2, 1]), n, "stage.py", str(src), str(Path(cluster.node_local, "dst")),
+              tmp_path=tmp_path, timeout=300, expect_ok=expect_ok, env={"HPCSYNC_TEST_STAGE_OPTS": json.dumps(opts)})
+    return res if not expect_ok else _ranks_ok(res, n)
+
+
+def _records(dst: Path) -> list:
+    lines = (dst / staging.MANIFEST).read_text().splitlines()
+    assert json.loads(lines[0])["version"] == 2
+    return [rel for line in lines[1:] for rel, _ in json.loads(line)]
+
+
+def _many(src: Path, n: int = 120) -> None:
+    for i in range(n):
+        p = src / f"k{i % 4}" / f"m{i:04d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(os.urandom(100 + 37 * i))
+
+
+def test_rounds_across_nodes_exact_then_only_what_changed(cluster, tmp_path):
+    """Some 180 entries in rounds of 16 on two nodes: exact copies and a manifest of the listing's
+    files in its order; a second stage copies nothing and leaves the manifest as it was; a changed,
+    a new and a deleted file: only the first two are sent, the third leaves the manifest."""
+    src = tmp_path / "src"
+    make_tree(src)
+    _many(src)
+    try:
+        r = _stage(cluster, src, tmp_path)
+        assert r["copied_files"] == r["files"] > 150
+        dsts = [_node(cluster, i, "dst") for i in range(2)]
+        for d in dsts:
+            assert snapshot(d) == expected(src) and no_temporaries(d)
+            names = _records(d)
+            assert names == sorted(names, key=order_key) and len(names) == r["files"]
+            assert len((d / staging.MANIFEST).read_text().splitlines()) > 8  # written round by round
+        before = [os.stat(d / staging.MANIFEST) for d in dsts]
+        r = _stage(cluster, src, tmp_path)
+        assert r["copied"] == [] and r["skipped_files"] == r["files"]
+        assert [(s.st_ino, s.st_mtime_ns) for s in before] == \
+            [(os.stat(d / staging.MANIFEST).st_ino, os.stat(d / staging.MANIFEST).st_mtime_ns) for d in dsts]
+        (src / "k1" / "m0001.bin").write_bytes(b"changed")
+        (src / "k2" / "m0050b.bin").write_bytes(b"new, in the middle of a folder")
+        os.unlink(src / "k3" / "m0007.bin")
+        r = _stage(cluster, src, tmp_path)
+        assert sorted(r["copied"]) == ["k1/m0001.bin", "k2/m0050b.bin"]
+        for d in dsts:
+            snap = snapshot(d)
+            assert snap.pop("k3/m0007.bin")[0] == "f"  # stage leaves what the source lacks; the manifest drops it
+            assert snap == expected(src)
+            assert sorted(_records(d)) == sorted(p.relative_to(src).as_posix() for p in src.rglob("*")
+                                                 if p.is_file() and not p.is_symlink())
+    finally:
+        for i in range(2):
+            subprocess.run(["rm", "-rf", str(_node(cluster, i, "dst"))])
+
+
+def test_a_node_that_cannot_take_a_later_round_keeps_the_earlier_ones(cluster, tmp_path):
+    """Node 1 has a folder where a file of a late round belongs: every rank raises the same error
+    naming node 1 and the path, no byte of that round moves, and a file changed in the first
+    round, copied before the error, is not sent again once the folder is gone."""
+    src = tmp_path / "src"
+    _many(src)
+    dsts = [_node(cluster, i, "dst") for i in range(2)]
+    try:
+        _stage(cluster, src, tmp_path)
+        first, late = "k0/m0000.bin", "k3/m0115.bin"
+        (src / first).write_bytes(b"changed in round one")
+        (src / "k3" / "m0119.bin").write_bytes(b"changed in the last round")
+        (dsts[1] / late).unlink()
+        (dsts[1] / late).mkdir()
+        res = _stage(cluster, src, tmp_path, expect_ok=False)
+        _same_error_everywhere(res, 3, f"node {cluster.names[1]}", "is a directory", late)
+        assert (dsts[0] / first).read_bytes() == (dsts[1] / first).read_bytes() == b"changed in round one"
+        assert (dsts[0] / "k3" / "m0119.bin").read_bytes() != b"changed in the last round"  # that round never ran
+        (dsts[1] / late).rmdir()
+        r = _stage(cluster, src, tmp_path)
+        assert sorted(r["copied"]) == [late, "k3/m0119.bin"], r["copied"]  # round one's file was kept
+        assert {w[0]: w[1] for w in r["written"]} == {cluster.names[0]: 1, cluster.names[1]: 2}
+        for d in dsts:
+            assert snapshot(d) == snapshot(src) and no_temporaries(d)
+    finally:
+        for i in range(2):
+            shutil.rmtree(_node(cluster, i, "dst"), ignore_errors=True)
