@@ -8,7 +8,9 @@ jobs with rounds of a few entries."""
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,10 @@ import pytest
 from hpcsync import staging
 from hpcsync.data.staging.listing import walk_names
 from hpcsync.data.staging.manifest import Lines, LinesWriter, load, order_key
-from launch import run
+from launch import PY, clean_env, run
 from netns_cluster import ROUTED, Cluster
-from test_staging import _ranks_ok, _same_error_everywhere, expected, make_tree, no_temporaries, snapshot
+from test_staging import (_check_after_kill, _kill_dataset, _kill_when, _ranks_ok, _same_error_everywhere, expected,
+                          make_tree, no_temporaries, snapshot, temporary)
 
 
 def test_the_manifests_order_is_the_walks(tmp_path):
@@ -48,6 +51,13 @@ def test_the_forward_reader_passes_over_names_that_left(tmp_path):
     (tmp_path / staging.MANIFEST).write_text('{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n[["b"')
     lines = load(str(tmp_path), "/src", "h")
     assert set(lines.take(["a", "b"])) == {"a"}  # a torn line ends it: "b" is copied again
+    for bad in ('[["b"]]', '[1,2]', '[["b",[1,2]]]', '{"b":[1,2,3,null,4,5]}'):  # valid JSON, not records
+        (tmp_path / staging.MANIFEST).write_text('{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n'
+                                                 f'{bad}\n[["c",[1,2,3,null,4,5]]]\n')
+        lines = load(str(tmp_path), "/src", "h")
+        assert set(lines.take(["a", "b", "c"])) == {"a"}, bad  # ends there too, never raises
+    (tmp_path / staging.MANIFEST).write_text('{"version": 1, "source": "/src",\n "files": {"a": [1,2,3,null,4,5]}}\n')
+    assert load(str(tmp_path), "/src", "h") == {"a": [1, 2, 3, None, 4, 5]}  # version 1 on several lines
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +155,65 @@ def test_a_node_that_cannot_take_a_later_round_keeps_the_earlier_ones(cluster, t
     finally:
         for i in range(2):
             shutil.rmtree(_node(cluster, i, "dst"), ignore_errors=True)
+
+
+def test_killed_in_a_late_round_then_restaged(cluster, tmp_path):
+    """SIGKILL on both nodes while the last of 13 rounds copies its big file: every file under its
+    final name is complete, and the next stage copies only that file (the earlier rounds' are in
+    the journals)."""
+    src = tmp_path / "src"
+    _kill_dataset(src)  # 200 small files in a/, then zz/big.bin (768 MiB)
+    dst = Path(cluster.node_local, "dst")
+    lau = cluster.openmpi([1, 1])
+    out = tmp_path / "out"
+    out.mkdir()
+    opts = json.dumps({"_round_entries": 16})
+    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out), "HPCSYNC_TEST_STAGE_OPTS": opts})
+    proc = subprocess.Popen([*lau.command(2, env), PY, str(Path(__file__).parent / "programs" / "stage.py"),
+                             str(src), str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _kill_when(lambda: all(temporary(_node(cluster, i, "dst", "zz"), "big.bin") for i in range(2)), proc)
+        for name in cluster.names:  # every process of the job, on every node
+            for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
+        for i in range(2):
+            _check_after_kill(src, _node(cluster, i, "dst"))
+        r = _ranks_ok(run(lau, 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, timeout=300,
+                          env={"HPCSYNC_TEST_STAGE_OPTS": opts}), 2)
+        assert r["copied"] == ["zz/big.bin"], r["copied"]
+        for i in range(2):
+            d = _node(cluster, i, "dst")
+            assert snapshot(d) == snapshot(src) and no_temporaries(d)
+            assert len(_records(d)) == 201
+    finally:
+        for i in range(2):
+            subprocess.run(["rm", "-rf", str(_node(cluster, i, "dst"))])
+
+
+def test_a_source_grown_past_a_nodes_room_is_refused_before_any_byte_moves(cluster, tmp_path):
+    """Node 1's disk holds the first stage; then the source grows by more than it has free: every
+    rank raises the same error naming node 1 before anything moves (a file changed in the first
+    round is not updated on either node), although no single early round would overflow."""
+    src = tmp_path / "src"
+    _many(src, 40)
+    full = _node(cluster, 1)  # the agent bind-mounts this folder (not its submounts) as nodelocal
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], check=True)
+    try:
+        _stage(cluster, src, tmp_path)
+        (src / "k0" / "m0000.bin").write_bytes(b"changed in round one")
+        with open(src / "k3" / "zz.bin", "wb") as f:  # the last folder's last name: in the last round
+            f.write(os.urandom(2 * 2**20))
+        res = _stage(cluster, src, tmp_path, expect_ok=False)
+        _same_error_everywhere(res, 3, f"node {cluster.names[1]}", "not enough space", "nodelocal/dst")
+        for i in range(2):
+            assert (_node(cluster, i, "dst", "k0", "m0000.bin")).read_bytes() != b"changed in round one"
+            assert not (_node(cluster, i, "dst", "k3", "zz.bin")).exists()
+    finally:
+        subprocess.run(["umount", "-l", str(full)])
+        shutil.rmtree(_node(cluster, 0, "dst"), ignore_errors=True)
+

@@ -9,7 +9,8 @@ once for its node. Small files are batched into one broadcast (up to ``chunk_byt
 :data:`MAX_PIECES` files per broadcast), big files are cut into chunks and pipelined: the root
 reads chunk k+1 while chunk k travels, a leader writes chunk k while k+1 arrives, three buffers of
 ``chunk_bytes`` each at most. The ranks on the root's node share the listing (the root walks the
-names, each rank stats a share). On one node nothing needs to travel: the node's ranks claim
+names, each rank stats a share); the node leaders take it in rounds (:mod:`.rounds`: a leader
+holds one round of it, not the dataset's). On one node nothing needs to travel: the node's ranks claim
 blocks of files one at a time and copy them in the kernel (``copy_file_range``), like ``cp``; a
 file over :data:`SPLIT_BYTES` is cut in one byte range per rank.
 

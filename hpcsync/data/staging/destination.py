@@ -16,7 +16,7 @@ import numpy as np
 from .fileops import Copier, create, creation_mode, process_umask, pwrite_all, seal, syncfs
 from .journal import JOURNAL, Journal, journals, read_journals
 from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, Entry, Piece, trailer_at, whole
-from .manifest import load_all, up_to_date, write_object
+from .manifest import MANIFEST, load_all, up_to_date, write_object
 from .private import make_private_dirs
 
 log = logging.getLogger("hpcsync.staging")
@@ -116,14 +116,14 @@ class Destination:
         self.interrupted = bool(found)
         if self.interrupted:
             remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
-        else:  # a stage killed amid the write of its first journal leaves it under its temporary name
-            unlink(self.journal.tmp)
+        else:  # a stage killed amid the write of its first journal (or of a manifest) leaves a temporary name
+            for tmp in (self.journal.tmp, self.tmp_path(os.path.join(dst, MANIFEST), mine=False)):
+                unlink(tmp)
         shutil.rmtree(claims_path(self.dst, self.tag), ignore_errors=True)  # a killed one-node copy's (see transfer)
         return self._compare(self.records, whole_folders)
 
     def _compare(self, records: Dict[str, Any], whole_folders: bool = False) -> Optional[str]:
-        """Mark in :attr:`need` the files of :attr:`entries` whose copy is missing or not the one
-        ``records`` describe; make the folders; list the links; check the room for the copies."""
+        """Mark the files lacking or unlike ``records`` (:attr:`need`), make folders, list links, check room."""
         dst = self.dst
         need_bytes = replaced = largest = 0
         made = set()

@@ -50,18 +50,25 @@ def load(dst: str, src: str, host: str) -> Union[Dict[str, Record], "Lines"]:
         return {}
     try:
         head = f.readline()
-        if head.endswith("\n"):  # version 2's first line
-            doc = json.loads(head)
-            if doc.get("version") == 2 and doc.get("source") == src:
+        doc = _json_or_none(head) if head.endswith("\n") else None  # version 2's first line
+        if isinstance(doc, dict) and doc.get("version") == 2:
+            if doc.get("source") == src:
                 return Lines(f, path, host)
-        else:  # version 1: one line, no newline
-            doc = json.loads(head)
+        else:  # version 1: one object (one line as stage writes it)
+            doc = json.loads(head + f.read())
             if doc.get("version") == 1 and doc.get("source") == src:
                 return doc["files"]
     except (OSError, ValueError, KeyError, AttributeError) as exc:
         log.warning("%s: ignoring unreadable stage manifest in %s: %s", host, dst, exc)
     f.close()
     return {}
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def load_all(dst: str, src: str, host: str) -> Dict[str, Record]:
@@ -93,7 +100,7 @@ class Lines:
                     batch = None
                 else:
                     batch = json.loads(line)
-                    if not isinstance(batch, list):
+                    if not (isinstance(batch, list) and all(_is_record(x) for x in batch)):
                         raise ValueError("a line that is not a list of records")
             except ValueError as exc:
                 log.warning("%s: ignoring the rest of stage manifest %s: %s", self.host, self.path, exc)
@@ -148,6 +155,29 @@ class Lines:
         self.f.close()
 
 
+def _is_record(item: Any) -> bool:
+    """``[rel, [size, mtime, mode, crc, inode, ctime]]``, as :class:`LinesWriter` writes them."""
+    return (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)
+            and len(item[1]) == 6)
+
+
+def recorded_bytes(found: Union[Dict[str, Record], "Lines"], path: str) -> int:
+    """The bytes the manifest ``found`` (at ``path``) records: what a node already holds at most."""
+    if not isinstance(found, Lines):
+        return sum(int(rec[0]) for rec in found.values())
+    total = 0
+    with open(path) as f:
+        f.readline()
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            try:
+                total += sum(int(rec[0]) for _, rec in json.loads(line))
+            except (ValueError, TypeError, IndexError):
+                break
+    return total
+
+
 class LinesWriter:
     """A version-2 manifest written round by round under a temporary name (``tmp``), put in place
     by :meth:`commit` (or removed by :meth:`discard`). Each round's line goes straight to the
@@ -177,12 +207,14 @@ class LinesWriter:
         os.replace(self.tmp, self.final)
 
     def discard(self) -> None:
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
+        """Remove the temporary manifest (nothing once :meth:`commit` put it in place)."""
+        if self.fd is None:
+            return
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.fd = None
         try:
             os.unlink(self.tmp)
         except OSError:

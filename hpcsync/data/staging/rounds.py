@@ -30,7 +30,7 @@ from .destination import TMP_SUFFIX, Destination, remove_temporaries, set_dir_at
 from .fileops import syncfs
 from .journal import journals, read_journals
 from .listing import DIR, FILE, LINK, Entry
-from .manifest import MANIFEST, Lines, LinesWriter, load, remove_journals
+from .manifest import MANIFEST, Lines, LinesWriter, load, recorded_bytes, remove_journals
 
 ROUND_ENTRIES = 65536  #: listing entries per round: what a node leader holds at once
 
@@ -47,8 +47,8 @@ def stage_across_nodes(leaders: Any, entries: List[Entry], ignored: List[str], s
     files = [e for e in entries if e.kind == FILE]
     total = sum(e.size for e in files)
     single = len(entries) == 1 and entries[0].kind == FILE
-    token, total, single, count = leaders.bcast((uuid.uuid4().hex[:12], total, single, len(entries)) if is_root
-                                                else None, root=0)
+    token, total, single, count, per_round = leaders.bcast(
+        (uuid.uuid4().hex[:12], total, single, len(entries), ROUND_ENTRIES) if is_root else None, root=0)
     host = socket.gethostname()
     node = NodeInRounds(dst, src, [], durable, host, call=uuid.uuid4().hex)
 
@@ -71,14 +71,14 @@ def stage_across_nodes(leaders: Any, entries: List[Entry], ignored: List[str], s
     try:
         if any(leaders.allgather(err)):
             return None, err  # no node moves anything when one cannot take it; every rank raises
-        return _rounds(leaders, node, entries, ignored, files, total, count, single, src, dst, chunk_bytes, progress,
-                       limit, names, tick, now)
+        return _rounds(leaders, node, entries, ignored, files, total, count, per_round, single, src, dst, chunk_bytes,
+                       progress, limit, names, tick, now)
     finally:
         node.close_rounds()  # (whatever ended the stage: a round's timeout too)
 
 
 def _rounds(leaders: Any, node: "NodeInRounds", entries: List[Entry], ignored: List[str], files: List[Entry],
-            total: int, count: int, single: bool, src: str, dst: str, chunk_bytes: int, progress: Optional[bool],
+            total: int, count: int, per_round: int, single: bool, src: str, dst: str, chunk_bytes: int, progress: Optional[bool],
             limit: Optional[float], names: bool, tick: Callable[[], None], now: Callable[[str], None]
             ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """The rounds, once every node can take the copy, then what each node wrote."""
@@ -97,11 +97,11 @@ def _rounds(leaders: Any, node: "NodeInRounds", entries: List[Entry], ignored: L
                 bar = Progress(f"staging {os.path.basename(src) or src}", total, enabled=progress)
         except Exception as exc:
             node.note(unexpected(exc))
-        rounds = max(1, -(-count // ROUND_ENTRIES))
+        rounds = max(1, -(-count // per_round))
         for r in range(rounds):
             now(f"sending round {r + 1} of {rounds} of the listing to the node leaders")
             stop = is_root and reader.stopped is not None  # type: ignore[union-attr]
-            part = entries[r * ROUND_ENTRIES:(r + 1) * ROUND_ENTRIES] if is_root and not stop else []
+            part = entries[r * per_round:(r + 1) * per_round] if is_root and not stop else []
             part, stop = pickle.loads(bigmpi.bcast_bytes(leaders, pickle.dumps((part, stop), protocol=5)
                                                          if is_root else b"", root=0))
             if stop:  # the root's reader stopped: its error is the stage's
@@ -159,8 +159,9 @@ class NodeInRounds(Destination):
 
     def open_rounds(self, total_bytes: int) -> Optional[str]:
         """Before the first round: a killed stage's journals and temporary names, the manifest
-        found (read forward from here), the new one begun under its temporary name. A node with
-        neither a manifest nor a journal needs all ``total_bytes``: refused now if they cannot fit.
+        found (read forward from here), the new one begun under its temporary name. A node needs
+        at least the source's ``total_bytes`` less what its manifest and journal record: refused
+        now, before any byte moves, if they cannot fit (each round checks its own need again).
         Returns an error naming node and path, or None."""
         dst = self.dst
         found = journals(dst)
@@ -172,12 +173,13 @@ class NodeInRounds(Destination):
                 remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
             else:
                 unlink(self.journal.tmp)
-            if not self.old and not self.resumed:
-                vfs = os.statvfs(dst)
-                free = vfs.f_bavail * vfs.f_frsize
-                if total_bytes > free:
-                    return self._where(f"not enough space in {dst}: need {total_bytes} bytes, {free} free "
-                                       "(disk full)")
+            held = recorded_bytes(self.old, os.path.join(dst, MANIFEST)) + \
+                sum(int(rec[0]) for rec in self.resumed.values())
+            vfs = os.statvfs(dst)
+            free = vfs.f_bavail * vfs.f_frsize
+            if total_bytes - held > free:
+                return self._where(f"not enough space in {dst}: need at least {total_bytes - held} bytes, {free} "
+                                   "free (disk full)")
             self.out = LinesWriter(dst, self.tmp_path(os.path.join(dst, MANIFEST), mine=False), self.src)
         except OSError as exc:
             return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
@@ -215,8 +217,11 @@ class NodeInRounds(Destination):
         self.emitted += len(out)
         try:
             self.out.add(out)
+            self.checkpoint()  # the round's copies into the journal: a kill from here on keeps them
         except OSError as exc:
             self.note(f"writing the stage manifest in {self.dst}: {exc.strerror}")
+        except Exception as exc:  # this node's error, reported by finish; every leader goes on
+            self.note(unexpected(exc))
         self.round_old = {}
 
     def close_rounds(self) -> None:
