@@ -486,6 +486,7 @@ def test_full_disk_on_one_node_is_one_error(cluster, tmp_path):
         subprocess.run(["rm", "-rf", str(node_dir(cluster, 0, "dst"))])
 
 
+@long_run  # its kin in every run: test_staging_rounds.py, killed in the last of 13 rounds
 def test_killed_mid_stage_across_nodes_then_restaged(cluster, tmp_path):
     src = tmp_path / "src"
     _kill_dataset(src)
