@@ -17,11 +17,13 @@ import pytest
 
 from hpcsync import staging
 from hpcsync.data.staging.listing import walk_names
-from hpcsync.data.staging.manifest import Lines, LinesWriter, load, order_key
+from hpcsync.data.staging.listing import Entry
+from hpcsync.data.staging.manifest import Lines, LinesWriter, load, order_key, recorded_bytes
+from hpcsync.data.staging.rounds import NodeInRounds
 from launch import PY, clean_env, run
 from netns_cluster import ROUTED, Cluster
 from test_staging import (_check_after_kill, _kill_dataset, _kill_when, _ranks_ok, _same_error_everywhere, expected,
-                          make_tree, no_temporaries, snapshot, temporary)
+                          journal_records, make_tree, no_temporaries, snapshot, temporary)
 
 
 def test_the_manifests_order_is_the_walks(tmp_path):
@@ -58,6 +60,44 @@ def test_the_forward_reader_passes_over_names_that_left(tmp_path):
         assert set(lines.take(["a", "b", "c"])) == {"a"}, bad  # ends there too, never raises
     (tmp_path / staging.MANIFEST).write_text('{"version": 1, "source": "/src",\n "files": {"a": [1,2,3,null,4,5]}}\n')
     assert load(str(tmp_path), "/src", "h") == {"a": [1, 2, 3, None, 4, 5]}  # version 1 on several lines
+    path = str(tmp_path / staging.MANIFEST)
+    assert recorded_bytes({"a": [7, 2, 3, None, 4, 5], "b": [5, 0, 0, None, 0, 0]}, path) == 12
+    for damaged in ({"a": None}, {"a": [1, 2]}, {"a": ["x", 2, 3, None, 4, 5]}, {"a": {}}):
+        assert recorded_bytes(damaged, path) is None  # nothing can be said: the rounds' own checks decide
+    (tmp_path / staging.MANIFEST).write_bytes(b'{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n\xff\xfe\n')
+    assert load(str(tmp_path), "/src", "h") == {}  # bytes that are not text: ignored, with a warning
+
+
+def test_a_rounds_copies_are_journaled_when_it_ends(tmp_path):
+    """In one process: a file recorded in round one is in the journal once the round ends, before
+    any other file opens (a kill from then on keeps it), and nothing is journaled on a node that
+    copied nothing."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "a").write_bytes(b"abc")
+    entries = [Entry("", "d", 0o755, 0, 0, 0), Entry("a", "f", 0o644, 0, os.stat(src / "a").st_mtime_ns, 3)]
+    node = NodeInRounds(str(dst), str(src), [], False, "h", call="abc")
+    assert node.open_destination("token", 0) is None
+    node.close_probe()
+    assert node.open_rounds(3) is None and node.begin_round(entries) is None
+    assert list(node.need) == [0, 1]
+    node.start()
+    shutil.copy2(src / "a", dst / "a")  # (as stage's own copy: the source's mode and mtime)
+    node.record(1, os.stat(dst / "a"), None)
+    node.end_round()
+    assert journal_records(dst) == {"a"}
+    assert node.finish() is None and journal_records(dst) == set()  # the manifest took over
+    assert [rel for rel in load(str(dst), str(src), "h").take(["a"])] == ["a"]
+    node.close_rounds()
+    again = NodeInRounds(str(dst), str(src), [], False, "h", call="def")  # nothing to copy: no journal
+    assert again.open_destination("token", 0) is None
+    again.close_probe()
+    assert again.open_rounds(3) is None and again.begin_round(entries) is None and not again.need.any()
+    again.start()
+    again.end_round()
+    assert not list(dst.glob(staging.JOURNAL + "*"))
+    assert again.finish() is None
+    again.close_rounds()
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +254,6 @@ def test_a_source_grown_past_a_nodes_room_is_refused_before_any_byte_moves(clust
             assert (_node(cluster, i, "dst", "k0", "m0000.bin")).read_bytes() != b"changed in round one"
             assert not (_node(cluster, i, "dst", "k3", "zz.bin")).exists()
     finally:
-        subprocess.run(["umount", "-l", str(full)])
+        subprocess.run(["umount", "-l", str(full)], check=True)
         shutil.rmtree(_node(cluster, 0, "dst"), ignore_errors=True)
 

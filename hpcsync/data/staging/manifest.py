@@ -92,8 +92,8 @@ class Lines:
         while self.at >= len(self.batch):
             if self.ended:
                 return None
-            line = self.f.readline()
             try:
+                line = self.f.readline()
                 if not line.endswith("\n"):
                     if line:
                         raise ValueError("a torn last line")
@@ -161,21 +161,31 @@ def _is_record(item: Any) -> bool:
             and len(item[1]) == 6)
 
 
-def recorded_bytes(found: Union[Dict[str, Record], "Lines"], path: str) -> int:
-    """The bytes the manifest ``found`` (at ``path``) records: what a node already holds at most."""
-    if not isinstance(found, Lines):
-        return sum(int(rec[0]) for rec in found.values())
-    total = 0
-    with open(path) as f:
-        f.readline()
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            try:
-                total += sum(int(rec[0]) for _, rec in json.loads(line))
-            except (ValueError, TypeError, IndexError):
-                break
-    return total
+def recorded_bytes(found: Union[Dict[str, Record], "Lines"], path: str) -> Optional[int]:
+    """The bytes the manifest ``found`` (at ``path``) records: what a node already holds at most;
+    None when any part of it is not a record (nothing can be said then)."""
+    try:
+        if not isinstance(found, Lines):
+            return _sizes([[rel, rec] for rel, rec in found.items()])
+        total = 0
+        with open(path) as f:
+            f.readline()
+            while line := f.readline():
+                n = _sizes(json.loads(line)) if line.endswith("\n") else None
+                if n is None:
+                    return None
+                total += n
+        return total
+    except Exception:  # (a damaged file: the rounds' own checks still apply)
+        return None
+
+
+def _sizes(items: Any) -> Optional[int]:
+    """The sizes of ``items`` summed, or None unless each is a record with a size in bytes."""
+    if not isinstance(items, list) or not all(_is_record(x) and isinstance(x[1][0], int) and x[1][0] >= 0
+                                              for x in items):
+        return None
+    return sum(x[1][0] for x in items)
 
 
 class LinesWriter:
@@ -185,6 +195,7 @@ class LinesWriter:
 
     def __init__(self, dst: str, tmp: str, src: str) -> None:
         self.final, self.tmp = os.path.join(dst, MANIFEST), tmp
+        self.committed = False
         self.fd: Optional[int] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
         self._write(json.dumps({"version": 2, "source": src}) + "\n")
 
@@ -205,16 +216,18 @@ class LinesWriter:
         os.close(self.fd)
         self.fd = None
         os.replace(self.tmp, self.final)
+        self.committed = True
 
     def discard(self) -> None:
         """Remove the temporary manifest (nothing once :meth:`commit` put it in place)."""
-        if self.fd is None:
+        if self.committed:
             return
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-        self.fd = None
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
         try:
             os.unlink(self.tmp)
         except OSError:

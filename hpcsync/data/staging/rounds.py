@@ -169,17 +169,19 @@ class NodeInRounds(Destination):
         self.journal.carried = read_journals(dst, found, self.src, self.resumed, self.host)
         self.interrupted = bool(found)
         try:
+            manifest = os.path.join(dst, MANIFEST)
             if self.interrupted:
                 remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
-            else:
-                unlink(self.journal.tmp)
-            held = recorded_bytes(self.old, os.path.join(dst, MANIFEST)) + \
-                sum(int(rec[0]) for rec in self.resumed.values())
+            else:  # a temporary name of a stage killed before its journal began
+                for tmp in (self.journal.tmp, self.tmp_path(manifest, mine=False)):
+                    unlink(tmp)
+            held = None if self.old == {} and os.path.lexists(manifest) else recorded_bytes(self.old, manifest)
+            resumed = recorded_bytes(self.resumed, "")
             vfs = os.statvfs(dst)
             free = vfs.f_bavail * vfs.f_frsize
-            if total_bytes - held > free:
-                return self._where(f"not enough space in {dst}: need at least {total_bytes - held} bytes, {free} "
-                                   "free (disk full)")
+            if held is not None and resumed is not None and total_bytes - held - resumed > free:
+                return self._where(f"not enough space in {dst}: need at least {total_bytes - held - resumed} bytes, "
+                                   f"{free} free (disk full)")
             self.out = LinesWriter(dst, self.tmp_path(os.path.join(dst, MANIFEST), mine=False), self.src)
         except OSError as exc:
             return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
