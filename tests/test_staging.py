@@ -486,27 +486,34 @@ def test_full_disk_on_one_node_is_one_error(cluster, tmp_path):
         subprocess.run(["rm", "-rf", str(node_dir(cluster, 0, "dst"))])
 
 
+def kill_across_nodes_at_big_file(cluster, lau, src: Path, dst: Path, tmp_path: Path, env=None) -> None:
+    """Stage ``_kill_dataset``'s ``src`` across the cluster's two nodes and SIGKILL every process of
+    the job, on every node, once both nodes write ``zz/big.bin`` under its temporary name."""
+    out = tmp_path / "out"
+    out.mkdir()
+    full = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out), **(env or {})})
+    proc = subprocess.Popen([*lau.command(2, full), PY, str(Path(__file__).parent / "programs" / "stage.py"),
+                             str(src), str(dst)], env=full, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _kill_when(lambda: all(temporary(Path(cluster.dir, "nodes", name, "dst", "zz"), "big.bin")
+                           for name in cluster.names[:2]), proc)
+    for name in cluster.names:  # every process of the job, on every node
+        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+
+
 @long_run  # its kin in every run: test_staging_rounds.py, killed in the last of 13 rounds
 def test_killed_mid_stage_across_nodes_then_restaged(cluster, tmp_path):
     src = tmp_path / "src"
     _kill_dataset(src)
     dst = Path(cluster.node_local, "dst")
     lau = cluster.openmpi([1, 1])
-    out = tmp_path / "out"
-    out.mkdir()
-    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out)})
-    proc = subprocess.Popen([*lau.command(2, env), PY, str(Path(__file__).parent / "programs" / "stage.py"),
-                             str(src), str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
     try:
-        _kill_when(lambda: all(temporary(node_dir(cluster, i, "dst", "zz"), "big.bin") for i in range(2)), proc)
-        for name in cluster.names:  # every process of the job, on every node
-            for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.5)
+        kill_across_nodes_at_big_file(cluster, lau, src, dst, tmp_path)
         for i in range(2):
             _check_after_kill(src, node_dir(cluster, i, "dst"))
         r = _ranks_ok(run(lau, 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, timeout=300), 2)

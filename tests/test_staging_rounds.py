@@ -8,22 +8,19 @@ jobs with rounds of a few entries."""
 import json
 import os
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from hpcsync import staging
-from hpcsync.data.staging.listing import walk_names
-from hpcsync.data.staging.listing import Entry
+from hpcsync.data.staging.listing import Entry, walk_names
 from hpcsync.data.staging.manifest import Lines, LinesWriter, load, order_key, recorded_bytes
 from hpcsync.data.staging.rounds import NodeInRounds
-from launch import PY, clean_env, run
+from launch import run
 from netns_cluster import ROUTED, Cluster
-from test_staging import (_check_after_kill, _kill_dataset, _kill_when, _ranks_ok, _same_error_everywhere, expected,
-                          journal_records, make_tree, no_temporaries, snapshot, temporary)
+from test_staging import (_check_after_kill, _kill_dataset, _ranks_ok, _same_error_everywhere, expected, journal_records,
+                          kill_across_nodes_at_big_file, make_tree, no_temporaries, snapshot)
 
 
 def test_the_manifests_order_is_the_walks(tmp_path):
@@ -205,22 +202,9 @@ def test_killed_in_a_late_round_then_restaged(cluster, tmp_path):
     _kill_dataset(src)  # 200 small files in a/, then zz/big.bin (768 MiB)
     dst = Path(cluster.node_local, "dst")
     lau = cluster.openmpi([1, 1])
-    out = tmp_path / "out"
-    out.mkdir()
     opts = json.dumps({"_round_entries": 16})
-    env = clean_env({**lau.env, "HPCSYNC_TEST_OUT": str(out), "HPCSYNC_TEST_STAGE_OPTS": opts})
-    proc = subprocess.Popen([*lau.command(2, env), PY, str(Path(__file__).parent / "programs" / "stage.py"),
-                             str(src), str(dst)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
     try:
-        _kill_when(lambda: all(temporary(_node(cluster, i, "dst", "zz"), "big.bin") for i in range(2)), proc)
-        for name in cluster.names:  # every process of the job, on every node
-            for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.5)
+        kill_across_nodes_at_big_file(cluster, lau, src, dst, tmp_path, {"HPCSYNC_TEST_STAGE_OPTS": opts})
         for i in range(2):
             _check_after_kill(src, _node(cluster, i, "dst"))
         r = _ranks_ok(run(lau, 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, timeout=300,

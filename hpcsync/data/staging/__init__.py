@@ -73,7 +73,7 @@ from .manifest import MANIFEST
 from .journal import JOURNAL
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks,
                       collector_paused, scan, stat_names, walk_names)
-from .broadcast import Reader, unexpected
+from .broadcast import Reader, close_bar, unexpected
 from .heartbeat import Heartbeat
 from .rounds import stage_across_nodes
 from .transfer import SPLIT_BYTES, copy_blocks, copy_shared, help_on_one_node, identity, idle_until_all_arrive
@@ -399,11 +399,7 @@ def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src
         elif todo:
             copy_blocks(blocks(entries, [i for i, _ in todo], node.units), src, entries, node, reader, bar)
     finally:
-        if bar is not None:
-            try:
-                bar.close()
-            except Exception as exc:  # (stderr gone) every rank must still reach what follows
-                node.note(unexpected(exc))
+        close_bar(bar, node)
     try:
         err = reader.error or node.finish()
     except Exception as exc:

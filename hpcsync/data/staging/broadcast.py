@@ -245,6 +245,16 @@ class _Pipeline:
         self.write_pool.shutdown()
 
 
+def close_bar(bar: Optional[Progress], node: "Destination") -> None:
+    """Close the progress bar; its error (stderr gone) is the node's: every rank still reaches
+    what follows."""
+    if bar is not None:
+        try:
+            bar.close()
+        except Exception as exc:
+            node.note(unexpected(exc))
+
+
 def unexpected(exc: Exception) -> str:
     """An error no part of the stage expected, as words for the StageError every rank raises
     (its traceback goes to the log of the rank where it happened)."""

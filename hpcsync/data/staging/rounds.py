@@ -10,8 +10,15 @@ set last) and, after a killed stage, that stage's journal; not the dataset's lis
 
 A node that cannot take a round (disk full, a folder where the source has a file) is an error
 for every rank before anything of that round moves; the rounds before it stay done (in the
-journal: the next call skips them). A fresh destination (no manifest, no journal) that cannot
-hold the whole source is refused before the first round.
+journal: the next call skips them). Before the first round a node is refused when the source's
+bytes less what its manifest and journal record cannot fit (a lower bound on its need).
+
+At N ranks on M nodes only the M leaders take part. Per round of R entries: a broadcast of the
+round's listing (about 100 bytes per entry pickled, 6.5 MB at the default: O(log M) steps of
+MPI's tree), an allgather of the leaders' errors (a few bytes from each: every leader receives M
+of them), an Allreduce of R bytes (which files some node lacks), then the data's broadcast
+rounds; F entries take ceil(F / R) rounds (16 at a million). Rank 0 receives no more per round
+than any leader, and each exchange is bounded by the stage's timeout, per round.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import numpy as np
 
 from ...core import bigmpi, mpi
 from ...observe.progress import Progress
-from .broadcast import Reader, broadcast, unexpected
+from .broadcast import Reader, broadcast, close_bar, unexpected
 from .destination import TMP_SUFFIX, Destination, remove_temporaries, set_dir_attributes, unlink
 from .fileops import syncfs
 from .journal import journals, read_journals
@@ -113,11 +120,7 @@ def _rounds(leaders: Any, node: "NodeInRounds", entries: List[Entry], ignored: L
         else:
             complete = True
     finally:
-        if bar is not None:
-            try:
-                bar.close()
-            except Exception as exc:  # (stderr gone) every rank must still reach what follows
-                node.note(unexpected(exc))
+        close_bar(bar, node)
     try:  # (also after an error: the journal keeps what finished, the next call skips it)
         finished = node.finish(complete=complete)
         err = err or (reader.error if reader is not None else None) or finished
