@@ -495,8 +495,7 @@ def kill_across_nodes_at_big_file(cluster, lau, src: Path, dst: Path, tmp_path: 
     proc = subprocess.Popen([*lau.command(2, full), PY, str(Path(__file__).parent / "programs" / "stage.py"),
                              str(src), str(dst)], env=full, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _kill_when(lambda: all(temporary(Path(cluster.dir, "nodes", name, "dst", "zz"), "big.bin")
-                           for name in cluster.names[:2]), proc)
+    _kill_when(lambda: all(temporary(node_dir(cluster, i, "dst", "zz"), "big.bin") for i in range(2)), proc)
     for name in cluster.names:  # every process of the job, on every node
         for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
             try:

@@ -20,7 +20,7 @@ from hpcsync.data.staging.rounds import NodeInRounds
 from launch import run
 from netns_cluster import ROUTED, Cluster
 from test_staging import (_check_after_kill, _kill_dataset, _ranks_ok, _same_error_everywhere, expected, journal_records,
-                          kill_across_nodes_at_big_file, make_tree, no_temporaries, snapshot)
+                          kill_across_nodes_at_big_file, make_tree, no_temporaries, node_dir, snapshot)
 
 
 def test_the_manifests_order_is_the_walks(tmp_path):
@@ -104,10 +104,6 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def _node(cluster, i, *rel) -> Path:
-    return Path(cluster.dir, "nodes", cluster.names[i], *rel)
-
-
 def _stage(cluster, src, tmp_path, n=3, expect_ok=True, **opts):
     opts = {"_round_entries": 16, **opts}
     res = run(cluster.openmpi([2, 1]), n, "stage.py", str(src), str(Path(cluster.node_local, "dst")),
@@ -138,7 +134,7 @@ def test_rounds_across_nodes_exact_then_only_what_changed(cluster, tmp_path):
     try:
         r = _stage(cluster, src, tmp_path)
         assert r["copied_files"] == r["files"] > 150
-        dsts = [_node(cluster, i, "dst") for i in range(2)]
+        dsts = [node_dir(cluster, i, "dst") for i in range(2)]
         for d in dsts:
             assert snapshot(d) == expected(src) and no_temporaries(d)
             names = _records(d)
@@ -162,7 +158,7 @@ def test_rounds_across_nodes_exact_then_only_what_changed(cluster, tmp_path):
                                                  if p.is_file() and not p.is_symlink())
     finally:
         for i in range(2):
-            subprocess.run(["rm", "-rf", str(_node(cluster, i, "dst"))])
+            subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
 
 
 def test_a_node_that_cannot_take_a_later_round_keeps_the_earlier_ones(cluster, tmp_path):
@@ -171,7 +167,7 @@ def test_a_node_that_cannot_take_a_later_round_keeps_the_earlier_ones(cluster, t
     round, copied before the error, is not sent again once the folder is gone."""
     src = tmp_path / "src"
     _many(src)
-    dsts = [_node(cluster, i, "dst") for i in range(2)]
+    dsts = [node_dir(cluster, i, "dst") for i in range(2)]
     try:
         _stage(cluster, src, tmp_path)
         first, late = "k0/m0000.bin", "k3/m0115.bin"
@@ -191,7 +187,7 @@ def test_a_node_that_cannot_take_a_later_round_keeps_the_earlier_ones(cluster, t
             assert snapshot(d) == snapshot(src) and no_temporaries(d)
     finally:
         for i in range(2):
-            shutil.rmtree(_node(cluster, i, "dst"), ignore_errors=True)
+            shutil.rmtree(node_dir(cluster, i, "dst"), ignore_errors=True)
 
 
 def test_killed_in_a_late_round_then_restaged(cluster, tmp_path):
@@ -206,17 +202,17 @@ def test_killed_in_a_late_round_then_restaged(cluster, tmp_path):
     try:
         kill_across_nodes_at_big_file(cluster, lau, src, dst, tmp_path, {"HPCSYNC_TEST_STAGE_OPTS": opts})
         for i in range(2):
-            _check_after_kill(src, _node(cluster, i, "dst"))
+            _check_after_kill(src, node_dir(cluster, i, "dst"))
         r = _ranks_ok(run(lau, 2, "stage.py", str(src), str(dst), tmp_path=tmp_path, timeout=300,
                           env={"HPCSYNC_TEST_STAGE_OPTS": opts}), 2)
         assert r["copied"] == ["zz/big.bin"], r["copied"]
         for i in range(2):
-            d = _node(cluster, i, "dst")
+            d = node_dir(cluster, i, "dst")
             assert snapshot(d) == snapshot(src) and no_temporaries(d)
             assert len(_records(d)) == 201
     finally:
         for i in range(2):
-            subprocess.run(["rm", "-rf", str(_node(cluster, i, "dst"))])
+            subprocess.run(["rm", "-rf", str(node_dir(cluster, i, "dst"))])
 
 
 def test_a_source_grown_past_a_nodes_room_is_refused_before_any_byte_moves(cluster, tmp_path):
@@ -225,7 +221,7 @@ def test_a_source_grown_past_a_nodes_room_is_refused_before_any_byte_moves(clust
     round is not updated on either node), although no single early round would overflow."""
     src = tmp_path / "src"
     _many(src, 40)
-    full = _node(cluster, 1)  # the agent bind-mounts this folder (not its submounts) as nodelocal
+    full = node_dir(cluster, 1)  # the agent bind-mounts this folder (not its submounts) as nodelocal
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], check=True)
     try:
         _stage(cluster, src, tmp_path)
@@ -235,9 +231,9 @@ def test_a_source_grown_past_a_nodes_room_is_refused_before_any_byte_moves(clust
         res = _stage(cluster, src, tmp_path, expect_ok=False)
         _same_error_everywhere(res, 3, f"node {cluster.names[1]}", "not enough space", "nodelocal/dst")
         for i in range(2):
-            assert (_node(cluster, i, "dst", "k0", "m0000.bin")).read_bytes() != b"changed in round one"
-            assert not (_node(cluster, i, "dst", "k3", "zz.bin")).exists()
+            assert (node_dir(cluster, i, "dst", "k0", "m0000.bin")).read_bytes() != b"changed in round one"
+            assert not (node_dir(cluster, i, "dst", "k3", "zz.bin")).exists()
     finally:
         subprocess.run(["umount", "-l", str(full)], check=True)
-        shutil.rmtree(_node(cluster, 0, "dst"), ignore_errors=True)
+        shutil.rmtree(node_dir(cluster, 0, "dst"), ignore_errors=True)
 

@@ -113,12 +113,7 @@ class Destination:
         found = journals(dst)
         self.records = load_all(dst, self.src, self.host)
         self.journal.carried = read_journals(dst, found, self.src, self.records, self.host)
-        self.interrupted = bool(found)
-        if self.interrupted:
-            remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
-        else:  # a stage killed amid the write of its first journal (or of a manifest) leaves a temporary name
-            for tmp in (self.journal.tmp, self.tmp_path(os.path.join(dst, MANIFEST), mine=False)):
-                unlink(tmp)
+        self.interrupted = clear_killed(self, found)
         shutil.rmtree(claims_path(self.dst, self.tag), ignore_errors=True)  # a killed one-node copy's (see transfer)
         return self._compare(self.records, whole_folders)
 
@@ -447,6 +442,18 @@ def unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def clear_killed(node: Destination, journals_found: List[str]) -> bool:
+    """What a killed stage left in ``node``'s ``dst``: with its journals found, every temporary
+    name of this node (True: the stage is resumed); without, only those of a journal or manifest
+    being written when the kill came, before any journal began. Raises OSError."""
+    if journals_found:
+        remove_temporaries(node.dst, f".{node.tag}{TMP_SUFFIX}")
+        return True
+    for tmp in (node.journal.tmp, node.tmp_path(os.path.join(node.dst, MANIFEST), mine=False)):
+        unlink(tmp)
+    return False
 
 
 def claims_path(dst: str, tag: str) -> str:

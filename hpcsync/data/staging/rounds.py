@@ -33,7 +33,7 @@ import numpy as np
 from ...core import bigmpi, mpi
 from ...observe.progress import Progress
 from .broadcast import Reader, broadcast, close_bar, unexpected
-from .destination import TMP_SUFFIX, Destination, remove_temporaries, set_dir_attributes, unlink
+from .destination import Destination, clear_killed, set_dir_attributes
 from .fileops import syncfs
 from .journal import journals, read_journals
 from .listing import DIR, FILE, LINK, Entry
@@ -170,14 +170,9 @@ class NodeInRounds(Destination):
         found = journals(dst)
         self.old = load(dst, self.src, self.host)
         self.journal.carried = read_journals(dst, found, self.src, self.resumed, self.host)
-        self.interrupted = bool(found)
         try:
             manifest = os.path.join(dst, MANIFEST)
-            if self.interrupted:
-                remove_temporaries(dst, f".{self.tag}{TMP_SUFFIX}")
-            else:  # a temporary name of a stage killed before its journal began
-                for tmp in (self.journal.tmp, self.tmp_path(manifest, mine=False)):
-                    unlink(tmp)
+            self.interrupted = clear_killed(self, found)
             held = None if self.old == {} and os.path.lexists(manifest) else recorded_bytes(self.old, manifest)
             resumed = recorded_bytes(self.resumed, "")
             vfs = os.statvfs(dst)
@@ -185,7 +180,7 @@ class NodeInRounds(Destination):
             if held is not None and resumed is not None and total_bytes - held - resumed > free:
                 return self._where(f"not enough space in {dst}: need at least {total_bytes - held - resumed} bytes, "
                                    f"{free} free (disk full)")
-            self.out = LinesWriter(dst, self.tmp_path(os.path.join(dst, MANIFEST), mine=False), self.src)
+            self.out = LinesWriter(dst, self.tmp_path(manifest, mine=False), self.src)
         except OSError as exc:
             return self._where(f"preparing {exc.filename or dst}: {exc.strerror}")
         return None
