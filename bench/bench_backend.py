@@ -311,13 +311,13 @@ def worker(quick: bool, parts: str) -> None:
             for mode, fn in calls.items():
                 t = timed(fn, 4096 * 20)
                 checks[mode] = min(t, checks.get(mode, t))
-        from hpcsync import watchdog
-        from hpcsync.backend.desync import Call, _describe
+        from hpcsync.observe import watchdog
+        from hpcsync.backend.desync import Call, describe
 
         glog = watchdog.GroupLog("bench", list(range(W)))
         t0 = time.perf_counter()
         for _ in range(100000):
-            _describe(glog.start("all_reduce", str(x4k.dtype), tuple(x4k.shape), -1), Call("all_reduce", x4k))
+            describe(glog.start("all_reduce", str(x4k.dtype), tuple(x4k.shape), -1), Call("all_reduce", x4k))
         checks["flight record alone"] = (time.perf_counter() - t0) / 100000
         if R == 0 and checks:
             print("  4 KiB all_reduce: " + "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in checks.items()), flush=True)

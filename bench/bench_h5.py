@@ -71,7 +71,7 @@ def worker(method: str, path: str, total_bytes: int) -> None:
             with dset.collective:
                 dset[lo:lo + n] = rows
     else:
-        with h5.CollectiveWriter(path, comm=comm, parallel=method == "hpcsync-parallel") as w:
+        with h5.CollectiveWriter(path, group=comm, parallel=method == "hpcsync-parallel") as w:
             w.write("rows", rows)
     comm.Barrier()
     seconds = time.perf_counter() - t0

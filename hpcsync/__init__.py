@@ -21,16 +21,55 @@ ask torch for huge pages (below), because that must happen before torch's first 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, List
+
+from .core import settings as _settings
 
 __version__ = "0.1.0"
 
-from .core import settings  # noqa: E402  (no dependencies: the table of HPCSYNC_* variables)
+if TYPE_CHECKING:  # what type checkers and IDEs read; at run time each name is imported on first use
+    from .core import comm  # the detectron2-style helpers: ``from hpcsync import comm``
+    from .core.comm import (
+        all_gather, broadcast_object, gather, get_local_rank, get_local_size, get_rank, get_world_size,
+        is_main_process, monitored_barrier, reduce_dict, shared_random_seed, synchronize,
+    )
+    from .core.errors import (
+        AddressError, CheckpointError, CollectiveTimeout, HpcsyncError, LaunchError, MissingDependencyError,
+        StageError, StageTimeout, SyncError, SyncTimeout,
+    )
+    from .core.topology import Topology, local_comm, topology
+    from .data import h5  # collective HDF5 rows: ``hpcsync.h5.write_rows``
+    from .data.filesync import SyncedFile, sync_file
+    from .data.staging import StageResult, stage
+    from .observe.logs import setup_logging
+    from .observe.monitor import StepMonitor, monitor
+    from .resilience.checkpoint import Checkpoints
+    from .resilience.preemption import PreemptionGuard, preemption
+    from .resilience.requeue import Requeue, requeue
+    from .start.bootstrap import init, install_abort_hook, is_initialized, master_address, shutdown
+
+# name -> the module that defines it: imported when first asked for (PEP 562), so that ``import
+# hpcsync`` imports none of them (not even numpy); tests/test_layout.py checks it against the block above.
+_EXPORTS = {
+    "comm": "core.comm", "h5": "data.h5",  # the two modules the docs show as attributes
+    **dict.fromkeys(["all_gather", "broadcast_object", "gather", "get_local_rank", "get_local_size", "get_rank",
+                     "get_world_size", "is_main_process", "monitored_barrier", "reduce_dict", "shared_random_seed",
+                     "synchronize"], "core.comm"),
+    **dict.fromkeys(["AddressError", "CheckpointError", "CollectiveTimeout", "HpcsyncError", "LaunchError",
+                     "MissingDependencyError", "StageError", "StageTimeout", "SyncError", "SyncTimeout"], "core.errors"),
+    **dict.fromkeys(["Topology", "local_comm", "topology"], "core.topology"),
+    **dict.fromkeys(["SyncedFile", "sync_file"], "data.filesync"),
+    **dict.fromkeys(["StageResult", "stage"], "data.staging"),
+    "setup_logging": "observe.logs",
+    **dict.fromkeys(["StepMonitor", "monitor"], "observe.monitor"),
+    "Checkpoints": "resilience.checkpoint",
+    **dict.fromkeys(["PreemptionGuard", "preemption"], "resilience.preemption"),
+    **dict.fromkeys(["Requeue", "requeue"], "resilience.requeue"),
+    **dict.fromkeys(["init", "install_abort_hook", "is_initialized", "master_address", "shutdown"], "start.bootstrap"),
+}
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -38,124 +77,43 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # allocation): MPI moves 2 MiB-page memory much faster than 4 KiB pages, and numpy already asks
 # for them while torch does not (measured in docs/performance.md). HPCSYNC_HUGEPAGES=0 opts out;
 # `hpcsync doctor` says whether it took effect (import hpcsync before torch allocates anything).
-if settings.flag("HPCSYNC_HUGEPAGES"):
+if _settings.flag("HPCSYNC_HUGEPAGES"):
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-# public name -> the module that defines it (resolved lazily, PEP 562)
-_EXPORTS = {
-    "Topology": "core.topology",
-    "topology": "core.topology",
-    "local_comm": "core.topology",
-    "init": "start.bootstrap",
-    "shutdown": "start.bootstrap",
-    "is_initialized": "start.bootstrap",
-    "master_address": "start.bootstrap",
-    "install_abort_hook": "start.bootstrap",
-    "setup_logging": "observe.logs",
-    "get_world_size": "core.comm",
-    "get_rank": "core.comm",
-    "get_local_rank": "core.comm",
-    "get_local_size": "core.comm",
-    "is_main_process": "core.comm",
-    "synchronize": "core.comm",
-    "all_gather": "core.comm",
-    "gather": "core.comm",
-    "broadcast_object": "core.comm",
-    "shared_random_seed": "core.comm",
-    "reduce_dict": "core.comm",
-    "monitored_barrier": "core.comm",
-    "sync_file": "data.filesync",
-    "SyncedFile": "data.filesync",
-    "stage": "data.staging",
-    "StageResult": "data.staging",
-    "preemption": "resilience.preemption",
-    "PreemptionGuard": "resilience.preemption",
-    "requeue": "resilience.requeue",
-    "Requeue": "resilience.requeue",
-    "Checkpoints": "resilience.checkpoint",
-    "monitor": "observe.monitor",
-    "StepMonitor": "observe.monitor",
-    "HpcsyncError": "core.errors",
-    "LaunchError": "core.errors",
-    "AddressError": "core.errors",
-    "SyncError": "core.errors",
-    "StageError": "core.errors",
-    "StageTimeout": "core.errors",
-    "SyncTimeout": "core.errors",
-    "CheckpointError": "core.errors",
-    "CollectiveTimeout": "core.errors",
-    "MissingDependencyError": "core.errors",
-}
+__all__ = [
+    "__version__",
+    # starting and ending a job
+    "init", "shutdown", "is_initialized", "master_address", "install_abort_hook", "Topology", "topology",
+    "local_comm", "setup_logging",
+    # the comm helpers (also as the module ``hpcsync.comm``)
+    "comm", "get_world_size", "get_rank", "get_local_rank", "get_local_size", "is_main_process", "synchronize",
+    "all_gather", "gather", "broadcast_object", "shared_random_seed", "reduce_dict", "monitored_barrier",
+    # moving data
+    "sync_file", "SyncedFile", "stage", "StageResult", "h5",
+    # keeping a job alive
+    "preemption", "PreemptionGuard", "requeue", "Requeue", "Checkpoints", "monitor", "StepMonitor",
+    # errors
+    "HpcsyncError", "LaunchError", "AddressError", "SyncError", "StageError", "StageTimeout", "SyncTimeout",
+    "CheckpointError", "CollectiveTimeout", "MissingDependencyError",
+]
 
-# modules reachable as attributes (``from hpcsync import comm``, ``hpcsync.h5.write_rows``), imported
-# on first use, and by their old import paths (``import hpcsync.lightning``, :class:`_OldPaths`):
-# the packages, and each module by the name it had before the packages. The four whose name is
-# now a function above (topology, preemption, requeue, monitor) are reached by their new path.
-_MODULES = {
-    "core": "core", "observe": "observe", "backend": "backend", "data": "data", "start": "start",
-    "resilience": "resilience", "cli": "cli",
-    "comm": "core.comm", "bounded": "core.bounded", "environments": "core.environments", "errors": "core.errors",
-    "jobend": "core.jobend", "nodemap": "core.nodemap",
-    "digest": "observe.digest", "failure": "observe.failure", "flight": "observe.flight", "logs": "observe.logs",
-    "progress": "observe.progress", "watchdog": "observe.watchdog",
-    "filesync": "data.filesync", "h5": "data.h5", "staging": "data.staging",
-    "bootstrap": "start.bootstrap", "doctor": "start.doctor", "interfaces": "start.interfaces",
-    "network": "start.network", "store": "start.store",
-    "checkpoint": "resilience.checkpoint", "lightning": "resilience.lightning", "supervisor": "resilience.supervisor",
-}
-
-__all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def _register_backend_if_torch_loaded() -> None:
-    """``import torch; import hpcsync`` makes ``init_process_group("hpcsync")`` available."""
-    if "torch.distributed" in sys.modules or "torch" in sys.modules:
-        try:
-            importlib.import_module(".backend", __name__)
-        except ImportError:  # torch without distributed support, or no mpi4py
-            pass
-
-
-_register_backend_if_torch_loaded()
-
-
-class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``import hpcsync.errors`` and ``from hpcsync.staging.listing import blocks``, as written
-    before the packages: the import path ``hpcsync.<old>[.<sub>]`` gives the very module
-    ``hpcsync.<package>.<module>[.<sub>]``, one object under two names (never a copy)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        parts = fullname.split(".")
-        if len(parts) < 2 or parts[0] != __name__ or parts[1] not in _MODULES or parts[1] in _PACKAGES:
-            return None
-        real = ".".join([__name__, _MODULES[parts[1]], *parts[2:]])
-        return importlib.util.spec_from_loader(fullname, self, origin=real)
-
-    def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(spec.origin)
-
-    def exec_module(self, module: Any) -> None:
-        """The module ran when it was imported under its own name."""
-
-
-_PACKAGES = ("core", "observe", "backend", "data", "start", "resilience", "cli")
-if not any(isinstance(f, _OldPaths) for f in sys.meta_path):
-    sys.meta_path.insert(0, _OldPaths())  # before the path finders: a stale hpcsync/<old>.py never wins
+if "torch" in sys.modules:
+    # ``import torch; import hpcsync`` makes ``init_process_group("hpcsync")`` available.
+    try:
+        from . import backend  # noqa: F401  (registers the backend with torch.distributed)
+    except ImportError:  # torch without distributed support, or no mpi4py
+        pass
 
 
 def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is not None:
-        value = importlib.import_module(f".{module}", __name__)
-        globals()[name] = value
-        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hpcsync' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    owner = importlib.import_module(f".{module}", __name__)
+    value = owner if name in ("comm", "h5") else getattr(owner, name)
     globals()[name] = value
     return value
 
 
-def __dir__() -> list:
-    return __all__ + list(_MODULES)
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

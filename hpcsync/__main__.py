@@ -3,4 +3,6 @@ import sys
 
 from .cli import main
 
+__all__ = []
+
 sys.exit(main())

@@ -7,6 +7,8 @@ import logging
 import sys
 from typing import List, Optional
 
+__all__ = ["cmd_info", "cmd_merge", "cmd_stage", "cmd_doctor", "build_parser", "main"]
+
 
 def _torch_backends() -> str:
     try:

@@ -142,7 +142,7 @@ def test_a_hung_write_or_part_read_ends_the_sync_naming_node_file_and_phase(clus
     was reading or writing, within the timeout and 45 s; no target appears and every part is kept."""
     target, parts_dir, parts = _sync_parts(cluster, tmp_path, [2, 1])
     fault = {"disk": {"rank": 0, "patch": "hpcsync.data.transports:_pwrite_all", "call": 2, "do": "block"},
-             "part": {"rank": 2, "patch": "hpcsync.data.transports:_Source.fill", "call": 2, "do": "block"}}[where]
+             "part": {"rank": 2, "patch": "hpcsync.data.transports:Source.fill", "call": 2, "do": "block"}}[where]
     needles = {"disk": [f"rank 0: node {cluster.names[0]}: writing {tmp_path}/", "no progress for 1.5 s"],
                "part": [f"rank 2: node {cluster.names[1]}: reading {cluster.node_local}/parts/",
                         "no progress for 1.5 s"]
@@ -164,7 +164,7 @@ def test_a_rank_frozen_mid_gather_ends_the_sync_with_a_report_naming_it(cluster,
     SyncTimeout within the timeout, the failure report names rank 2 and its node as silent, and
     the job ends within the timeout and 45 s; no target appears."""
     target, parts_dir, parts = _sync_parts(cluster, tmp_path, [2, 1])
-    fault = {"rank": 2, "patch": "hpcsync.data.transports:_Source.fill", "call": 2, "do": "stop"}
+    fault = {"rank": 2, "patch": "hpcsync.data.transports:Source.fill", "call": 2, "do": "stop"}
     t0 = time.monotonic()
     res = run(cluster.openmpi([2, 1]), 3, "sync.py", str(target), tmp_path=tmp_path, expect_ok=False, timeout=150,
               env={"HPCSYNC_TEST_SYNC_OPTS": json.dumps(

@@ -18,7 +18,7 @@ def test_sphinx_builds_without_warnings(tmp_path):
 def test_readme_is_short_and_every_setting_is_documented():
     """The README is a front door (about 100 lines: the detail lives in docs/), each of its links
     into docs/ names a page that exists, and every setting is in docs/settings.md."""
-    from hpcsync import settings
+    from hpcsync.core import settings
 
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 120, len(readme.splitlines())

@@ -6,7 +6,7 @@ import sys
 import time
 
 from launch import ROOT
-from hpcsync import jobend
+from hpcsync.core import jobend
 
 
 def test_launcher_is_found_among_the_ancestors(tmp_path):
@@ -80,7 +80,7 @@ def test_the_abort_grace_never_means_forever(monkeypatch):
 
 
 def test_malformed_settings_are_named_together(monkeypatch):
-    from hpcsync import settings
+    from hpcsync.core import settings
 
     monkeypatch.setenv("HPCSYNC_DEBUG", "maybe")
     monkeypatch.setenv("HPCSYNC_TIMEOUT", "0")

@@ -155,7 +155,7 @@ def test_a_stalled_gloo_collective_is_one_report_naming_the_rank(launcher, kind,
 def test_the_report_names_the_earliest_raise_whoever_won_the_claim():
     """Rank 0 won the claim (its own needs no message) though rank 2 raised 0.2 s earlier: the
     report's first failure is rank 2's, with its traceback, and rank 0 is among the others."""
-    from hpcsync import digest
+    from hpcsync.observe import digest
 
     def failed(t, err):
         return {"failed": True, "time": t, "error": err, "where": "train.py:9", "traceback": f"Traceback\n{err}\n",
@@ -176,7 +176,7 @@ def test_alike_warnings_of_ranks_a_loaded_node_slows_are_one_line(monkeypatch):
     """Rank 0's collector, fed by hand: three ranks log one warning 0.6 s apart (1.2 s from first
     to last, as on an oversubscribed node): one line naming all three once none came for a
     second; a line still arriving is held 5 s at most, and says how many times it came."""
-    from hpcsync import logs
+    from hpcsync.observe import logs
 
     lines = []
     monkeypatch.setattr(logs, "_write", lines.append)

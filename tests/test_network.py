@@ -190,7 +190,7 @@ def test_connect_proof_survives_a_small_accept_queue():
         subprocess.run(["ip", "netns", "del", ns])
 
 
-# -- each node's own interface (hpcsync.interfaces), on synthetic nodes -------------------------
+# -- each node's own interface (hpcsync.start.interfaces), on synthetic nodes -------------------------
 
 def test_interface_specs_follow_nccls_rules():
     from hpcsync.start.network import ifname_matches

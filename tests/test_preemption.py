@@ -122,7 +122,7 @@ def test_a_rank_that_stops_calling_is_a_timeout_at_the_guards_bound(launcher, ar
     """Rank 1 stops calling should_stop(): rank 0 raises TimeoutError about 2 s (the guard's
     timeout) after the last call they shared -- also without MPI, where the wait was torch's own
     60 s -- and close() afterwards does not wait a second time. A torch group is a valid group=
-    (and comm=) under MPI."""
+    under MPI."""
     from launch import run
 
     res = run(LAUNCHERS[launcher](), 2, "guard_timeout.py", *args, tmp_path=tmp_path, timeout=120, expect_ok=False,

@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 
-from hpcsync import nodemap, watchdog
+from hpcsync.core import nodemap
+
+from hpcsync.observe import watchdog
 from launch import ROOT
 
 
@@ -50,7 +52,7 @@ def test_report_groups_ranks_and_stays_small(monkeypatch):
 
 
 def test_submodules_are_attributes_without_loading_torch_or_mpi():
-    code = ("import sys, hpcsync; hpcsync.filesync.part_path('a.csv', 1); hpcsync.nodemap.ranges([1]); "
+    code = ("import sys, hpcsync; hpcsync.data.filesync.part_path('a.csv', 1); hpcsync.core.nodemap.ranges([1]); "
             "print('torch' in sys.modules, 'mpi4py.MPI' in sys.modules, callable(hpcsync.topology))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["False", "False", "True"], out.stderr

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 import hpcsync
-from hpcsync import staging
+from hpcsync.data.staging import destination, journal, listing, manifest
 from hpcsync.data.staging.rounds import _writers
 from launch import PY, Launcher, clean_env, long_run, mpich, openmpi, run
 from netns_cluster import ROUTED, Cluster
@@ -53,7 +53,7 @@ def snapshot(root: Path) -> dict:
     out = {}
     for folder, dirs, files in os.walk(root):
         for name in [*dirs, *files, ""]:
-            if name in (staging.MANIFEST, staging.JOURNAL):
+            if name in (manifest.MANIFEST, journal.JOURNAL):
                 continue
             p = os.path.join(folder, name) if name else folder
             if name == "" and folder != str(root):
@@ -84,23 +84,23 @@ def expected(src: Path) -> dict:
 
 def inodes(root: Path) -> dict:
     return {p: (os.lstat(p).st_ino, os.lstat(p).st_mtime_ns) for p in map(str, root.rglob("*"))
-            if os.path.isfile(p) and not os.path.basename(p).startswith((staging.MANIFEST, staging.JOURNAL))}
+            if os.path.isfile(p) and not os.path.basename(p).startswith((manifest.MANIFEST, journal.JOURNAL))}
 
 
 def temporary(folder: Path, name: str) -> bool:
     """Whether some node's temporary file for ``name`` exists in ``folder``."""
-    return any(folder.glob(f".{name}.*{staging.TMP_SUFFIX}"))
+    return any(folder.glob(f".{name}.*{destination.TMP_SUFFIX}"))
 
 
 def no_temporaries(root: Path) -> bool:
-    return not [p for p in root.rglob("*") if p.name.endswith(staging.TMP_SUFFIX)]
+    return not [p for p in root.rglob("*") if p.name.endswith(destination.TMP_SUFFIX)]
 
 
 # -- in process: the schedule and a one-process stage ----------------------------------------------
 
 def test_chunks_cover_every_byte_once_within_bounds():
     files = [(0, 0), (1, 5), (2, 3 * 2**31 + 7), (3, 0), (4, 100)] + [(5 + i, 1) for i in range(50)]
-    rounds = list(staging.chunks(files, chunk_bytes=2**30, max_pieces=8))
+    rounds = list(listing.chunks(files, chunk_bytes=2**30, max_pieces=8))
     seen = {}
     for r in rounds:
         assert sum(n for _, _, n in r) <= 2**30 and len(r) <= 8
@@ -112,7 +112,7 @@ def test_chunks_cover_every_byte_once_within_bounds():
     assert len(rounds) == 6 + 7 and all(sum(n for _, _, n in r) == 2**30 for r in rounds[:6])
     # ten thousand small files: a handful of broadcasts, not ten thousand
     small = [(i, 10240) for i in range(10_000)]
-    assert len(list(staging.chunks(small, 16 * 2**20))) == 7
+    assert len(list(listing.chunks(small, 16 * 2**20))) == 7
 
 
 def test_one_process_stage_is_exact_idempotent_and_repairs(tmp_path):
@@ -122,12 +122,12 @@ def test_one_process_stage_is_exact_idempotent_and_repairs(tmp_path):
     assert snapshot(dst) == expected(src)
     assert r.ignored == ("a_fifo",) and r.files == len(r.copied) == 44 and r.skipped == ()
     assert r.source_reads == r.copied_bytes == r.bytes and r.nodes == 1 and r.broadcasts == 0
-    before, manifest = inodes(dst), os.stat(dst / staging.MANIFEST).st_mtime_ns
+    before, mtime = inodes(dst), os.stat(dst / manifest.MANIFEST).st_mtime_ns
     r2 = hpcsync.stage(src, dst, names=True)  # nothing to do: nothing rewritten
     assert r2.copied == () and len(r2.skipped) == 44 and r2.source_reads == 0
     summary = hpcsync.stage(src, dst)  # by default a summary: counts, no names
     assert summary.copied is None and summary.skipped is None and (summary.copied_files, summary.skipped_files) == (0, 44)
-    assert inodes(dst) == before and os.stat(dst / staging.MANIFEST).st_mtime_ns == manifest
+    assert inodes(dst) == before and os.stat(dst / manifest.MANIFEST).st_mtime_ns == mtime
     # repair: changed at the source, truncated, deleted, rewritten in place at the destination
     changed, truncated, deleted, touched = "d0/e0/f000.bin", "d1/e1/f001.bin", "d2/e2/f002.bin", "empty.txt"
     (src / changed).write_bytes(b"new content")
@@ -148,12 +148,12 @@ def test_single_file_source_and_interrupted_leftovers(tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     # what a killed stage leaves: a journal and a temporary file
-    (dst / staging.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n")
+    (dst / journal.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n")
     tag = hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]
-    (dst / f".one.bin.{tag}{staging.TMP_SUFFIX}").write_bytes(b"partial")
+    (dst / f".one.bin.{tag}{destination.TMP_SUFFIX}").write_bytes(b"partial")
     r = hpcsync.stage(src, dst, names=True)
     assert r.copied == ("one.bin",) and (dst / "one.bin").read_bytes() == src.read_bytes()
-    assert no_temporaries(dst) and not (dst / staging.JOURNAL).exists()
+    assert no_temporaries(dst) and not (dst / journal.JOURNAL).exists()
 
 
 def test_one_process_errors_name_the_path(tmp_path):
@@ -269,7 +269,7 @@ def test_an_unexpected_error_on_the_root_before_the_copy_is_one_error_on_every_r
     assert time.monotonic() - t0 < 30
     _same_error_everywhere(res, 2, f"rank 0: node {os.uname().nodename}: RuntimeError: fault injected into "
                            "Destination.start")
-    assert no_temporaries(dst) and not (dst / staging.MANIFEST).exists()
+    assert no_temporaries(dst) and not (dst / manifest.MANIFEST).exists()
 
 
 def test_killed_mid_stage_then_restaged(tmp_path):
@@ -303,7 +303,7 @@ def journal_records(dst: Path) -> set:
     """The files recorded in the journals of a running stage: a line per checkpoint, complete
     lines only."""
     done = set()
-    for j in dst.glob(staging.JOURNAL + "*"):
+    for j in dst.glob(journal.JOURNAL + "*"):
         try:
             lines = j.read_text().split("\n")[1:-1]  # the last piece: a torn line, or empty
         except OSError:
@@ -351,7 +351,7 @@ def _proc(pid):
 
 def _check_after_kill(src: Path, dst: Path) -> None:
     """What a reader sees after the kill: only complete files under their final names."""
-    assert any(dst.glob(staging.JOURNAL + "*"))
+    assert any(dst.glob(journal.JOURNAL + "*"))
     for p in dst.rglob("*"):
         if p.is_file() and not p.name.startswith("."):
             assert _digest(str(p)) == _digest(str(src / p.relative_to(dst))), f"{p} is incomplete"
@@ -396,7 +396,7 @@ def test_across_nodes(cluster, where, launcher, tmp_path):
         assert r["nodes"] == 2 and sorted(w[0] for w in r["written"]) == sorted(cluster.names)
         assert all(w[2] == r["bytes"] for w in r["written"])
         assert r["source_reads"] == r["bytes"]  # read once, whatever the number of nodes
-        assert r["broadcasts"] <= r["bytes"] // (256 * 1024) + 2 + r["files"] // staging.MAX_PIECES
+        assert r["broadcasts"] <= r["bytes"] // (256 * 1024) + 2 + r["files"] // listing.MAX_PIECES
         # node 1 lost a file: only it is sent again, and only node 1 writes it
         os.unlink(node_dir(cluster, 1, "dst", "d0", "e0", "f000.bin"))
         r = _ranks_ok(run(lau, 4, "stage.py", str(src), str(dst), tmp_path=tmp_path, timeout=300), 4)
@@ -443,7 +443,7 @@ def test_file_over_2gib_across_nodes(cluster, tmp_path):
         r = _ranks_ok(run(cluster.openmpi([1, 1]), 2, "stage.py", str(src), str(dst), tmp_path=tmp_path,
                           timeout=400), 2)
         assert r["bytes"] == size == r["source_reads"], r
-        assert r["broadcasts"] == -(-size // staging.DEFAULT_CHUNK_BYTES), r
+        assert r["broadcasts"] == -(-size // listing.DEFAULT_CHUNK_BYTES), r
         want = _digest(str(src / "huge.bin"))
         for i in range(2):
             got = node_dir(cluster, i, "dst", "huge.bin")
@@ -544,9 +544,9 @@ def test_writer_choice_for_shared_destinations():
 
 
 def test_blocks_keep_folders_whole_and_bound_the_rest():
-    e = [staging.Entry(f"f{i}", "f", 0o644, 0, 0, 1000 * (i == 5) + 1) for i in range(12)]
+    e = [listing.Entry(f"f{i}", "f", 0o644, 0, 0, 1000 * (i == 5) + 1) for i in range(12)]
     units = {100: [2, 3, 4]}  # a folder copied whole: one block, never cut
-    assert staging.blocks(e, list(range(12)), units, most_files=2, most_bytes=500) == [
+    assert listing.blocks(e, list(range(12)), units, most_files=2, most_bytes=500) == [
         (-1, [0, 1]), (100, [2, 3, 4]), (-1, [5]), (-1, [6, 7]), (-1, [8, 9]), (-1, [10, 11])]
-    assert staging.blocks(e, [0, 2, 3, 7], units, most_files=2) == [(-1, [0, 2]), (-1, [3, 7])]  # folder incomplete
-    assert staging.blocks(e, [], units) == []
+    assert listing.blocks(e, [0, 2, 3, 7], units, most_files=2) == [(-1, [0, 2]), (-1, [3, 7])]  # folder incomplete
+    assert listing.blocks(e, [], units) == []

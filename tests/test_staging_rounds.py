@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcsync import staging
+from hpcsync.data.staging import journal, manifest
 from hpcsync.data.staging.listing import Entry, walk_names
 from hpcsync.data.staging.manifest import Lines, LinesWriter, load, order_key, recorded_bytes
 from hpcsync.data.staging.rounds import NodeInRounds
@@ -47,21 +47,21 @@ def test_the_forward_reader_passes_over_names_that_left(tmp_path):
     assert lines.passed == 1
     assert set(lines.take(["d/x", "d/z"])) == {"d/x", "d/z"} and lines.passed == 2  # "d/y" left
     assert lines.rest() == 1 and lines.passed == 3  # "e/w" too
-    (tmp_path / staging.MANIFEST).write_text('{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n[["b"')
+    (tmp_path / manifest.MANIFEST).write_text('{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n[["b"')
     lines = load(str(tmp_path), "/src", "h")
     assert set(lines.take(["a", "b"])) == {"a"}  # a torn line ends it: "b" is copied again
     for bad in ('[["b"]]', '[1,2]', '[["b",[1,2]]]', '{"b":[1,2,3,null,4,5]}'):  # valid JSON, not records
-        (tmp_path / staging.MANIFEST).write_text('{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n'
+        (tmp_path / manifest.MANIFEST).write_text('{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n'
                                                  f'{bad}\n[["c",[1,2,3,null,4,5]]]\n')
         lines = load(str(tmp_path), "/src", "h")
         assert set(lines.take(["a", "b", "c"])) == {"a"}, bad  # ends there too, never raises
-    (tmp_path / staging.MANIFEST).write_text('{"version": 1, "source": "/src",\n "files": {"a": [1,2,3,null,4,5]}}\n')
+    (tmp_path / manifest.MANIFEST).write_text('{"version": 1, "source": "/src",\n "files": {"a": [1,2,3,null,4,5]}}\n')
     assert load(str(tmp_path), "/src", "h") == {"a": [1, 2, 3, None, 4, 5]}  # version 1 on several lines
-    path = str(tmp_path / staging.MANIFEST)
+    path = str(tmp_path / manifest.MANIFEST)
     assert recorded_bytes({"a": [7, 2, 3, None, 4, 5], "b": [5, 0, 0, None, 0, 0]}, path) == 12
     for damaged in ({"a": None}, {"a": [1, 2]}, {"a": ["x", 2, 3, None, 4, 5]}, {"a": {}}):
         assert recorded_bytes(damaged, path) is None  # nothing can be said: the rounds' own checks decide
-    (tmp_path / staging.MANIFEST).write_bytes(b'{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n\xff\xfe\n')
+    (tmp_path / manifest.MANIFEST).write_bytes(b'{"version":2,"source":"/src"}\n[["a",[1,2,3,null,4,5]]]\n\xff\xfe\n')
     assert load(str(tmp_path), "/src", "h") == {}  # bytes that are not text: ignored, with a warning
 
 
@@ -92,7 +92,7 @@ def test_a_rounds_copies_are_journaled_when_it_ends(tmp_path):
     assert again.open_rounds(3) is None and again.begin_round(entries) is None and not again.need.any()
     again.start()
     again.end_round()
-    assert not list(dst.glob(staging.JOURNAL + "*"))
+    assert not list(dst.glob(journal.JOURNAL + "*"))
     assert again.finish() is None
     again.close_rounds()
 
@@ -112,7 +112,7 @@ def _stage(cluster, src, tmp_path, n=3, expect_ok=True, **opts):
 
 
 def _records(dst: Path) -> list:
-    lines = (dst / staging.MANIFEST).read_text().splitlines()
+    lines = (dst / manifest.MANIFEST).read_text().splitlines()
     assert json.loads(lines[0])["version"] == 2
     return [rel for line in lines[1:] for rel, _ in json.loads(line)]
 
@@ -139,12 +139,12 @@ def test_rounds_across_nodes_exact_then_only_what_changed(cluster, tmp_path):
             assert snapshot(d) == expected(src) and no_temporaries(d)
             names = _records(d)
             assert names == sorted(names, key=order_key) and len(names) == r["files"]
-            assert len((d / staging.MANIFEST).read_text().splitlines()) > 8  # written round by round
-        before = [os.stat(d / staging.MANIFEST) for d in dsts]
+            assert len((d / manifest.MANIFEST).read_text().splitlines()) > 8  # written round by round
+        before = [os.stat(d / manifest.MANIFEST) for d in dsts]
         r = _stage(cluster, src, tmp_path)
         assert r["copied"] == [] and r["skipped_files"] == r["files"]
         assert [(s.st_ino, s.st_mtime_ns) for s in before] == \
-            [(os.stat(d / staging.MANIFEST).st_ino, os.stat(d / staging.MANIFEST).st_mtime_ns) for d in dsts]
+            [(os.stat(d / manifest.MANIFEST).st_ino, os.stat(d / manifest.MANIFEST).st_mtime_ns) for d in dsts]
         (src / "k1" / "m0001.bin").write_bytes(b"changed")
         (src / "k2" / "m0050b.bin").write_bytes(b"new, in the middle of a folder")
         os.unlink(src / "k3" / "m0007.bin")

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 import hpcsync
-from hpcsync import staging
-from hpcsync.data.staging import fileops, listing, transfer
+from hpcsync.data.staging import destination, fileops, journal, listing, manifest, transfer
 from launch import PY, Launcher, clean_env, openmpi, run
 from test_staging import (OLD, _kill_when, _ranks_ok, _same_error_everywhere, expected, inodes,
                           journal_records, journaled, make_tree, no_temporaries, snapshot, temporary)
@@ -77,11 +76,11 @@ def test_default_acl_on_the_destination_does_not_change_modes(tmp_path):
         hpcsync.stage(src, dst)
         assert snapshot(dst) == expected(src)
         # a copy with the ACL's mode, recorded with its ctime: what the stage used to leave
-        doc = json.loads((dst / staging.MANIFEST).read_text())
+        doc = json.loads((dst / manifest.MANIFEST).read_text())
         for rel in ("many/m0", "d0/e0/f000.bin"):
             os.chmod(dst / rel, 0o600)
             doc["files"][rel][5] = os.lstat(dst / rel).st_ctime_ns
-        (dst / staging.MANIFEST).write_text(json.dumps(doc))
+        (dst / manifest.MANIFEST).write_text(json.dumps(doc))
         r = hpcsync.stage(src, dst, names=True)
         assert sorted(r.copied) == ["d0/e0/f000.bin", "many/m0"] and snapshot(dst) == expected(src)
     finally:
@@ -162,14 +161,14 @@ def test_leftover_temporary_without_journal_is_never_taken_for_data(tmp_path):
     os.chmod(src / "f.bin", 0o644)
     dst.mkdir()
     tag = hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]
-    leftover = dst / f".f.bin.{tag}{staging.TMP_SUFFIX}"
+    leftover = dst / f".f.bin.{tag}{destination.TMP_SUFFIX}"
     leftover.write_bytes(b"partial")
     os.chmod(leftover, 0o600)
     hpcsync.stage(src, dst)
     assert leftover.read_bytes() == b"partial"
     assert (dst / "f.bin").read_bytes() == (src / "f.bin").read_bytes()
     assert os.stat(dst / "f.bin").st_mode & 0o777 == 0o644
-    assert [p.name for p in dst.iterdir() if p.name.endswith(staging.TMP_SUFFIX)] == [leftover.name]
+    assert [p.name for p in dst.iterdir() if p.name.endswith(destination.TMP_SUFFIX)] == [leftover.name]
 
 
 def test_killed_before_its_first_checkpoint_leaves_no_temporary_behind(tmp_path):
@@ -269,16 +268,16 @@ def test_a_journal_that_cannot_be_written_is_one_error_on_every_rank(rank, tmp_p
     opts = {}
     if rank:
         with open(src / "split.bin", "wb") as f:  # sparse: made at once
-            f.truncate(staging.SPLIT_BYTES + 1)
+            f.truncate(transfer.SPLIT_BYTES + 1)
         opts["_fault"] = [{"rank": 0, "patch": "hpcsync.data.staging.transfer:copy_blocks", "do": "return", "value": []}]
-    journal = staging.JOURNAL + (f".{rank}" if rank else "")
-    (dst / journal).mkdir(parents=True)
+    journal_name = journal.JOURNAL + (f".{rank}" if rank else "")
+    (dst / journal_name).mkdir(parents=True)
     t0 = time.monotonic()
     res = run(openmpi(), 2, "stage.py", str(src), str(dst), json.dumps(opts), tmp_path=tmp_path, expect_ok=False,
               timeout=60, env={"HPCSYNC_ABORT_ON_EXCEPTION": "0"})
     assert time.monotonic() - t0 < 30
     _same_error_everywhere(res, 2, f"rank {rank}: node {os.uname().nodename}: cannot write the stage journal "
-                           f"{dst / journal}: Is a directory")
+                           f"{dst / journal_name}: Is a directory")
     assert no_temporaries(dst)
 
 
@@ -356,7 +355,7 @@ def test_killed_twice_still_skips_what_the_first_run_finished(tmp_path):
 
     _kill_when(lambda: journaled(dst) >= 200, start([PY, prog, str(src), str(dst)], env))
     first = journal_records(dst)
-    assert first and not (dst / staging.MANIFEST).exists()
+    assert first and not (dst / manifest.MANIFEST).exists()
     _kill_when(lambda: bool(journal_records(dst) - first),
                start([*lau.command(2), PY, prog, str(src), str(dst)], {**env, **lau.env}))
     second = journal_records(dst)
@@ -383,7 +382,7 @@ def test_folders_of_small_files_are_copied_whole(tmp_path, monkeypatch):
     r = hpcsync.stage(src, dst, names=True)
     assert snapshot(dst) == expected(src) and no_temporaries(dst) and len(r.copied) == r.files
     assert sorted(os.path.relpath(f, src) for f in filled) == ["many"]  # the other folders hold 2 or 3 files
-    doc = json.loads((dst / staging.MANIFEST).read_text())
+    doc = json.loads((dst / manifest.MANIFEST).read_text())
     assert all(doc["files"][f"many/m{i:02d}"][4] == os.lstat(dst / "many" / f"m{i:02d}").st_ino for i in range(len(MODES)))
     r = hpcsync.stage(src, dst, names=True)
     assert r.copied == () and len(filled) == 1
@@ -401,7 +400,7 @@ def test_a_folder_whose_copy_failed_is_not_put_in_place(tmp_path, mount_tmpfs):
     with pytest.raises(hpcsync.StageError, match="No space left on device"):
         hpcsync.stage(src, dst)
     assert os.listdir(dst / "many") == [] and no_temporaries(dst)
-    assert not (dst / staging.MANIFEST).exists()
+    assert not (dst / manifest.MANIFEST).exists()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -412,7 +411,7 @@ def test_same_tree_from_one_or_more_ranks(ranks, tmp_path):
     make_tree(src)
     r = _ranks_ok(run(openmpi(), ranks, "stage.py", str(src), str(dst), tmp_path=tmp_path), ranks)
     assert snapshot(dst) == expected(src) and no_temporaries(dst)
-    doc = json.loads((dst / staging.MANIFEST).read_text())
+    doc = json.loads((dst / manifest.MANIFEST).read_text())
     assert sorted(doc["files"]) == sorted(r["copied"]) and len(r["copied"]) == r["files"]
     for rel, (size, mtime, mode, _crc, ino, ctime) in doc["files"].items():
         s = os.lstat(dst / rel)
@@ -447,7 +446,7 @@ def test_a_rank_that_sees_another_source_leaves_its_share_to_the_root(tmp_path):
     ranks = stage_with_rank1_bind(tmp_path, src, dst, decoy, src)
     assert all(d["ok"] for d in ranks) and ranks[0]["result"]["copied"] == ranks[1]["result"]["copied"]
     assert snapshot(dst) == expected(src) and no_temporaries(dst)
-    assert not list(dst.glob(staging.JOURNAL + "*"))
+    assert not list(dst.glob(journal.JOURNAL + "*"))
 
 
 def test_a_rank_that_sees_another_destination_gets_its_own_copy(tmp_path):
@@ -477,17 +476,17 @@ def test_journal_lines_old_and_new_are_both_read(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     make_tree(src, files=6)
     hpcsync.stage(src, dst)
-    records = json.loads((dst / staging.MANIFEST).read_text())["files"]
-    os.unlink(dst / staging.MANIFEST)
+    records = json.loads((dst / manifest.MANIFEST).read_text())["files"]
+    os.unlink(dst / manifest.MANIFEST)
     rels = sorted(records)
     old, batch, torn = rels[:2], rels[2:5], rels[5]
     head = json.dumps({"source": str(src)}) + "\n"
-    (dst / staging.JOURNAL).write_text(head + "".join(json.dumps([r, records[r]]) + "\n" for r in old)
+    (dst / journal.JOURNAL).write_text(head + "".join(json.dumps([r, records[r]]) + "\n" for r in old)
                                        + json.dumps([[r, records[r]] for r in batch]) + "\n"
                                        + json.dumps([[torn, records[torn]]]))
     r = hpcsync.stage(src, dst, names=True)
     assert sorted(r.copied) == sorted(set(rels) - set(old) - set(batch))
-    assert snapshot(dst) == expected(src) and not (dst / staging.JOURNAL).exists()
+    assert snapshot(dst) == expected(src) and not (dst / journal.JOURNAL).exists()
 
 
 def test_a_kill_amid_the_rewrite_of_a_resumed_journal_loses_nothing(tmp_path):
@@ -498,10 +497,10 @@ def test_a_kill_amid_the_rewrite_of_a_resumed_journal_loses_nothing(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     make_tree(src, files=6)
     hpcsync.stage(src, dst)
-    records = json.loads((dst / staging.MANIFEST).read_text())["files"]
-    os.unlink(dst / staging.MANIFEST)
+    records = json.loads((dst / manifest.MANIFEST).read_text())["files"]
+    os.unlink(dst / manifest.MANIFEST)
     done = sorted(records)[:4]
-    (dst / staging.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n"
+    (dst / journal.JOURNAL).write_text(json.dumps({"source": str(src)}) + "\n"
                                        + json.dumps([[r, records[r]] for r in done]) + "\n")
     kill = {"rank": 0, "patch": "hpcsync.data.staging.journal:Journal._flush", "do": "exit"}  # its first flush
     res = run(None, 1, "stage.py", str(src), str(dst), json.dumps({"_fault": [kill]}), tmp_path=tmp_path,

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from hpcsync import supervisor
+from hpcsync.resilience import launchers, supervisor, verdict
 from hpcsync.observe import failure
 from hpcsync.resilience import probe
 from launch import LONG, PY, PROGRAMS, ROOT, clean_env, openmpi
@@ -26,22 +26,22 @@ TIMEOUT = "6"  # the group timeout: a lost link is a hang report after 6 s
 
 # -- the verdict, from records and launcher words (no job needed) ----------------------------------
 def test_launcher_words_blame_the_node_whose_ranks_died():
-    srun = supervisor.LauncherWords()
+    srun = launchers.LauncherWords()
     for line in ("srun: error: n1: task 1: Killed", "srun: launch/slurm: _step_signal: Terminating StepId=1.0",
                  "srun: error: n0: task 0: Terminated", "srun: error: n2: task 2: Exited with exit code 1",
                  "srun: error: n3: task 3: Killed"):  # killed by srun itself, after its SIGTERM went unheeded
         srun.feed(line)
     assert srun.nodes == ["n1"]
-    ompi = supervisor.LauncherWords()
+    ompi = launchers.LauncherWords()
     ompi.feed("mpirun noticed that process rank 1 with PID 4242 on node n7 exited on signal 9 (Killed).")
     ompi.feed("mpirun noticed that process rank 0 with PID 4241 on node n0 exited on signal 15 (Terminated).")
     assert ompi.nodes == ["n7"]
-    lost = supervisor.LauncherWords()  # Open MPI's lost daemon: its own node is named too, and is healthy
+    lost = launchers.LauncherWords()  # Open MPI's lost daemon: its own node is named too, and is healthy
     for line in ("ORTE has lost communication with a remote daemon.", "  HNP daemon   : [[4321,0],0] on node n0",
                  "  Remote daemon: [[4321,0],1] on node n1"):
         lost.feed(line)
     assert lost.nodes == ["n1"]
-    hydra = supervisor.LauncherWords()
+    hydra = launchers.LauncherWords()
     for line in ("=   RANK 0 PID 11 RUNNING AT n0", "=   EXIT STATUS: 15", "=   RANK 1 PID 12 RUNNING AT n3",
                  "=   KILLED BY SIGNAL: 9 (Killed)"):
         hydra.feed(line)
@@ -51,7 +51,7 @@ def test_launcher_words_blame_the_node_whose_ranks_died():
     # others, and the EXIT STRING ORs every status together: neither is believed
     banner = "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
     for code, nodes, crashed in ((9, ["n3"], False), (11, [], True), (10, [], False)):
-        words = supervisor.LauncherWords()
+        words = launchers.LauncherWords()
         for line in (banner, "=   PID 23854 RUNNING AT n3", f"=   EXIT CODE: {code}", banner, "=   PID 11 RUNNING AT n0",
                      "=   EXIT CODE: 15", "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Segmentation fault (signal 11)"):
             words.feed(line)
@@ -62,27 +62,27 @@ def test_launcher_words_blame_the_node_whose_ranks_died():
 def test_ranks_killed_by_the_warning_signal_blame_no_node_and_requeue():
     """SIGUSR1/SIGUSR2 go to every task on purpose (--signal, scancel --signal): a rank they killed,
     its program not yet (or no longer) handling them, is a requeue of the job, not a bad node."""
-    srun = supervisor.LauncherWords()
+    srun = launchers.LauncherWords()
     for line in ("srun: error: n0: task 0: User defined signal 1", "srun: launch/slurm: _step_signal: Terminating "
                  "StepId=7.0", "srun: error: n1: task 1: User defined signal 1"):
         srun.feed(line)
-    ompi = supervisor.LauncherWords()
+    ompi = launchers.LauncherWords()
     ompi.feed("mpirun noticed that process rank 1 with PID 4242 on node n7 exited on signal 10 (User defined signal 1).")
-    hydra = supervisor.LauncherWords()
+    hydra = launchers.LauncherWords()
     for line in ("=   RANK 1 PID 12 RUNNING AT n3", "=   KILLED BY SIGNAL: 12 (User defined signal 2)"):
         hydra.feed(line)
     assert [(w.nodes, w.warning) for w in (srun, ompi, hydra)] == [([], "SIGUSR1"), ([], "SIGUSR1"), ([], "SIGUSR2")]
     peer = {"cause": "hang", "program_error": False, "blame_nodes": ["n0"], "detail": "all_reduce #5",
             "reporter": {"rank": 1, "node": "n1"}, "time": 2.0}  # a survivor's report of the killed rank
-    v = supervisor.judge(138, [peer], srun, False)
+    v = verdict.judge(138, [peer], srun, False)
     assert (v.action, v.cause, v.blamed) == ("requeue", "killed by SIGUSR1", []) and "no node is blamed" in v.detail
-    assert supervisor.judge(143, [], srun, True).action == "done"  # the supervisor itself was ended: no requeue
+    assert verdict.judge(143, [], srun, True).action == "done"  # the supervisor itself was ended: no requeue
     raised = {**peer, "cause": "exception", "program_error": True, "detail": "ValueError: bad"}
-    assert supervisor.judge(1, [raised], srun, False).action == "stop-program"
-    failed = supervisor.LauncherWords()  # a node the launcher names is left out all the same
+    assert verdict.judge(1, [raised], srun, False).action == "stop-program"
+    failed = launchers.LauncherWords()  # a node the launcher names is left out all the same
     for line in ("srun: error: Node failure on n2", "srun: error: n0: task 0: User defined signal 1"):
         failed.feed(line)
-    assert (supervisor.judge(138, [], failed, False).action, failed.nodes) == ("requeue", ["n2"])
+    assert (verdict.judge(138, [], failed, False).action, failed.nodes) == ("requeue", ["n2"])
 
 
 def test_a_warning_between_attempts_is_not_lost(tmp_path, monkeypatch):
@@ -90,7 +90,7 @@ def test_a_warning_between_attempts_is_not_lost(tmp_path, monkeypatch):
     it, so the run acts on it itself -- under Slurm a requeue; outside Slurm it ends (128 + 10)."""
     marker = tmp_path / "launched"
 
-    class Touch(supervisor.Launcher):
+    class Touch(launchers.Launcher):
         def command(self, nodes, per_node, program):
             return ["touch", str(marker)]
 
@@ -103,7 +103,7 @@ def test_a_warning_between_attempts_is_not_lost(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     monkeypatch.delenv("HPCSYNC_MAX_RESTARTS", raising=False)
-    class Warned(supervisor.Launcher):  # the launcher's words: a node failure, and a rank the warning killed
+    class Warned(launchers.Launcher):  # the launcher's words: a node failure, and a rank the warning killed
         def command(self, nodes, per_node, program):
             return ["sh", "-c", "echo 'srun: error: Node failure on n1' >&2; "
                                 "echo 'srun: error: n0: task 0: User defined signal 1' >&2; exit 138"]
@@ -129,19 +129,19 @@ def test_judge_never_relaunches_the_programs_own_exception():
               "reporter": {"rank": 3, "node": "n1"}, "time": 1.0}
     hang = {"cause": "hang", "program_error": False, "blame_nodes": ["n2"], "detail": "all_reduce #5",
             "reporter": {"rank": 0, "node": "n0"}, "time": 2.0}
-    killed = supervisor.LauncherWords()
+    killed = launchers.LauncherWords()
     killed.feed("srun: error: n1: task 3: Killed")
-    v = supervisor.judge(1, [raised, hang], killed, False)
+    v = verdict.judge(1, [raised, hang], killed, False)
     assert v.action == "stop-program" and "rank 3 on n1 raised ValueError: bad" in v.detail
-    v = supervisor.judge(1, [hang], killed, False)
+    v = verdict.judge(1, [hang], killed, False)
     assert (v.action, v.blamed) == ("relaunch", ["n2"])  # what hpcsync saw inside wins
-    v = supervisor.judge(137, [], killed, False)
+    v = verdict.judge(137, [], killed, False)
     assert (v.action, v.cause, v.blamed) == ("relaunch", "killed", ["n1"])
     # a node cut off reports the others silent as they report it: three nodes, n1 cut off
     cut = [{**hang, "blame_nodes": ["n1"], "reporter": {"rank": 0, "node": "n0"}, "reached": [0, 2]},
            {**hang, "blame_nodes": ["n1"], "reporter": {"rank": 2, "node": "n2"}, "reached": [0, 2]},
            {**hang, "blame_nodes": ["n0", "n2"], "reporter": {"rank": 1, "node": "n1"}, "reached": [1]}]
-    assert supervisor.judge(1, cut, killed, False).blamed == ["n1"]
+    assert verdict.judge(1, cut, killed, False).blamed == ["n1"]
 
 
 def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
@@ -151,52 +151,52 @@ def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
     def rec(node, rank, blame, reached, nodes, cause="hang"):
         return {"cause": cause, "program_error": False, "blame_nodes": blame, "detail": f"{cause} from {node}",
                 "reporter": {"rank": rank, "node": node}, "time": 1.0, "reached": reached, "reached_nodes": nodes}
-    quiet = supervisor.LauncherWords()
+    quiet = launchers.LauncherWords()
     four = ["n0", "n1", "n2", "n3"]
     # n3 cut off (8 ranks, 2 per node): 6 ranks on three nodes against 2 on one, whichever wrote first
     big = rec("n0", 0, ["n3"], list(range(6)), four[:3])
     small = rec("n3", 6, four[:3], [6, 7], ["n3"])
     for records in ([big, small], [small, big]):
-        assert supervisor.judge(1, records, quiet, False).blamed == ["n3"]
+        assert verdict.judge(1, records, quiet, False).blamed == ["n3"]
     # the supervisor's own node n0 lost its fabric link: its records are the small side now
     mine = rec("n0", 0, ["n1", "n2", "n3"], [0, 1], ["n0"])
     rest = rec("n1", 2, ["n0"], list(range(2, 8)), four[1:])
-    assert supervisor.judge(1, [mine, rest], quiet, False).blamed == ["n0"]
+    assert verdict.judge(1, [mine, rest], quiet, False).blamed == ["n0"]
     # a record that blames nobody never overrides one that blames n3
     stall = rec("n0", 0, [], list(range(8)), four, cause="stall")
-    assert supervisor.judge(1, [stall, rec("n1", 2, ["n3"], list(range(6)), four[:3])], quiet, False).blamed == ["n3"]
+    assert verdict.judge(1, [stall, rec("n1", 2, ["n3"], list(range(6)), four[:3])], quiet, False).blamed == ["n3"]
     # a frozen rank beside its node's printer: that node
-    assert supervisor.judge(1, [rec("n0", 0, ["n0"], [0, 2, 3], four[:2])], quiet, False).blamed == ["n0"]
+    assert verdict.judge(1, [rec("n0", 0, ["n0"], [0, 2, 3], four[:2])], quiet, False).blamed == ["n0"]
     # an equal split: no evidence -> the same nodes; the launcher's words; Slurm's node state
     a, b = rec("n0", 0, ["n1"], [0], ["n0"]), rec("n1", 1, ["n0"], [1], ["n1"])
-    v = supervisor.judge(1, [a, b], quiet, False, lambda nodes: [])
+    v = verdict.judge(1, [a, b], quiet, False, lambda nodes: [])
     assert (v.action, v.cause, v.blamed) == ("relaunch", "split", []) and "n0, n1" in v.detail, v
     asked = []
-    v = supervisor.judge(1, [a, b], quiet, False, lambda nodes: asked.append(list(nodes)) or ["n1"])
+    v = verdict.judge(1, [a, b], quiet, False, lambda nodes: asked.append(list(nodes)) or ["n1"])
     assert (v.action, v.cause, v.blamed, asked) == ("relaunch", "node down", ["n1"], [["n0", "n1"]]), v
-    harmless = supervisor.LauncherWords()  # srun's errors that end nothing start no clock
+    harmless = launchers.LauncherWords()  # srun's errors that end nothing start no clock
     for line in ("srun: error: ioctl(TIOCGWINSZ): Inappropriate ioctl for device",
                  "srun: error: spank: x11.so: unable to forward"):
         harmless.feed(line)
     assert harmless.trouble_at is None and harmless.nodes == []
-    older = supervisor.LauncherWords()  # Slurm's older wording of a failed launch
+    older = launchers.LauncherWords()  # Slurm's older wording of a failed launch
     older.feed("srun: error: Task launch for job 12 step 3 failed on node n1: Communication connection failure")
     assert older.nodes == ["n1"] and older.trouble_at is not None
-    said = supervisor.LauncherWords()
+    said = launchers.LauncherWords()
     said.feed("srun: error: Node failure on n1")
-    assert supervisor.judge(1, [a, b], said, False, lambda nodes: ["n0"]).blamed == ["n1"]
+    assert verdict.judge(1, [a, b], said, False, lambda nodes: ["n0"]).blamed == ["n1"]
     # the minority side alone (it aborted the job before the others wrote), or understating its
     # side (a send's record knows its own rank only): believed by nobody, whatever the order
     twelve = [rec("n2", 8, ["n0", "n1"], [8, 9, 10, 11], ["n2"])]
-    v = supervisor.judge(1, twelve, quiet, False, ranks=12)
+    v = verdict.judge(1, twelve, quiet, False, ranks=12)
     assert (v.cause, v.blamed) == ("split", []), v
     p2p = rec("n0", 0, ["n2"], [0], ["n0"])
-    assert supervisor.judge(1, [p2p, *twelve], quiet, False, ranks=12).blamed == []
+    assert verdict.judge(1, [p2p, *twelve], quiet, False, ranks=12).blamed == []
     # a rank that answered one printer late: another believed printer reached it, its node is kept
     late = {**rec("n1", 2, ["n0", "n3"], [1, 2, 3, 4, 5], four[1:3]), "silent_at": {"0": "n0", "6": "n3", "7": "n3"}}
     first = {**rec("n0", 0, ["n3"], list(range(6)), four[:3]), "silent_at": {"6": "n3", "7": "n3"}}
-    assert supervisor.judge(1, [late, first], quiet, False, ranks=8).blamed == ["n3"]
-    assert supervisor.judge(1, [late], quiet, False, ranks=8).blamed == ["n0", "n3"]  # (only its word)
+    assert verdict.judge(1, [late, first], quiet, False, ranks=8).blamed == ["n3"]
+    assert verdict.judge(1, [late], quiet, False, ranks=8).blamed == ["n0", "n3"]  # (only its word)
 
 
 def test_slurm_node_state_names_the_nodes_it_calls_down(tmp_path, monkeypatch):
@@ -226,7 +226,7 @@ def test_a_launcher_that_never_ends_after_its_step_failed_is_ended(tmp_path, mon
     monkeypatch.setenv("HPCSYNC_TIMEOUT", "1")
     monkeypatch.setenv("HPCSYNC_ABORT_GRACE", "0")
 
-    class Stuck(supervisor.Launcher):
+    class Stuck(launchers.Launcher):
         def command(self, nodes, per_node, program):
             return ["sh", "-c", "echo 'ORTE was unable to reliably start one or more daemons.' >&2; "
                     "sh -c \"trap '' TERM; sleep 301\" & exec sleep 302"]  # it ends on TERM, its child does not
@@ -234,7 +234,7 @@ def test_a_launcher_that_never_ends_after_its_step_failed_is_ended(tmp_path, mon
         def probe(self, node):  # every node answers: nobody to blame
             return ["true"]
 
-    class Slow(supervisor.Launcher):
+    class Slow(launchers.Launcher):
         def command(self, nodes, per_node, program):
             return ["sh", "-c", "echo working; sleep 6; exit 0"]
 
@@ -262,7 +262,7 @@ def test_a_start_far_slower_than_the_first_is_ended(tmp_path, monkeypatch):
     back): it is ended after the start bound (here 2 s), not waited for."""
     monkeypatch.setattr(supervisor, "START_MIN_S", 2.0)
 
-    class Starts(supervisor.Launcher):
+    class Starts(launchers.Launcher):
         def command(self, nodes, per_node, program):
             return ["sh", "-c", 'if [ "$HPCSYNC_RUN_ATTEMPT" = 1 ]; then touch "$HPCSYNC_REPORT_DIR/'
                     f'{failure.STARTED}"; sleep 1.5; echo "srun: error: n1: task 1: Killed" >&2; exit 137; fi; '
@@ -287,14 +287,14 @@ def test_a_start_far_slower_than_the_first_is_ended(tmp_path, monkeypatch):
 def test_a_stall_is_relaunched_on_the_same_nodes():
     hang = {"cause": "hang", "program_error": False, "blame_nodes": ["n2"], "detail": "all_reduce #5",
             "reporter": {"rank": 0, "node": "n0"}, "time": 2.0}
-    killed = supervisor.LauncherWords()
+    killed = launchers.LauncherWords()
     killed.feed("srun: error: n1: task 3: Killed")
     stall = {**hang, "cause": "stall", "blame_nodes": []}  # every rank answered: same nodes, bounded by the cap
-    v = supervisor.judge(1, [stall], supervisor.LauncherWords(), False)
+    v = verdict.judge(1, [stall], launchers.LauncherWords(), False)
     assert (v.action, v.cause, v.blamed) == ("relaunch", "stall", [])
-    assert supervisor.judge(0, [hang], killed, False).action == "done"
-    assert supervisor.judge(143, [], killed, True).action == "done"  # the run itself was ended
-    assert supervisor.judge(75, [], supervisor.LauncherWords(), False).action == "done"  # e.g. the requeue cap
+    assert verdict.judge(0, [hang], killed, False).action == "done"
+    assert verdict.judge(143, [], killed, True).action == "done"  # the run itself was ended
+    assert verdict.judge(75, [], launchers.LauncherWords(), False).action == "done"  # e.g. the requeue cap
 
 
 def test_a_node_the_launcher_cannot_use_is_found_by_probing(tmp_path):
@@ -323,21 +323,21 @@ def test_a_node_the_launcher_cannot_use_is_found_by_probing(tmp_path):
         return {"cause": "hang", "program_error": False, "blame_nodes": blame, "detail": "x",
                 "reporter": {"rank": rank, "node": node}, "time": 1.0, "reached": [rank], "reached_nodes": [node]}
     asked = []
-    v = supervisor.judge(1, [rec("n0", 0, ["n1"]), rec("n1", 1, ["n0"])], supervisor.LauncherWords(), False,
+    v = verdict.judge(1, [rec("n0", 0, ["n1"]), rec("n1", 1, ["n0"])], launchers.LauncherWords(), False,
                          probe=lambda nodes: asked.append(list(nodes)) or ["n1"], nodes=["n0", "n1"])
     assert (v.action, v.cause, v.blamed, asked) == ("relaunch", "unreachable", ["n1"], [["n0", "n1"]]), v
-    orte = supervisor.LauncherWords()
+    orte = launchers.LauncherWords()
     orte.feed("ORTE was unable to reliably start one or more daemons.")
     assert orte.launch_failed and not orte.nodes
-    link = supervisor.LauncherWords()  # mpirun on a node whose link is down
+    link = launchers.LauncherWords()  # mpirun on a node whose link is down
     link.feed("None of the TCP networks specified to be included for out-of-band communications")
-    assert link.launch_failed and supervisor.judge(1, [], link, False, nodes=["n0"]).cause == "launch failed"
-    v = supervisor.judge(213, [], orte, False, probe=lambda nodes: [], nodes=["n0", "n1"])
+    assert link.launch_failed and verdict.judge(1, [], link, False, nodes=["n0"]).cause == "launch failed"
+    v = verdict.judge(213, [], orte, False, probe=lambda nodes: [], nodes=["n0", "n1"])
     assert (v.action, v.cause, v.blamed) == ("relaunch", "launch failed", []), v  # not the program's exit code
-    quiet = supervisor.LauncherWords()
-    assert supervisor.judge(3, [], quiet, False, probe=lambda nodes: 1 / 0, nodes=["n0"]).action == "done"
+    quiet = launchers.LauncherWords()
+    assert verdict.judge(3, [], quiet, False, probe=lambda nodes: 1 / 0, nodes=["n0"]).action == "done"
 
-    class Orte(supervisor.Launcher):
+    class Orte(launchers.Launcher):
         def command(self, nodes, per_node, program):
             return ["sh", "-c", "echo 'ORTE was unable to reliably start one or more daemons.' >&2; exit 213"
                     if "n3" in nodes else "exit 0"]
@@ -375,7 +375,7 @@ def test_an_error_is_classified_by_where_it_came_from_not_by_its_words(tmp_path,
     import torch.distributed as dist
 
     from hpcsync.observe import failure
-    from hpcsync import nodemap
+    from hpcsync.core import nodemap
 
     timed_out = "DataLoader worker (pid(s) 4242) exited unexpectedly: DataLoader timed out after 60 seconds"
     assert not failure.peer_gone(raised_in(f"{TORCH}/utils/data/dataloader.py", RuntimeError(timed_out)))
@@ -401,7 +401,8 @@ def test_an_error_is_classified_by_where_it_came_from_not_by_its_words(tmp_path,
 def test_failure_records_say_whose_fault(tmp_path, monkeypatch):
     """The program's own exception is the program's; a timeout blames nobody by itself; a hang
     report blames the nodes of the ranks that did not answer or never arrived."""
-    from hpcsync import errors, failure, nodemap
+    from hpcsync.core import errors, nodemap
+    from hpcsync.observe import failure
 
     monkeypatch.setenv("HPCSYNC_REPORT_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "2")
@@ -435,7 +436,7 @@ def test_a_signal_between_attempts_ends_the_run(tmp_path):
     no further attempt."""
     marker = tmp_path / "launched"
 
-    class Touch(supervisor.Launcher):
+    class Touch(launchers.Launcher):
         def command(self, nodes, per_node, program):
             return ["touch", str(marker)]
 
@@ -458,7 +459,7 @@ def test_a_job_that_keeps_landing_on_bad_nodes_is_not_requeued_for_ever(tmp_path
     state.bad_nodes, state.requeues = ["n1"], 2
     state.save()
 
-    class Never(supervisor.Launcher):
+    class Never(launchers.Launcher):
         def command(self, nodes, per_node, program):
             raise AssertionError("no step may start without enough healthy nodes")
 
@@ -502,8 +503,8 @@ esac
 
 
 def test_hosts_from_a_list_and_a_hostfile():
-    assert supervisor.parse_hosts("a:2,b:2") == [("a", 2), ("b", 2)]
-    assert supervisor.parse_hosts("a slots=4\n# spare\nb slots=4\nc\n") == [("a", 4), ("b", 4), ("c", 1)]
+    assert launchers.parse_hosts("a:2,b:2") == [("a", 2), ("b", 2)]
+    assert launchers.parse_hosts("a slots=4\n# spare\nb slots=4\nc\n") == [("a", 4), ("b", 4), ("c", 1)]
 
 
 # -- real failures across namespace nodes ------------------------------------------------------------
@@ -761,31 +762,31 @@ def test_a_programs_own_crash_is_not_relaunched_and_blames_no_node():
                ["mpirun noticed that process rank 5 with PID 4242 on node n2 exited on signal 11 (Segmentation fault)."],
                ["=   RANK 5 PID 12 RUNNING AT n2", "=   KILLED BY SIGNAL: 6 (Aborted)"]]
     for lines in crashes:
-        words = supervisor.LauncherWords()
+        words = launchers.LauncherWords()
         for line in lines:
             words.feed(line)
         assert words.nodes == [] and words.crashes, (lines, words.nodes)
-        verdict = supervisor.judge(137, [hang], words, False)
-        assert verdict.action == "stop-program" and verdict.blamed == [], (lines, verdict)
-        assert "n2" in verdict.detail and lines[-1].strip() in verdict.detail, verdict
-    words = supervisor.LauncherWords()
+        v = verdict.judge(137, [hang], words, False)
+        assert v.action == "stop-program" and v.blamed == [], (lines, v)
+        assert "n2" in v.detail and lines[-1].strip() in v.detail, v
+    words = launchers.LauncherWords()
     words.feed("srun: error: n1: task 1: Killed")
     assert words.nodes == ["n1"] and not words.crashes
     # a crash after a node's failure is its consequence; so is an abort by NCCL's watchdog after a
     # peer failed; a GPU's hardware fault blames its node whatever died next
-    after = supervisor.LauncherWords()
+    after = launchers.LauncherWords()
     for line in ("srun: error: Node failure on n2", "srun: error: n1: task 3: Aborted (core dumped)"):
         after.feed(line)
-    assert supervisor.judge(134, [], after, False).blamed == ["n2"]
-    teardown = supervisor.LauncherWords()
+    assert verdict.judge(134, [], after, False).blamed == ["n2"]
+    teardown = launchers.LauncherWords()
     for line in ("[rank1]:[E] [PG 0 Rank 1] Process group watchdog thread terminated with exception: NCCL error",
                  "To avoid data inconsistency, we are taking the entire process down.",
                  "srun: error: n1: task 1: Aborted (core dumped)"):
         teardown.feed(line)
-    assert not teardown.crashes and supervisor.judge(134, [hang], teardown, False).blamed == ["n2"]
+    assert not teardown.crashes and verdict.judge(134, [hang], teardown, False).blamed == ["n2"]
     gpu = {"cause": "hardware", "blame_nodes": ["n2"], "reporter": {"rank": 5, "node": "n2"},
            "detail": "RuntimeError: CUDA error: uncorrectable ECC error encountered"}
-    crashed = supervisor.LauncherWords()
+    crashed = launchers.LauncherWords()
     crashed.feed("srun: error: n2: task 5: Aborted (core dumped)")
-    verdict = supervisor.judge(134, [gpu, hang], crashed, False)
-    assert verdict.action == "relaunch" and verdict.blamed == ["n2"] and verdict.cause == "hardware", verdict
+    v = verdict.judge(134, [gpu, hang], crashed, False)
+    assert v.action == "relaunch" and v.blamed == ["n2"] and v.cause == "hardware", v

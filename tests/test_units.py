@@ -14,16 +14,16 @@ from hpcsync.observe.watchdog import OpRecord
 
 def test_fingerprint_description_and_explanation():
     rec = OpRecord(7, "all_reduce", "float32", (4,), -1, 0.0)
-    vec = desync._describe(rec, desync.Call("all_reduce", torch.ones(4)))
+    vec = desync.describe(rec, desync.Call("all_reduce", torch.ones(4)))
     assert vec[0] == 7 and vec[3] == 4 and vec[4] == -1
-    other = desync._describe(OpRecord(7, "all_reduce", "float64", (4,), -1, 0.0),
+    other = desync.describe(OpRecord(7, "all_reduce", "float64", (4,), -1, 0.0),
                              desync.Call("all_reduce", torch.ones(4, dtype=torch.float64)))
     assert vec != other and hash(tuple(vec)) != hash(tuple(other))  # a dtype mismatch changes the fingerprint
-    assert desync._explain(tuple(vec)) == "#7 all_reduce dtype=float32 count=4"
-    bc = desync._describe(OpRecord(2, "broadcast", "int64", (3,), 1, 0.0),
+    assert desync.explain_row(tuple(vec)) == "#7 all_reduce dtype=float32 count=4"
+    bc = desync.describe(OpRecord(2, "broadcast", "int64", (3,), 1, 0.0),
                           desync.Call("broadcast", torch.ones(3, dtype=torch.int64), 1))
-    assert desync._explain(tuple(bc)) == "#2 broadcast dtype=int64 count=3 root=1"
-    a2a = desync._describe(OpRecord(3, "all_to_all", "float32", (5,), -1, 0.0), desync.Call("all_to_all", torch.ones(5)))
+    assert desync.explain_row(tuple(bc)) == "#2 broadcast dtype=int64 count=3 root=1"
+    a2a = desync.describe(OpRecord(3, "all_to_all", "float32", (5,), -1, 0.0), desync.Call("all_to_all", torch.ones(5)))
     assert a2a[3] == -1  # all-to-all counts may differ between ranks: not part of the agreement
 
 
@@ -35,17 +35,17 @@ def test_fingerprint_tells_apart_what_makes_different_mpi_calls():
     x = torch.ones(4)
 
     def row(*args, **kw):
-        return tuple(desync._describe(rec, desync.Call("all_reduce", *args, **kw)))
+        return tuple(desync.describe(rec, desync.Call("all_reduce", *args, **kw)))
 
     base = row(x, -1, SUM)
     assert base == desync.hot_vector(1, "all_reduce", torch.float32, 4, -1, SUM)
     assert base == row(x, -1, SUM, tensors=[x])  # a list of one tensor is the same call
-    assert row(x, -1, MAX) != base and "op=MAX" in desync._explain(row(x, -1, MAX))
+    assert row(x, -1, MAX) != base and "op=MAX" in desync.explain_row(row(x, -1, MAX))
     assert row(x.to_sparse(), -1, SUM) != base
     assert row(x, -1, SUM, tensors=[x, torch.ones(4)]) != row(x, -1, SUM, tensors=[x, torch.ones(5)])
     assert row(x, -1, SUM, tensors=[x, torch.ones(4)]) != row(x, -1, SUM, tensors=[x, torch.ones(4, dtype=torch.int32)])
     bad = row(x, -1, SUM, invalid=ValueError("no"))
-    assert bad != base and "invalid arguments" in desync._explain(bad)
+    assert bad != base and "invalid arguments" in desync.explain_row(bad)
     assert desync.redop_id(torch.distributed.ReduceOp.MAX) == MAX
 
 
@@ -64,28 +64,28 @@ def test_integer_average_is_exact_at_the_type_limits():
 
 def test_overlap_detects_shared_bytes_only():
     base = torch.arange(10.0)
-    assert buffers._overlap(base[:6], base[4:])
-    assert not buffers._overlap(base[:5], base[5:])
-    assert not buffers._overlap(base, torch.arange(10.0))
-    assert buffers._overlap(base[::2], base[1::2])  # strided views of one storage: treated as aliased
-    assert not buffers._overlap(base[:0], base)
+    assert buffers.overlap(base[:6], base[4:])
+    assert not buffers.overlap(base[:5], base[5:])
+    assert not buffers.overlap(base, torch.arange(10.0))
+    assert buffers.overlap(base[::2], base[1::2])  # strided views of one storage: treated as aliased
+    assert not buffers.overlap(base[:0], base)
 
 
 def test_chunks_cover_every_element_within_c_int_counts(monkeypatch):
-    monkeypatch.setattr(buffers, "_CHUNK_ELEMS", 4)
-    assert buffers._chunks(10) == [(0, 4), (4, 4), (8, 2)]
-    assert buffers._chunks(0) == [(0, 0)]  # one empty call: every rank still takes part
+    monkeypatch.setattr(buffers, "CHUNK_ELEMS", 4)
+    assert buffers.chunk_spans(10) == [(0, 4), (4, 4), (8, 2)]
+    assert buffers.chunk_spans(0) == [(0, 0)]  # one empty call: every rank still takes part
 
 
 def test_staged_half_precision_reduces_in_float32_and_writes_back():
     t = torch.tensor([1.5, 2.25], dtype=torch.bfloat16)
-    s = buffers._Staged(t, reduce=True)
+    s = buffers.Staged(t, reduce=True)
     assert s.t.dtype == torch.float32 and s.copied
     s.t.mul_(2)
     s.finish()
     assert t.tolist() == [3.0, 4.5]
     c = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: staged, then copied back
-    s = buffers._Staged(c)
+    s = buffers.Staged(c)
     assert s.t.is_contiguous() and s.copied
 
 
@@ -99,11 +99,12 @@ def test_gather_rounds_split_the_budget_and_finish():
 
 def test_one_name_per_concept():
     """hpcsync.topology / preemption / requeue / monitor are each a function, whatever was imported
-    first (their modules live in their packages); every module that had a name in hpcsync before
-    the packages still has it; group= is the name of "the ranks taking part" everywhere, comm= its
-    older name, never both."""
+    first (their modules live in their packages); a module has one import path, its own (the old
+    names before the packages are gone, no finder rewrites a spec); ``comm`` and ``h5`` are the
+    package's attributes the docs show; group= is the name of "the ranks taking part" everywhere."""
     import importlib
     import inspect
+    import sys
     import types
 
     import hpcsync
@@ -121,24 +122,45 @@ def test_one_name_per_concept():
         assert fn is getattr(importlib.import_module(f"hpcsync.{module}.{name}"), name), name
     assert p.PreemptionGuard is hpcsync.PreemptionGuard and hpcsync.resilience.requeue.EXIT_RESTARTS_SPENT == 75
     assert hpcsync.topology().world_size == 1
-    for old, path in hpcsync._MODULES.items():  # the old names: an attribute and an import path, one module
-        module = importlib.import_module(f"hpcsync.{path}")
-        assert getattr(hpcsync, old) is module and importlib.import_module(f"hpcsync.{old}") is module, old
-    from hpcsync.data.staging.listing import blocks
-    from hpcsync.staging.listing import blocks as by_old_path
-
-    assert by_old_path is blocks
+    assert hpcsync.comm is hpcsync.core.comm and hpcsync.h5 is importlib.import_module("hpcsync.data.h5")
+    assert not any(type(f).__module__.startswith("hpcsync") for f in sys.meta_path), sys.meta_path
+    for old in ("errors", "bounded", "filesync", "staging", "checkpoint", "lightning", "supervisor", "settings"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"hpcsync.{old}")
+        assert not hasattr(hpcsync, old), old
     for name in ("topology", "preemption", "requeue", "monitor"):  # still functions after all those imports
         assert isinstance(getattr(hpcsync, name), types.FunctionType), name
     from hpcsync import h5
 
     for fn in (hpcsync.PreemptionGuard, hpcsync.Checkpoints, hpcsync.resilience.requeue.requeue, hpcsync.stage,
                hpcsync.data.filesync.merge_parts, h5.CollectiveWriter, hpcsync.core.comm.all_gather):
-        assert "group" in inspect.signature(fn).parameters, fn
-    from hpcsync.core.comm import group_comm
+        params = inspect.signature(fn).parameters
+        assert "group" in params and "comm" not in params, fn
 
-    with pytest.raises(TypeError, match="give group= .comm= is its older name., not both"):
-        group_comm(object(), object(), "x")
+
+def test_a_module_reloads_under_its_own_name():
+    """``importlib.reload`` (a notebook's ``%autoreload``) of any hpcsync module keeps its name and
+    its relative imports: the old-path finder renamed a module's spec, and a reload of
+    hpcsync.core.bounded after ``import hpcsync.bounded`` raised ModuleNotFoundError."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, pkgutil, hpcsync
+names = sorted(m.name for m in pkgutil.walk_packages(hpcsync.__path__, "hpcsync."))
+skip = {"hpcsync.resilience.lightning", "hpcsync.__main__"}  # needs Lightning; runs the command line
+for name in names:
+    if name in skip:
+        continue
+    module = importlib.import_module(name)
+    assert module.__spec__.name == name, (name, module.__spec__.name)
+    again = importlib.reload(module)
+    assert again is module and again.__name__ == name and again.__spec__.name == name, name
+print(len(names))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) > 60, out.stdout
 
 
 def test_a_stuck_background_call_is_named_and_does_not_hold_the_exit():

@@ -36,13 +36,14 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ..core import mpi, jobend, nodemap
-from ..observe import watchdog
+from ..observe import responder
 from . import deadline
-from .desync import _describe, _explain, debug_mode  # noqa: F401  (re-exported)
-from .engine import BACKEND_NAME, _broken_groups
+from .deadline import broken_groups
+from .engine import BACKEND_NAME
 from .group import ProcessGroupHpcsync
 from ..core.serial import SERIAL
-from .work import MPIWork  # noqa: F401  (re-exported)
+
+__all__ = ["INIT_METHOD", "follow_default_timeout", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def _bounded_call(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     helper.start()
     helper.join(timeout_s)
     if helper.is_alive():
-        _broken_groups.append((f"creating {what} timed out", 0.0, helper))
+        broken_groups.append((f"creating {what} timed out", 0.0, helper))
         raise dist.DistBackendError(f"hpcsync backend: creating {what} timed out after {timeout_s:g}s: not every "
                                     "rank of the group called new_group")
     if "error" in box:
@@ -131,7 +132,7 @@ def _create_group(opts: Any) -> ProcessGroupHpcsync:
         raise RuntimeError(f"hpcsync backend: torch expects rank {opts.group_rank}/{opts.group_size} in group "
                            f"{opts.group_id}, MPI gives {comm.Get_rank()}/{comm.Get_size()}")
     if comm is world and mpi.MPI().Query_thread() == mpi.MPI().THREAD_MULTIPLE:
-        watchdog.start()  # collective over the world: the default group is created by every rank
+        responder.start()  # collective over the world: the default group is created by every rank
     pg = ProcessGroupHpcsync(comm, opts.timeout, str(opts.group_id), ranks)
     if comm is not world:
         comm.Free()  # the group keeps its own duplicates
@@ -158,19 +159,19 @@ def _at_exit() -> None:
     MPI = mpi.MPI()
     if MPI.Is_finalized():
         return
-    resp = watchdog.responder()
+    resp = responder.responder()
     if resp is not None:
         req = resp.comm.Ibarrier()
-        until = time.monotonic() + (max(t for _, t, _ in _broken_groups) + 20 if _broken_groups else 30)
+        until = time.monotonic() + (max(t for _, t, _ in broken_groups) + 20 if broken_groups else 30)
         while not req.Test() and time.monotonic() < until:
             time.sleep(0.01)
     deadline.stop()  # it may call MPI (a report); the responder next, then MPI_Finalize
     if resp is not None:
         resp.stop()
-    if _broken_groups:
+    if broken_groups:
         sys.stdout.flush()
         sys.stderr.write(f"[hpcsync] rank {MPI.COMM_WORLD.Get_rank()}: exiting with a broken process group "
-                         f"({_broken_groups[0][0]}); MPI cannot finalize with collectives in flight: MPI_Abort\n")
+                         f"({broken_groups[0][0]}); MPI cannot finalize with collectives in flight: MPI_Abort\n")
         sys.stderr.flush()
         jobend.abort(1)
 
@@ -184,8 +185,9 @@ def register() -> None:
 
     try:
         register_rendezvous_handler("hpcsync", _rendezvous)
-    except ValueError:
-        pass  # already registered
+    except (ValueError, RuntimeError) as exc:  # torch 2.13 raises RuntimeError, older releases ValueError
+        if "already registered" not in str(exc):
+            raise
 
 
 register()

@@ -10,9 +10,14 @@ import torch.distributed as dist
 
 from ..core import mpi
 
+__all__ = [
+    "CHUNK_ELEMS", "RedOp", "mpi_type", "op_kind", "mpi_op", "fast_types", "EMPTY_SEND", "EMPTY_RECV", "byte_view",
+    "Staged", "overlap", "spans_overlap", "chunk_spans", "divide", "avg_parts", "avg_result", "is_int_avg"
+]
+
 log = logging.getLogger(__name__)
 
-_CHUNK_ELEMS = 1 << 30  # elements per MPI call: counts are C ints
+CHUNK_ELEMS = 1 << 30  # elements per MPI call: counts are C ints
 
 RedOp = dist.ReduceOp.RedOpType
 _HALF = (torch.float16, torch.bfloat16)
@@ -40,34 +45,34 @@ def _tables() -> None:
                  RedOp.BXOR: MPI.BXOR})
 
 
-def _mpi_type(dtype: torch.dtype) -> Any:
+def mpi_type(dtype: torch.dtype) -> Any:
     try:
         return _TYPES[dtype]
     except KeyError:
         if not _TYPES:
             _tables()
-            return _mpi_type(dtype)
+            return mpi_type(dtype)
         raise TypeError(f"hpcsync backend: unsupported dtype {dtype}") from None
 
 
-def _kind(op: Any) -> Any:
+def op_kind(op: Any) -> Any:
     return op.op if hasattr(op, "op") else op
 
 
-def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
+def mpi_op(op: Any, dtype: torch.dtype) -> Any:
     if not _OPS:
         _tables()
     table = _BOOL_OPS if dtype == torch.bool else _OPS
     try:
-        return table[_kind(op)]
+        return table[op_kind(op)]
     except KeyError:
-        raise ValueError(f"hpcsync backend: unsupported reduce op {_kind(op)} for {dtype}") from None
+        raise ValueError(f"hpcsync backend: unsupported reduce op {op_kind(op)} for {dtype}") from None
 
 
 _FAST: dict = {}
 
 
-def _fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
+def fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
     """``(MPI datatype, MPI op, item size, op kind)`` for reducing ``dtype`` with ``op`` straight from the
     tensor's memory, or None when that cannot be done (16-bit floats are reduced in float32; AVG
     and PREMUL_SUM need a pass over the data). Cached by ``(hash(op), dtype)``: a ReduceOp's hash
@@ -77,8 +82,8 @@ def _fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
     try:
         return _FAST[key]
     except KeyError:
-        ok = dtype not in _HALF and _kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM)
-        hit = _FAST[key] = (_mpi_type(dtype), _mpi_op(op, dtype), torch.empty(0, dtype=dtype).element_size(),
+        ok = dtype not in _HALF and op_kind(op) not in (RedOp.AVG, RedOp.PREMUL_SUM)
+        hit = _FAST[key] = (mpi_type(dtype), mpi_op(op, dtype), torch.empty(0, dtype=dtype).element_size(),
                             key[0]) if ok else None
         return hit
 
@@ -91,7 +96,7 @@ def _fast_types(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any, int]]:
 EMPTY_SEND, EMPTY_RECV = bytearray(8), bytearray(8)
 
 
-def _bytes(t: torch.Tensor, start: int = 0, nbytes: Optional[int] = None) -> Any:
+def byte_view(t: torch.Tensor, start: int = 0, nbytes: Optional[int] = None) -> Any:
     """A writable buffer over a contiguous CPU tensor's memory, from byte ``start`` (no copy).
 
     ``MPI.buffer.fromaddress`` is about ten times cheaper than a numpy view, and this is the hot
@@ -106,7 +111,7 @@ def _bytes(t: torch.Tensor, start: int = 0, nbytes: Optional[int] = None) -> Any
     return mpi.MPI().buffer.fromaddress(t.data_ptr() + start, size)
 
 
-class _Staged:
+class Staged:
     """A contiguous CPU (and, for 16-bit floats under reduction, float32) stand-in for a tensor."""
 
     def __init__(self, t: torch.Tensor, reduce: bool = False, read: bool = True) -> None:
@@ -128,11 +133,11 @@ class _Staged:
         """``[buffer, count, type]`` for a point-to-point / per-rank message."""
         n = self.t.numel() - start if count is None else count
         item = self.t.element_size()
-        return [_bytes(self.t, start * item, n * item), n, _mpi_type(self.t.dtype)]
+        return [byte_view(self.t, start * item, n * item), n, mpi_type(self.t.dtype)]
 
     def whole(self) -> List[Any]:
         """``[buffer, type]``: mpi4py splits it evenly among the ranks (Allgather, Gather, Scatter)."""
-        return [_bytes(self.t), _mpi_type(self.t.dtype)]
+        return [byte_view(self.t), mpi_type(self.t.dtype)]
 
     def finish(self) -> None:
         if self.copied:
@@ -140,7 +145,7 @@ class _Staged:
                 self.orig.copy_(self.t)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share bytes (MPI forbids aliased send and receive buffers)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
@@ -152,18 +157,18 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _spans_overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
-    """Whether the byte ranges ``[a, a + a_bytes)`` and ``[b, b + b_bytes)`` meet: :func:`_overlap`
+def spans_overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    """Whether the byte ranges ``[a, a + a_bytes)`` and ``[b, b + b_bytes)`` meet: :func:`overlap`
     for two contiguous tensors whose addresses and sizes the caller already has."""
     return a < b + b_bytes and b < a + a_bytes
 
 
-def _chunks(n: int) -> Sequence[Tuple[int, int]]:
-    return [(s, min(_CHUNK_ELEMS, n - s)) for s in range(0, n, _CHUNK_ELEMS)] or [(0, 0)]
+def chunk_spans(n: int) -> Sequence[Tuple[int, int]]:
+    return [(s, min(CHUNK_ELEMS, n - s)) for s in range(0, n, CHUNK_ELEMS)] or [(0, 0)]
 
 
 
-def _divide(t: torch.Tensor, n: int) -> None:
+def divide(t: torch.Tensor, n: int) -> None:
     if t.is_floating_point() or t.is_complex():
         t.div_(n)
     elif t.dtype != torch.bool:
@@ -197,5 +202,5 @@ def avg_result(summed: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor
 
 
 def is_int_avg(op: Any, dtype: torch.dtype) -> bool:
-    return _kind(op) == RedOp.AVG and not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    return op_kind(op) == RedOp.AVG and not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 

@@ -11,14 +11,16 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .buffers import RedOp, _kind, _mpi_op, _mpi_type
+from .buffers import RedOp, op_kind, mpi_op, mpi_type
+
+__all__ = ["dtypes", "reduction", "sizes", "lengths", "first", "splits"]
 
 
 def dtypes(tensors: Sequence[torch.Tensor]) -> Optional[BaseException]:
     """Every tensor's dtype has an MPI type."""
     for t in tensors:
         try:
-            _mpi_type(t.dtype)
+            mpi_type(t.dtype)
         except TypeError as exc:
             return exc
     return None
@@ -33,7 +35,7 @@ def reduction(op: Any, tensors: Sequence[torch.Tensor]) -> Optional[BaseExceptio
     sparse = [t.is_sparse for t in tensors]
     if any(sparse) and not all(sparse):
         return ValueError("hpcsync backend: all_reduce of a mix of sparse and dense tensors")
-    kind = _kind(op)
+    kind = op_kind(op)
     for t in tensors:
         if t.is_sparse and (kind != RedOp.SUM or t.layout != torch.sparse_coo):
             return ValueError("hpcsync backend: sparse all_reduce supports ReduceOp.SUM only, of COO tensors (as gloo)")
@@ -41,7 +43,7 @@ def reduction(op: Any, tensors: Sequence[torch.Tensor]) -> Optional[BaseExceptio
             return ValueError("hpcsync backend: ReduceOp.AVG of uint64 tensors is not supported (the sum "
                               "overflows); reduce with SUM into a wider type and divide")
         try:
-            _mpi_op(op, t.dtype)
+            mpi_op(op, t.dtype)
         except ValueError as exc:
             return exc
     return None

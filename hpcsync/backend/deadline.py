@@ -20,12 +20,14 @@ import torch.distributed as dist
 from ..core import mpi, jobend
 from ..observe import watchdog
 
+__all__ = ["POLL_S", "broken_groups", "watch", "stop", "Timeouts"]
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how late a deadline may be seen: a few µs of GIL 20 times a second
 
 # (why, timeout, what to keep alive) of every broken group: the exit waits for them, then aborts
-_broken_groups: List[Tuple[str, float, Any]] = []
+broken_groups: List[Tuple[str, float, Any]] = []
 
 _groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _thread: Optional[threading.Thread] = None
@@ -96,7 +98,7 @@ class Timeouts:
         while f is not None:
             frames.append(f)
             f = f.f_back
-        _broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
+        broken_groups.append((self._broken or "broken", min(self._timeout_s, 3600), (self, self._rec, frames)))
 
     def _callback_overran(self) -> None:
         """On the deadline thread: a future callback has run on the worker past the timeout with

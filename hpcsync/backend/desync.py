@@ -1,6 +1,6 @@
 """What every rank must agree on for each collective, as integers, and how to explain a mismatch.
 
-An operation is described by a :class:`Call`; :func:`_describe` turns it into one row of integers
+An operation is described by a :class:`Call`; :func:`describe` turns it into one row of integers
 (:data:`FIELDS`), the same on every rank exactly when the ranks' MPI calls match: the operation,
 dtype, element count, root, reduce op, layout (dense or sparse), the number of tensors and a
 checksum of every tensor's dtype and size (multi-tensor calls), and whether this rank's own
@@ -21,6 +21,11 @@ import torch.distributed as dist
 from ..core import mpi, jobend, nodemap, settings
 from ..core.errors import ranks_by_value
 from ..core.serial import nap
+
+__all__ = [
+    "DTYPE_NAMES", "DTYPE_IDS", "OP_IDS", "FP_MASK", "SEQ_MIX", "FIELDS", "Call", "redop_id", "describe",
+    "explain_row", "debug_mode", "fingerprint", "hot_vector", "Agreement"
+]
 
 _OP_IDS = {name: k for k, name in enumerate((
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced", "gather",
@@ -59,7 +64,7 @@ def redop_id(op: Any) -> int:
     return hash(op)
 
 
-def _describe(rec: Any, call: Call) -> List[int]:
+def describe(rec: Any, call: Call) -> List[int]:
     """What every rank must agree on, as the integers of :data:`FIELDS` (all-to-all: counts may differ)."""
     t, ts = call.t, call.tensors
     dtype = DTYPE_IDS.get(t.dtype, 0) if t is not None else -1
@@ -74,7 +79,7 @@ def _describe(rec: Any, call: Call) -> List[int]:
             int(call.invalid is not None)]
 
 
-def _explain(row: Tuple[int, ...]) -> str:
+def explain_row(row: Tuple[int, ...]) -> str:
     seq, op, dtype, count, root, redop, sparse, n, shapes, invalid = row
     names = {v: k for k, v in _DTYPE_IDS.items()}
     return "".join((
@@ -100,7 +105,7 @@ def fingerprint(vec: Sequence[int]) -> int:
 
 
 def hot_vector(seq: int, op: str, dtype: torch.dtype, count: int, root: int, redop: int) -> Tuple[int, ...]:
-    """:func:`_describe`'s row for one dense tensor (the hot path builds the same tuple inline)."""
+    """:func:`describe`'s row for one dense tensor (the hot path builds the same tuple inline)."""
     return (seq, OP_IDS[op], DTYPE_IDS[dtype], count, root, redop, 0, 1, 0, 0)
 
 
@@ -223,7 +228,7 @@ class Agreement:
             self._broken = f"hpcsync backend: group {self._log.name!r} is broken after a collective mismatch (desync)"
             self._mark_broken()
         groups = ranks_by_value(rows, self._log.ranks)
-        detail = "; ".join(f"rank(s) {nodemap.describe(rs)}: {_explain(row)}" for row, rs in groups.items())
+        detail = "; ".join(f"rank(s) {nodemap.describe(rs)}: {explain_row(row)}" for row, rs in groups.items())
         raise dist.DistBackendError(
             f"hpcsync backend: collective mismatch (desync) at operation #{rec.seq} of group "
             f"{self._log.name!r}: {detail}. Every rank must call the same collectives in the same order "

@@ -29,12 +29,13 @@ import torch.distributed as dist
 from ..core import mpi, jobend, settings
 from ..observe import watchdog
 from . import deadline
-from .deadline import _broken_groups  # noqa: F401  (re-exported)
-from .desync import DTYPE_NAMES, Agreement, Call, _describe, debug_mode
+from .desync import DTYPE_NAMES, Agreement, Call, describe, debug_mode
 from .hot import HotPath
 from .p2p import PointToPoint
 from ..core.serial import SERIAL, check_thread, nap
 from .work import DoneWork, MPIWork, ran
+
+__all__ = ["BACKEND_NAME", "GroupIdentity", "GroupEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class GroupEngine(HotPath, Agreement, PointToPoint, deadline.Timeouts, GroupIden
         """Run one collective with its flight record, deadline and desync check.
 
         Default mode: a 16-byte ``Allreduce(MAX)`` of ``[fp, -fp]`` (fp = hash of
-        :func:`~.desync._describe`'s row) on a private communicator is agreed before the
+        :func:`~.desync.describe`'s row) on a private communicator is agreed before the
         operation starts; if max != -min the ranks disagree, and every rank raises the same error
         instead of returning what MPI made of mismatched buffers. Polled mode: the fingerprint
         travels beside the operation. ``HPCSYNC_DEBUG=1`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: the
@@ -296,7 +297,7 @@ class GroupEngine(HotPath, Agreement, PointToPoint, deadline.Timeouts, GroupIden
             self._spin_s = 1.0 if t is None or t.numel() * t.element_size() <= _INLINE_BYTES else float("inf")
         if work is not None:
             work._started = (rec, self._deadline)
-        vec = _describe(rec, call)
+        vec = describe(rec, call)
         if call.invalid is not None:
             self._refuse(rec, vec, call.invalid)
         fp_req = None

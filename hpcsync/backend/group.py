@@ -8,11 +8,13 @@ import torch
 from ..core import mpi
 from ..core.bigmpi import INT_MAX
 from . import checks
-from .buffers import EMPTY_RECV, EMPTY_SEND, _bytes, _chunks, _mpi_type, _overlap, _Staged
+from .buffers import EMPTY_RECV, EMPTY_SEND, byte_view, chunk_spans, mpi_type, overlap, Staged
 from .desync import Call
 from .hot import NO_TIMEOUT
 from .work import MPIWork
 from .reduce import Reductions
+
+__all__ = ["ProcessGroupHpcsync"]
 
 
 class ProcessGroupHpcsync(Reductions):
@@ -28,8 +30,8 @@ class ProcessGroupHpcsync(Reductions):
         def fn() -> None:
             me = self._coll.Get_rank()
             for t in tensors:
-                s = _Staged(t, read=me == root)
-                for start, n in _chunks(s.t.numel()):
+                s = Staged(t, read=me == root)
+                for start, n in chunk_spans(s.t.numel()):
                     if n:
                         self._c("Bcast", s.spec(start, n), root=root)
                 if me != root:
@@ -40,10 +42,10 @@ class ProcessGroupHpcsync(Reductions):
 
     def _allgather_flat(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         size = self._coll.Get_size()
-        so, si = _Staged(out, read=False), _Staged(inp)
+        so, si = Staged(out, read=False), Staged(inp)
         n = si.t.numel()
         me = self._coll.Get_rank()
-        if _overlap(so.t, si.t):  # in-place: the input is (part of) the output
+        if overlap(so.t, si.t):  # in-place: the input is (part of) the output
             mine = so.t.reshape(-1)[me * n:(me + 1) * n]
             if mine.data_ptr() == si.t.data_ptr() and si.t.is_contiguous():
                 si = None  # exactly this rank's slot: MPI_IN_PLACE
@@ -55,7 +57,7 @@ class ProcessGroupHpcsync(Reductions):
             for r in range(size):
                 if r == me and si is not None:
                     so.t.reshape(-1)[r * n:(r + 1) * n].copy_(si.t.reshape(-1))
-                for start, k in _chunks(n):
+                for start, k in chunk_spans(n):
                     self._c("Bcast", so.spec(r * n + start, k), root=r)
         so.finish()
 
@@ -120,10 +122,10 @@ class ProcessGroupHpcsync(Reductions):
 
         def fn() -> None:
             me, size = self._coll.Get_rank(), self._coll.Get_size()
-            inp = _Staged(inputs[0])
+            inp = Staged(inputs[0])
             if me == root:
                 flat = torch.empty((size, *inputs[0].shape), dtype=inputs[0].dtype)
-                self._c("Gather", inp.spec(), _Staged(flat, read=False).whole(), root=root)
+                self._c("Gather", inp.spec(), Staged(flat, read=False).whole(), root=root)
                 with torch.no_grad():
                     for o, src in zip(output_lists[0], flat):
                         o.copy_(src)
@@ -140,10 +142,10 @@ class ProcessGroupHpcsync(Reductions):
         root = opts.rootRank
 
         def fn() -> None:
-            out = _Staged(outputs[0], read=False)
+            out = Staged(outputs[0], read=False)
             if self._coll.Get_rank() == root:
                 flat = torch.stack([t.detach().cpu() for t in input_lists[0]]).contiguous()
-                self._c("Scatter", _Staged(flat).whole(), out.spec(), root=root)
+                self._c("Scatter", Staged(flat).whole(), out.spec(), root=root)
             else:
                 self._c("Scatter", None, out.spec(), root=root)
             out.finish()
@@ -156,16 +158,16 @@ class ProcessGroupHpcsync(Reductions):
               for t in (input_lists[0] if me == root and input_lists else ())))))
 
     def _alltoallv(self, out: torch.Tensor, inp: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> None:
-        so, si = _Staged(out, read=False), _Staged(inp)
-        if _overlap(so.t, si.t):
+        so, si = Staged(out, read=False), Staged(inp)
+        if overlap(so.t, si.t):
             si.t = si.t.clone()
         if max(sum(send_counts), sum(recv_counts)) > INT_MAX:
             raise ValueError("all_to_all: more than 2**31-1 elements in one call is not supported")
         sd = [sum(send_counts[:r]) for r in range(len(send_counts))]
         rd = [sum(recv_counts[:r]) for r in range(len(recv_counts))]
-        t = _mpi_type(si.t.dtype)
-        self._c("Alltoallv", [_bytes(si.t) if si.t.numel() else EMPTY_SEND, (send_counts, sd), t],
-                [_bytes(so.t) if so.t.numel() else EMPTY_RECV, (recv_counts, rd), t])
+        t = mpi_type(si.t.dtype)
+        self._c("Alltoallv", [byte_view(si.t) if si.t.numel() else EMPTY_SEND, (send_counts, sd), t],
+                [byte_view(so.t) if so.t.numel() else EMPTY_RECV, (recv_counts, rd), t])
         so.finish()
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],

@@ -6,7 +6,7 @@ data call -- written out flat, because at 4 KiB every µs of Python shows. What 
 from one call to the next on the same buffers is prepared once and kept (:class:`Prepared`): the
 MPI call bound to its buffers, and the hash of the description minus its sequence number, so a
 call costs a dictionary lookup where it cost a buffer wrapper, a type lookup and a tuple hash.
-The fingerprint is :func:`~.desync.fingerprint` of the same row :func:`~.desync._describe` makes,
+The fingerprint is :func:`~.desync.fingerprint` of the same row :func:`~.desync.describe` makes,
 so ranks on the general path (a non-contiguous tensor, a queued operation) match ranks here.
 
 Which MPI call a kind of operation makes does not depend on which path runs it (see
@@ -23,10 +23,12 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .buffers import _CHUNK_ELEMS, _fast_types, _mpi_type, _spans_overlap
+from .buffers import CHUNK_ELEMS, fast_types, mpi_type, spans_overlap
 from ..observe.watchdog import OpRecord
 from .desync import DTYPE_NAMES, FP_MASK, SEQ_MIX, hot_vector
 from .work import WAITED, DoneWork
+
+__all__ = ["NO_TIMEOUT", "Prepared", "HotPath"]
 
 _monotonic, _now = time.monotonic, time.time
 _refcount = sys.getrefcount
@@ -81,8 +83,8 @@ class HotPath:
         p = self._prepared.get(key)
         if p is None:
             n, dtype = key[2], key[3]
-            fast = _fast_types(op, dtype)
-            if fast is None or not 0 < n <= _CHUNK_ELEMS:
+            fast = fast_types(op, dtype)
+            if fast is None or not 0 < n <= CHUNK_ELEMS:
                 return None
             mtype, mop, item, kind = fast
             buf = [self._address(key[1], n * item), n, mtype]
@@ -96,10 +98,10 @@ class HotPath:
         p = self._prepared.get(key)
         if p is None:
             n, dtype = key[2], key[3]
-            if not 0 < n <= _CHUNK_ELEMS:
+            if not 0 < n <= CHUNK_ELEMS:
                 return None
             try:
-                mtype = _mpi_type(dtype)
+                mtype = mpi_type(dtype)
             except TypeError:
                 return None  # the general path refuses it on every rank
             buf = [self._address(key[1], n * t.element_size()), n, mtype]
@@ -115,17 +117,17 @@ class HotPath:
         p = self._prepared.get(key)
         if p is None:
             i0, n, dtype, o0, total = key[1], key[2], key[3], key[4], key[5]
-            if dtype != key[6] or total != n * self._size or not 0 < total <= _CHUNK_ELEMS:
+            if dtype != key[6] or total != n * self._size or not 0 < total <= CHUNK_ELEMS:
                 return None
             try:
-                mtype = _mpi_type(dtype)
+                mtype = mpi_type(dtype)
             except TypeError:
                 return None
             item = input.element_size()
             out = [self._address(o0, total * item), mtype]
             if i0 == o0 + self._me * n * item:  # exactly this rank's slot: MPI_IN_PLACE
                 send: Any = self._in_place
-            elif not _spans_overlap(i0, n * item, o0, total * item):
+            elif not spans_overlap(i0, n * item, o0, total * item):
                 send = [self._address(i0, n * item), n, mtype]
             else:
                 return None
@@ -140,11 +142,11 @@ class HotPath:
         p = self._prepared.get(key)
         if p is None:
             i0, total, dtype, o0, n = key[1], key[2], key[3], key[4], key[5]
-            fast = _fast_types(op, dtype)
-            if fast is None or dtype != key[6] or n * self._size != total or not 0 < total <= _CHUNK_ELEMS:
+            fast = fast_types(op, dtype)
+            if fast is None or dtype != key[6] or n * self._size != total or not 0 < total <= CHUNK_ELEMS:
                 return None
             mtype, mop, item, kind = fast
-            if _spans_overlap(i0, total * item, o0, n * item):
+            if spans_overlap(i0, total * item, o0, n * item):
                 return None
             send = [self._address(i0, total * item), mtype]
             recv = [self._address(o0, n * item), n, mtype]

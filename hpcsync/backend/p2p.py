@@ -19,10 +19,12 @@ import torch.distributed as dist
 
 from ..core import mpi, jobend
 from ..observe import watchdog
-from .buffers import _Staged
+from .buffers import Staged
 from .desync import DTYPE_NAMES
 from ..core.serial import nap
 from .work import MPIWork
+
+__all__ = ["IDLE_S", "PointToPoint"]
 
 IDLE_S = 0.0002  # between two tests of the outstanding requests when none completed
 
@@ -160,13 +162,13 @@ class PointToPoint:
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> MPIWork:
         rec = self._start_p2p("send", tensors[0], dst)
-        s = _Staged(tensors[0])
+        s = Staged(tensors[0])
         req = self._post(self._p2p_comm.Isend, s.spec(), dest=dst, tag=tag)
         return self._track(req, tensors, lambda status, work, keep=s: None, rec)
 
     def _recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> MPIWork:
         rec = self._start_p2p("recv", tensors[0], src)
-        s = _Staged(tensors[0], read=False)
+        s = Staged(tensors[0], read=False)
         req = self._post(self._p2p_comm.Irecv, s.spec(), source=src, tag=tag)
 
         def after(status: Any, work: MPIWork) -> None:

@@ -12,12 +12,14 @@ import torch.distributed as dist
 
 from ..core import mpi
 from . import checks
-from .buffers import (_CHUNK_ELEMS, RedOp, _bytes, _chunks, _divide, _fast_types, _kind, _mpi_op, _mpi_type, _overlap,
-                      _Staged, avg_parts, avg_result, is_int_avg)
+from .buffers import (CHUNK_ELEMS, RedOp, byte_view, chunk_spans, divide, fast_types, op_kind, mpi_op, mpi_type, overlap,
+                      Staged, avg_parts, avg_result, is_int_avg)
 from .desync import Call, redop_id
 from .hot import NO_TIMEOUT
 from .engine import GroupEngine
 from .work import MPIWork
+
+__all__ = ["Reductions"]
 
 
 class Reductions(GroupEngine):
@@ -25,13 +27,13 @@ class Reductions(GroupEngine):
 
     def _reduce_into(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
         """All-reduce (root None) or reduce to ``root`` in place, for one tensor."""
-        kind = _kind(op)
-        s = _Staged(tensor, reduce=True)
+        kind = op_kind(op)
+        s = Staged(tensor, reduce=True)
         mine = root is None or self._coll.Get_rank() == root
         if is_int_avg(op, s.t.dtype):  # summed without overflow, then divided exactly
             size = self._coll.Get_size()
             parts = avg_parts(s.t.reshape(-1), size)
-            self._reduce_flat(parts, _mpi_op(RedOp.SUM, parts.dtype), root)
+            self._reduce_flat(parts, mpi_op(RedOp.SUM, parts.dtype), root)
             if mine:
                 with torch.no_grad():
                     s.t.copy_(avg_result(parts, s.t.dtype, size).view_as(s.t))
@@ -39,9 +41,9 @@ class Reductions(GroupEngine):
             return
         if kind == RedOp.PREMUL_SUM:
             s.t.mul_(op.factor)
-        self._reduce_flat(s.t, _mpi_op(op, s.t.dtype), root)
+        self._reduce_flat(s.t, mpi_op(op, s.t.dtype), root)
         if kind == RedOp.AVG and mine:
-            _divide(s.t, self._coll.Get_size())
+            divide(s.t, self._coll.Get_size())
         if mine:
             s.finish()
 
@@ -49,10 +51,10 @@ class Reductions(GroupEngine):
         """All-reduce (root None) or reduce to ``root``, in place, of contiguous CPU ``t``, in chunks."""
         MPI = mpi.MPI()
         item = t.element_size()
-        for start, n in _chunks(t.numel()):
+        for start, n in chunk_spans(t.numel()):
             if n == 0:
                 continue
-            buf = [_bytes(t, start * item, n * item), n, _mpi_type(t.dtype)]
+            buf = [byte_view(t, start * item, n * item), n, mpi_type(t.dtype)]
             if root is None:
                 self._c("Allreduce", MPI.IN_PLACE, buf, op=mop)
             elif self._coll.Get_rank() == root:
@@ -68,8 +70,8 @@ class Reductions(GroupEngine):
                 work = self._hot_allreduce(t, op, tensors)
                 if work is not None:
                     return work
-            fast = _fast_types(op, t.dtype)
-            if fast is not None and t.is_cpu and t.is_contiguous() and not t.is_sparse and 0 < (n := t.numel()) <= _CHUNK_ELEMS:
+            fast = fast_types(op, t.dtype)
+            if fast is not None and t.is_cpu and t.is_contiguous() and not t.is_sparse and 0 < (n := t.numel()) <= CHUNK_ELEMS:
                 mtype, mop, item, kind = fast
                 buf = [self._address(t.data_ptr(), n * item), n, mtype]
                 in_place = self._in_place
@@ -103,11 +105,11 @@ class Reductions(GroupEngine):
         all_rows = torch.empty((total, sd), dtype=torch.int64)
         all_vals = torch.empty((total, *vals.shape[1:]), dtype=vals.dtype)
         offsets = [sum(counts[:r]) for r in range(size)]
-        vtype = _mpi_type(vals.dtype)
-        self._c("Allgatherv", [_bytes(rows), rows.numel(), self._int64],
-                [_bytes(all_rows), ([n * sd for n in counts], [o * sd for o in offsets]), self._int64])
-        self._c("Allgatherv", [_bytes(vals), vals.numel(), vtype],
-                [_bytes(all_vals), ([n * per for n in counts], [o * per for o in offsets]), vtype])
+        vtype = mpi_type(vals.dtype)
+        self._c("Allgatherv", [byte_view(rows), rows.numel(), self._int64],
+                [byte_view(all_rows), ([n * sd for n in counts], [o * sd for o in offsets]), self._int64])
+        self._c("Allgatherv", [byte_view(vals), vals.numel(), vtype],
+                [byte_view(all_vals), ([n * per for n in counts], [o * per for o in offsets]), vtype])
         summed = torch.sparse_coo_tensor(all_rows.t(), all_vals, t.shape).coalesce()
         with torch.no_grad():
             t.copy_(summed.to(t.device))
@@ -141,28 +143,28 @@ class Reductions(GroupEngine):
     # -- data movement ----------------------------------------------------------------------
     def _reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
         size = self._coll.Get_size()
-        kind = _kind(op)
+        kind = op_kind(op)
         if is_int_avg(op, inp.dtype):  # summed without overflow, then divided exactly
             parts = avg_parts(inp.detach().cpu().reshape(size, -1), size)  # each rank's block stays whole
             mine = torch.empty(parts.shape[1:], dtype=parts.dtype)
             if out.numel():
-                self._c("Reduce_scatter_block", _Staged(parts).whole(), _Staged(mine, read=False).spec(),
-                        op=_mpi_op(RedOp.SUM, parts.dtype))
+                self._c("Reduce_scatter_block", Staged(parts).whole(), Staged(mine, read=False).spec(),
+                        op=mpi_op(RedOp.SUM, parts.dtype))
             with torch.no_grad():
                 out.copy_(avg_result(mine, out.dtype, size).view_as(out))
             return
-        si = _Staged(inp, reduce=True)
-        if not si.copied and (kind == RedOp.PREMUL_SUM or _overlap(si.t, out)):
+        si = Staged(inp, reduce=True)
+        if not si.copied and (kind == RedOp.PREMUL_SUM or overlap(si.t, out)):
             si.t = si.t.clone()  # never scale the caller's input, never alias send and receive
         if kind == RedOp.PREMUL_SUM:
             si.t.mul_(op.factor)
-        so = _Staged(out, reduce=True, read=False)
+        so = Staged(out, reduce=True, read=False)
         if so.t.dtype != si.t.dtype:
             so.t = torch.empty(out.shape, dtype=si.t.dtype)
         if out.numel():
-            self._c("Reduce_scatter_block", si.whole(), so.spec(), op=_mpi_op(op, si.t.dtype))
+            self._c("Reduce_scatter_block", si.whole(), so.spec(), op=mpi_op(op, si.t.dtype))
         if kind == RedOp.AVG:
-            _divide(so.t, size)
+            divide(so.t, size)
         so.finish()
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> MPIWork:

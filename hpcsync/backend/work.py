@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+__all__ = ["WAITED", "waited_s", "ran", "MPIWork", "DoneWork"]
+
 # Seconds during which this process had an hpcsync operation in flight -- a collective from its
 # start to its end, in the caller's thread or on the group's worker (DDP waits for its buckets
 # through torch futures, out of Python's sight), a point-to-point Work.wait -- i.e. waiting for the

@@ -11,3 +11,5 @@ for hpcsync's own control messages (:mod:`~hpcsync.core.bounded`); the detectron
 (:mod:`~hpcsync.core.jobend`). The topology sits here, not with starting a job, because the
 helpers and the bounded collectives ask it who is who. May import: nothing else of hpcsync.
 """
+
+__all__ = []

@@ -16,6 +16,11 @@ from .errors import ranks_by_value
 from .worker import Stalled, Worker
 from .worker import result as worker_result
 
+__all__ = [
+    "INT_MAX", "DEFAULT_ROUND_BYTES", "Fill", "schedule", "allgather_sizes", "agree_root", "iter_gatherv",
+    "iter_gatherv_rounds", "gatherv_bytes", "allgatherv_bytes", "bcast_bytes"
+]
+
 INT_MAX = 2**31 - 1
 DEFAULT_ROUND_BYTES = 256 * 2**20
 

@@ -27,6 +27,11 @@ import numpy as np
 from . import bigmpi, mpi, jobend, serial, settings
 from .errors import CollectiveTimeout
 
+__all__ = [
+    "SPIN_S", "LARGE_BYTES", "wait", "BoundedComm", "own", "over", "default_timeout", "control", "helper",
+    "abandon", "broken"
+]
+
 SPIN_S = 0.05  # test without sleeping this long first (a peer a few µs late costs no ms)
 LARGE_BYTES = 64 << 10  # a transfer above this polls without sleeping (MPI progresses only inside calls)
 

@@ -30,6 +30,12 @@ from . import bigmpi, mpi, serial, settings
 from .torchcomm import SELF, TorchComm, transport, world
 from .topology import local_comm, topology
 
+__all__ = [
+    "group_comm", "get_world_size", "get_rank", "create_local_process_group", "get_local_process_group",
+    "get_local_rank", "get_local_size", "is_main_process", "global_gloo_group", "synchronize", "all_gather",
+    "gather", "broadcast_object", "shared_random_seed", "reduce_dict", "monitored_barrier"
+]
+
 _LOCAL_PROCESS_GROUP: Any = None
 _MISSING_LOCAL_PG_ERROR = (
     "Local process group is not yet created! Please use hpcsync.comm.create_local_process_group() "
@@ -48,23 +54,10 @@ def _is_mpi_comm(comm: Any) -> bool:
     return hasattr(comm, "Allgatherv")
 
 
-def _comm(group: Any = None) -> Any:
-    """The transport for ``group`` (:func:`hpcsync.core.torchcomm.transport`)."""
+def group_comm(group: Any = None) -> Any:
+    """The transport for a public call's ``group=``: a torch process group or an mpi4py
+    communicator, default (None) the world (:func:`hpcsync.core.torchcomm.transport`)."""
     return transport(group)
-
-
-def pick_group(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
-    """A public call's ``group=`` -- a torch process group or an mpi4py communicator, default
-    (None) the world -- or ``comm=``, its older name, still accepted; never both."""
-    given = [g for g in (group, comm) if g is not None]
-    if len(given) > 1:
-        raise TypeError(f"{where}: give group= (comm= is its older name), not both")
-    return given[0] if given else None
-
-
-def group_comm(group: Any = None, comm: Any = None, where: str = "hpcsync") -> Any:
-    """The transport for :func:`pick_group`'s choice."""
-    return _comm(pick_group(group, comm, where))
 
 
 def get_world_size() -> int:
@@ -142,7 +135,7 @@ def is_main_process() -> bool:
 
 
 @functools.lru_cache()
-def _get_global_gloo_group() -> Any:
+def global_gloo_group() -> Any:
     """detectron2's CPU-side group: a gloo group when the default backend is NCCL, else the world
     group (under MPI without torch.distributed: ``COMM_WORLD``)."""
     if not _torch_dist_ready():
@@ -155,7 +148,7 @@ def _get_global_gloo_group() -> Any:
 
 
 def _bounded(group: Any, what: str) -> Any:
-    """:func:`_comm`; for the world and this node's group (``group`` None or
+    """:func:`group_comm`; for the world and this node's group (``group`` None or
     :func:`get_local_process_group`'s), every collective bounded under MPI
     (:func:`hpcsync.core.bounded.helper`: ``HPCSYNC_TIMEOUT``, on a private duplicate of the
     helpers' own): a rank that never arrives (stuck, frozen, its node cut off) is a
@@ -164,7 +157,7 @@ def _bounded(group: Any, what: str) -> Any:
     more communicator per group, kept to the end)."""
     from . import bounded
 
-    base = _comm(group)
+    base = group_comm(group)
     if group is None or (group is _LOCAL_PROCESS_GROUP and group is not None):
         return bounded.helper(f"hpcsync.comm.{what}", base)
     return base
@@ -302,7 +295,7 @@ def monitored_barrier(group: Any = None, timeout: Optional[float] = None, wait_a
     global _mb_seq
     import time
 
-    comm = _comm(group)
+    comm = group_comm(group)
     if isinstance(comm, TorchComm):  # torch.distributed without MPI: torch's own (gloo)
         import datetime
 

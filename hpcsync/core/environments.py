@@ -10,6 +10,12 @@ from __future__ import annotations
 import re
 from typing import List, Mapping, Optional, Sequence, Type
 
+__all__ = [
+    "LauncherEnvironment", "TorchrunEnvironment", "OpenMPIEnvironment", "HydraEnvironment", "SlurmEnvironment",
+    "PMIxEnvironment", "PMIEnvironment", "SingleProcessEnvironment", "ENVIRONMENTS", "detect_environment",
+    "parse_tasks_per_node", "expand_hostlist"
+]
+
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
     for name in names:

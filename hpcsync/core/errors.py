@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Type
 
+__all__ = [
+    "HpcsyncError", "MissingDependencyError", "LaunchError", "AddressError", "SyncError", "StageError",
+    "CheckpointError", "CollectiveTimeout", "StageTimeout", "SyncTimeout", "raise_if_any",
+    "raise_if_settings_differ", "ranks_by_value"
+]
+
 
 class HpcsyncError(RuntimeError):
     """Base class of every hpcsync error."""

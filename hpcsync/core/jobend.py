@@ -21,7 +21,12 @@ from typing import Callable, List, NoReturn, Optional, Tuple
 
 from . import mpi, settings
 
-log = logging.getLogger("hpcsync.jobend")  # the name users configure, as before the packages
+__all__ = [
+    "LAUNCHERS", "before_abort", "run_before_abort", "EXIT_STAGES", "at_exit", "set_abort_on_error",
+    "abort_on_error", "grace_s", "end_within", "stacks_on_crash", "launcher_pid", "watch_launcher", "abort"
+]
+
+log = logging.getLogger(__name__)
 
 # Process names (``/proc/PID/comm``, at most 15 characters) of launchers that wait for their nodes.
 LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiexec.openmpi", "mpiexec.hydra",

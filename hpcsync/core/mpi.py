@@ -13,6 +13,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from .errors import MissingDependencyError
 
+__all__ = [
+    "INSTALL_HINT", "mpi4py_importable", "launched_by_mpi", "already_initialized", "use_mpi", "MPI",
+    "library_version", "sub_communicator", "library_name"
+]
+
 # Variables that only an MPI-capable launcher sets.
 _MPI_LAUNCHER_VARS = (
     "OMPI_COMM_WORLD_SIZE",  # Open MPI mpirun

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+__all__ = ["ranges", "NodeMap", "build", "set_current", "current", "describe"]
+
 _current: Optional["NodeMap"] = None
 
 

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
+__all__ = ["SERIAL", "lock", "call", "nap", "check_thread"]
+
 SERIAL = threading.Condition(threading.RLock())
 
 

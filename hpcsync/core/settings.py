@@ -1,13 +1,19 @@
 """Every ``HPCSYNC_*`` environment variable in one table, and the MPI tags hpcsync reserves.
 
 Variables are read when used, not at import: a program may set them after ``import hpcsync``.
-``hpcsync.settings.describe()`` lists them (the API reference prints the same table).
+``hpcsync.core.settings.describe()`` lists them (the API reference prints the same table).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
+
+__all__ = [
+    "Setting", "SETTINGS", "validate", "votes", "text", "flag", "number", "describe", "TAG_REPORT_ASK",
+    "TAG_REPORT_STATE", "TAG_REPORT_DONE", "TAG_STORE_REQUEST", "TAG_STORE_REPLY", "TAG_BARRIER_FIRST",
+    "TAG_BARRIER_COUNT", "TAG_LOG", "TAG_COPY_HEAD", "TAG_COPY_DATA", "TAG_COPY_ASK", "TAG_COPY_RANGE"
+]
 
 
 @dataclass(frozen=True)
@@ -143,5 +149,5 @@ def describe() -> str:
 TAG_REPORT_ASK, TAG_REPORT_STATE, TAG_REPORT_DONE = 31001, 31002, 31003  # hang reports (watchdog)
 TAG_STORE_REQUEST, TAG_STORE_REPLY = 31101, 31102  # MPIStore
 TAG_BARRIER_FIRST, TAG_BARRIER_COUNT = 31200, 1000  # monitored_barrier: one tag per call, cycling
-TAG_LOG = 32300  # every rank's warnings to rank 0's console (hpcsync.logs)
+TAG_LOG = 32300  # every rank's warnings to rank 0's console (hpcsync.observe.logs)
 TAG_COPY_HEAD, TAG_COPY_DATA, TAG_COPY_ASK, TAG_COPY_RANGE = 32401, 32402, 32403, 32404  # node-local checkpoint copies

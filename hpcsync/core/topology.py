@@ -17,7 +17,9 @@ from . import mpi, nodemap
 from .environments import LauncherEnvironment, detect_environment
 from .errors import LaunchError
 
-log = logging.getLogger("hpcsync.topology")  # the name users configure, as before the packages
+__all__ = ["Topology", "topology", "local_comm", "node_layout", "check_not_singleton", "from_environment"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

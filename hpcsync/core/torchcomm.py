@@ -11,6 +11,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, List, Optional
 
+__all__ = ["TorchComm", "SelfComm", "SELF", "world", "transport"]
+
 
 class TorchComm:
     """``Get_rank``/``Get_size``/``allgather``/``gather``/``bcast``/``scatter``/``Barrier`` over a torch group

@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as _FutureTimeout
 from typing import Any, Callable, Optional
 
+__all__ = ["Stalled", "Worker", "result"]
+
 
 class Stalled(Exception):
     """A background call did not finish within its deadline (a stuck disk or source)."""

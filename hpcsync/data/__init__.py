@@ -7,3 +7,5 @@ rounds or MPI-IO (:mod:`~hpcsync.data.transports`); collective HDF5 output
 (:mod:`hpcsync.data.staging`). May import: :mod:`hpcsync.core` and :mod:`hpcsync.observe`
 (progress); not the backend, which moves tensors, not files.
 """
+
+__all__ = []

@@ -41,10 +41,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ..core import bigmpi, bounded, settings
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else SELF
 from ..core.errors import CollectiveTimeout, SyncError, SyncTimeout, raise_if_any, raise_if_settings_differ
-from .transports import _choose_method, _Part, _Source, _write_copy, _write_gather, _write_mpiio
+from .transports import choose_method, Part, Source, write_copy, write_gather, write_mpiio
 from ..observe.progress import Progress
 
-log = logging.getLogger("hpcsync.filesync")  # the name users configure, as before the packages
+__all__ = ["PathLike", "METHODS", "part_path", "SyncResult", "fsync_dir", "merge_parts", "sync_file", "SyncedFile"]
+
+log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 METHODS = ("auto", "copy", "gather", "mpiio")
@@ -78,7 +80,7 @@ class SyncResult:
     ranks: int
 
 
-def _inspect(path: str, allow_missing: bool, need_header: bool) -> Tuple[Optional[_Part], Optional[str]]:
+def _inspect(path: str, allow_missing: bool, need_header: bool) -> Tuple[Optional[Part], Optional[str]]:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -87,7 +89,7 @@ def _inspect(path: str, allow_missing: bool, need_header: bool) -> Tuple[Optiona
         return None, f"cannot stat part {path}: {exc}"
     if not os.path.isfile(path):
         return None, f"part {path} is not a regular file"
-    part = _Part(path, st.st_size, ident=(st.st_dev, st.st_ino))
+    part = Part(path, st.st_size, ident=(st.st_dev, st.st_ino))
     try:
         with open(path, "rb") as f:
             if part.size:
@@ -113,7 +115,7 @@ def _agree(comm: Any, error: Optional[str], what: str) -> None:
     raise_if_any(comm, error, SyncError, f"{what} failed, nothing deleted: ")
 
 
-def _plan(comm: Any, my_parts: List[_Part], strip_header: bool, check_headers: bool, text: bool) -> None:
+def _plan(comm: Any, my_parts: List[Part], strip_header: bool, check_headers: bool, text: bool) -> None:
     """Decide header stripping and inserted newlines from every rank's part summaries."""
     summary = [(p.size, p.header, p.ends_newline) for p in my_parts]
     every = comm.allgather(summary)
@@ -187,17 +189,16 @@ def merge_parts(
     progress: Optional[bool] = None,
     timeout: Optional[float] = None,
     group: Any = None,
-    comm: Any = None,
 ) -> SyncResult:
     """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order).
     ``group``: the ranks taking part (a torch process group or an mpi4py communicator; default the
-    world; ``comm`` is its older name). ``timeout``: as for :func:`sync_file`."""
+    world). ``timeout``: as for :func:`sync_file`."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     t0 = time.perf_counter()
     from ..core.comm import group_comm
 
-    base = group_comm(group, comm, "merge_parts")
+    base = group_comm(group)
     size, me = base.Get_size(), base.Get_rank()
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")
@@ -230,7 +231,7 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, stri
                "timeout": limit},
         SyncError, "sync_file: ranks called it with different arguments (desync), nothing merged or deleted: ")
 
-    src, err = _Source(), None
+    src, err = Source(), None
     for p in my_parts:
         part, perr = _inspect(os.path.abspath(os.fspath(p)), allow_missing, strip_header)
         err = err or perr
@@ -248,13 +249,13 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, stri
     bar = Progress(f"merging {os.path.basename(target)}", total, enabled=progress) if me == root else None
     chosen = "gather"
     try:
-        chosen, everything = _choose_method(comm, method, tmp, total, src, root)
+        chosen, everything = choose_method(comm, method, tmp, total, src, root)
         if chosen == "copy":
-            err = _write_copy(tmp, everything, bar) if me == root else None  # type: ignore[arg-type]
+            err = write_copy(tmp, everything, bar) if me == root else None  # type: ignore[arg-type]
         elif chosen == "mpiio":
-            err = _write_mpiio(comm, tmp, src, sizes, round_bytes, bar)
+            err = write_mpiio(comm, tmp, src, sizes, round_bytes, bar)
         else:
-            err = _write_gather(comm, tmp, src, sizes, root, round_bytes, bar, limit / 4)
+            err = write_gather(comm, tmp, src, sizes, root, round_bytes, bar, limit / 4)
         # every rank's error first: a rank whose read failed sent zeros, which must not become the target
         _agree(comm, err or src.error, f"sync of {target}")
         err = None
@@ -326,7 +327,7 @@ def sync_file(
         mine = part_path(path, rank, parts_dir)
     else:
         mine = os.fspath(part).format(rank=rank) if "{rank" in os.fspath(part) else os.fspath(part)
-    result = merge_parts(path, [mine], comm=comm, **options)
+    result = merge_parts(path, [mine], group=comm, **options)
     if result.parts_deleted and part is None:
         # Remove the parts folder once every rank deleted its part, and let no rank go on (and
         # create its next part there) before every rank's rmdir is done: without the second

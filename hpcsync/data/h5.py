@@ -24,7 +24,12 @@ from ..core import mpi
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else None
 from ..core.errors import MissingDependencyError, raise_if_any
 
-log = logging.getLogger("hpcsync.h5")  # the name users configure, as before the packages
+__all__ = [
+    "WRITE_PIECE_BYTES", "loaded_mpi_libraries", "mpi_abi_mismatch", "parallel_available", "CollectiveWriter",
+    "write_rows"
+]
+
+log = logging.getLogger(__name__)
 
 WRITE_PIECE_BYTES = 1 << 30  # per collective write: stays clear of 2 GiB limits in MPI-IO / HDF5
 _warned = False
@@ -153,22 +158,22 @@ def parallel_available(comm: Any = None) -> Tuple[bool, str]:
 class CollectiveWriter:
     """Open ``path`` collectively; :meth:`write` appends each rank's rows in rank order.
     ``group``: the ranks writing (a torch process group under MPI, or an mpi4py communicator;
-    default the world; ``comm`` is its older name).
+    default the world).
 
     >>> with CollectiveWriter("preds.h5") as w:
     ...     w.write("pred", my_rows)          # collective; my_rows may have 0 rows
     ...     w.attrs({"epoch": 3})
     """
 
-    def __init__(self, path: str, mode: str = "w", comm: Any = None, root: int = 0,
-                 parallel: Optional[bool] = None, round_bytes: int = 256 << 20, group: Any = None) -> None:
+    def __init__(self, path: str, mode: str = "w", group: Any = None, root: int = 0,
+                 parallel: Optional[bool] = None, round_bytes: int = 256 << 20) -> None:
         global _warned
         if mode not in ("w", "a", "r+", "w-", "x"):
             raise ValueError(f"unsupported mode {mode!r}")
         self.h5py = _h5py()
         from ..core.comm import group_comm
 
-        self.comm = group_comm(group, comm, "CollectiveWriter")
+        self.comm = group_comm(group)
         self.root = root
         self.round_bytes = round_bytes  # fallback: bytes per gather round (bounds the root's memory)
         self.rank = self.comm.Get_rank()

@@ -15,7 +15,11 @@ from ..core.worker import Stalled, Worker
 from ..core.worker import result as worker_result
 from ..observe.progress import Progress
 
-log = logging.getLogger("hpcsync.filesync")  # the name users configure, as before the packages
+__all__ = [
+    "PathLike", "AUTO_MPIIO_BYTES", "Part", "Source", "choose_method", "write_copy", "write_gather", "write_mpiio"
+]
+
+log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -23,7 +27,7 @@ AUTO_MPIIO_BYTES = 256 * 2**20  # auto picks MPI-IO across nodes from this size
 
 
 @dataclass
-class _Part:
+class Part:
     path: str
     size: int = 0
     header: bytes = b""
@@ -34,10 +38,10 @@ class _Part:
 
 
 @dataclass
-class _Source:
+class Source:
     """This rank's contribution: byte ranges of its part files plus inserted newlines."""
 
-    parts: List[_Part] = field(default_factory=list)
+    parts: List[Part] = field(default_factory=list)
     error: Optional[str] = None
     reading: str = ""  # the part being read (for a stall's error)
     stalled: bool = False  # a read or the root's write made no progress: the merge fails
@@ -89,8 +93,8 @@ class _Source:
                 return
 
 
-def _choose_method(comm: Any, method: str, tmp: Optional[str], total: int, src: _Source, root: int
-                   ) -> Tuple[str, Optional[_Source]]:
+def choose_method(comm: Any, method: str, tmp: Optional[str], total: int, src: Source, root: int
+                   ) -> Tuple[str, Optional[Source]]:
     """The method every rank uses, and for ``copy`` the root's view of every rank's pieces."""
     if comm.Get_size() == 1:
         return ("copy" if method == "copy" else "gather"), src
@@ -123,7 +127,7 @@ def _nodes() -> int:
     return topology().num_nodes
 
 
-def _root_sees_parts(comm: Any, src: _Source, root: int) -> Tuple[Optional[_Source], str]:
+def _root_sees_parts(comm: Any, src: Source, root: int) -> Tuple[Optional[Source], str]:
     """Whether the root can open the very files every rank merges (same device, inode, size):
     then it gets every rank's parts (with their header cuts and newlines) as one source."""
     mine = [(p.path, p.ident, p.size, p.skip, p.newline_after) for p in src.parts]
@@ -146,13 +150,13 @@ def _root_sees_parts(comm: Any, src: _Source, root: int) -> Tuple[Optional[_Sour
     if not ok:
         return None, why
     if comm.Get_rank() != root:
-        return _Source(), ""
-    everything = _Source([_Part(path, size, skip=skip, newline_after=nl, ident=tuple(ident))
+        return Source(), ""
+    everything = Source([Part(path, size, skip=skip, newline_after=nl, ident=tuple(ident))
                           for parts in every for path, ident, size, skip, nl in parts])
     return everything, ""
 
 
-def _write_copy(tmp: str, everything: _Source, bar: Optional[Progress]) -> Optional[str]:
+def write_copy(tmp: str, everything: Source, bar: Optional[Progress]) -> Optional[str]:
     """The root concatenates every rank's part into ``tmp`` in the kernel."""
     fd = os.open(tmp, os.O_WRONLY)
     try:
@@ -180,7 +184,7 @@ def _on_nfs(path: str) -> bool:
     return fstype.startswith("nfs")
 
 
-def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int, round_bytes: int,
+def write_gather(comm: Any, tmp: str, src: Source, sizes: List[int], root: int, round_bytes: int,
                   bar: Optional[Progress], local_s: Optional[float] = None) -> Optional[str]:
     """Root copies its own part file-to-file in the kernel, then receives the others in rounds.
     ``local_s``: how long a rank's own read, or the root's write, may make no progress."""
@@ -205,7 +209,7 @@ def _write_gather(comm: Any, tmp: str, src: _Source, sizes: List[int], root: int
     return err
 
 
-def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, round_bytes: int, fd: int,
+def _receive_and_write(comm: Any, sizes: List[int], src: Source, root: int, round_bytes: int, fd: int,
                        starts: List[int], tmp: str, bar: Optional[Progress], local_s: Optional[float] = None
                        ) -> Optional[str]:
     """Pipelined: a writer thread writes round k while round k+1 is gathered (and read ahead).
@@ -249,7 +253,7 @@ def _receive_and_write(comm: Any, sizes: List[int], src: _Source, root: int, rou
     return errors[0] if errors else None
 
 
-def _finish_write(fut: Any, local_s: Optional[float], src: _Source, errors: List[str], tmp: str, host: str) -> None:
+def _finish_write(fut: Any, local_s: Optional[float], src: Source, errors: List[str], tmp: str, host: str) -> None:
     try:
         worker_result(fut, local_s, lambda: f"node {host}: writing {tmp}")
     except Stalled as exc:
@@ -257,7 +261,7 @@ def _finish_write(fut: Any, local_s: Optional[float], src: _Source, errors: List
         errors.insert(0, str(exc))  # the root's own stuck disk, before any error its writes gave
 
 
-def _copy_own(src: _Source, fd: int, offset: int, tmp: str, bar: Optional[Progress] = None) -> Optional[str]:
+def _copy_own(src: Source, fd: int, offset: int, tmp: str, bar: Optional[Progress] = None) -> Optional[str]:
     """Write ``src``'s bytes at ``offset`` without passing them through user memory."""
     for path, skip, n in src.pieces:
         try:
@@ -285,7 +289,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _write_mpiio(comm: Any, tmp: str, src: _Source, sizes: List[int], round_bytes: int,
+def write_mpiio(comm: Any, tmp: str, src: Source, sizes: List[int], round_bytes: int,
                  bar: Optional[Progress]) -> Optional[str]:
     MPI = mpi.MPI()
     me = comm.Get_rank()

@@ -10,3 +10,5 @@ progress bar of long merges (:mod:`~hpcsync.observe.progress`). ``hpcsync doctor
 before it starts and lives with starting a job (:mod:`hpcsync.start.doctor`). May import:
 :mod:`hpcsync.core`.
 """
+
+__all__ = []

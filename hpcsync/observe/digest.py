@@ -31,9 +31,14 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from ..core import mpi, nodemap
-from . import failure, flight, logs, relay, watchdog
+from . import failure, flight, logs, relay, responder, watchdog
 
-log = logging.getLogger("hpcsync.digest")  # the name users configure, as before the packages
+__all__ = [
+    "CLAIM_WAIT_S", "LOCAL_WAIT_S", "ARBITERS", "DONE_WAIT_S", "MAX_LINES", "report", "arbiters", "build",
+    "format_block"
+]
+
+log = logging.getLogger(__name__)
 
 CLAIM_WAIT_S = 2.0  # for an arbiter's answer to a claim (none: the next arbiter; none of them: this rank reports)
 LOCAL_WAIT_S = 1.0  # for the answers of this node's lower ranks (has it failed too?)
@@ -42,7 +47,7 @@ DONE_WAIT_S = 15.0  # and the gathering's bound: a rank that lost the claim wait
 MAX_LINES = 12  # groups of other ranks printed; the rest are counted
 
 _claiming = False  # this rank goes for the failure report (not a hang report's path): see report()
-watchdog.ANSWERS["failed"] = lambda _asker: _claiming  # does this rank go for the failure report?
+responder.ANSWERS["failed"] = lambda _asker: _claiming  # does this rank go for the failure report?
 
 def _where(tb: Any) -> str:
     """``file:line`` of the innermost frame of the program in a traceback."""
@@ -60,7 +65,7 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     """Report this rank's uncaught exception as the module says: True when this rank printed the
     report, False when another rank did; None when it could not (no MPI, one rank, no
     responders): the caller prints the traceback itself."""
-    if not mpi.use_mpi() or watchdog.responder() is None or mpi.MPI().COMM_WORLD.Get_size() < 2:
+    if not mpi.use_mpi() or responder.responder() is None or mpi.MPI().COMM_WORLD.Get_size() < 2:
         return None
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     line = f"{exc_type.__name__}: {exc}".splitlines()[0] if str(exc) else exc_type.__name__
@@ -78,10 +83,10 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     lower = _failed_before(me)
     if lower is not None:  # it reports, or leaves the report to the winner: whichever prints
         waited = DONE_WAIT_S + relay.job_budget() + LOCAL_WAIT_S + ARBITERS * CLAIM_WAIT_S
-        return False if watchdog.wait_done(None, waited) else None
+        return False if responder.wait_done(None, waited) else None
     winner = _claim(me, size)
     if winner != me:  # its report (or another arbiter's winner's) stands for this error; without it,
-        return False if watchdog.wait_done(None, DONE_WAIT_S + relay.job_budget()) else None  # own traceback
+        return False if responder.wait_done(None, DONE_WAIT_S + relay.job_budget()) else None  # own traceback
     got = relay.ask_all(range(size), ("failure",))
     states = got.answers
     states[me] = watchdog.failure_state()
@@ -93,7 +98,7 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
         failure.note_silent(silent, sorted(states), line)
     sys.stderr.write(block + (f"\n[hpcsync] failure report written to {path}" if path else "") + "\n")
     sys.stderr.flush()
-    watchdog.notify_done(list(range(size)))
+    responder.notify_done(list(range(size)))
     return True
 
 
@@ -106,7 +111,7 @@ def _failed_before(me: int) -> Optional[int]:
     if nodes is None or not 0 <= me < len(nodes.node_of):
         return None
     here = [r for r in range(me) if nodes.node_of[r] == nodes.node_of[me]]
-    answers = watchdog.ask(here, ("failed",), LOCAL_WAIT_S) if here else {}
+    answers = responder.ask(here, ("failed",), LOCAL_WAIT_S) if here else {}
     return next((r for r in here if answers.get(r)), None)
 
 
@@ -131,7 +136,7 @@ def _claim(me: int, size: int) -> int:
     for arbiter in arbiters(size):
         if arbiter == me:
             return watchdog.claim(me)
-        answer = watchdog.ask([arbiter], ("claim",), CLAIM_WAIT_S)
+        answer = responder.ask([arbiter], ("claim",), CLAIM_WAIT_S)
         if arbiter in answer:
             return answer[arbiter]
     return me

@@ -38,7 +38,13 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from ..core import settings
 
-log = logging.getLogger("hpcsync.failure")  # the name users configure, as before the packages
+__all__ = [
+    "PREFIX", "RESUMED", "STARTED", "report_dir", "note_step", "current_step", "note_raised", "raised", "job_id",
+    "nodes_of", "write", "write_whole", "write_json", "peer_gone", "hardware_fault", "note_exception", "note_hang",
+    "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
+]
+
+log = logging.getLogger(__name__)
 
 PREFIX = "hpcsync-failure-"
 _written = itertools.count()

@@ -17,6 +17,8 @@ import pickle
 import time
 from typing import Any, Dict, List, Optional
 
+__all__ = ["BUFFER", "enable", "entries", "describe", "group_ranks", "collectives", "latest", "group_state"]
+
 BUFFER = "2000"  # entries kept per process (torch's ring; a few hundred bytes each)
 _VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
@@ -40,7 +42,7 @@ def enable(backend: str = "gloo") -> None:
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, "nccl-trace-rank-"))
         changed.append(f"TORCH_NCCL_DUMP_ON_TIMEOUT=1 into {folder}")
     if changed:
-        logging.getLogger("hpcsync.flight").debug("hpcsync: torch's flight recorder: %s", ", ".join(changed))
+        logging.getLogger(__name__).debug("hpcsync: torch's flight recorder: %s", ", ".join(changed))
 
 
 def entries() -> List[Dict[str, Any]]:

@@ -30,6 +30,11 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from ..core import mpi, jobend, nodemap, settings
 
+__all__ = [
+    "FORMAT", "WINDOW_S", "HOLD_S", "POLL_S", "CLOSE_WAIT_S", "BYE", "CLOSED", "setup_logging", "to_file",
+    "flush_console"
+]
+
 FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(message)s"
 WINDOW_S = 1.0  # alike warnings from several ranks, each within this of the last, are printed once
 HOLD_S = 5.0  # ... but none is held longer than this after its first rank's
@@ -306,7 +311,7 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
     jobend.at_exit("store", _close)
     jobend.before_abort(flush_console)
     if rank == 0:
-        log = logging.getLogger("hpcsync.logs")  # the name users configure, as before the packages
+        log = logging.getLogger(__name__)
         log.info("hpcsync logging: %s", f"one file per rank in {folder}" if folder else "console only (no log folder)")
         if theirs and console:
             log.warning("hpcsync logging: the root logger already has the program's own console handler(s), "

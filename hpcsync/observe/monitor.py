@@ -45,7 +45,12 @@ from . import failure
 from ..core import serial, settings
 from ..core.errors import CollectiveTimeout
 
-log = logging.getLogger("hpcsync.monitor")  # the name users configure, as before the packages
+__all__ = [
+    "PREFIX", "KIND", "SECTION_SLOTS", "WIDTH", "MIN_EXCESS_S", "MIN_EXCESS_SHARE", "Section", "Judge", "write",
+    "read", "slow_nodes", "StepMonitor", "monitor"
+]
+
+log = logging.getLogger(__name__)
 
 PREFIX = "hpcsync-straggler-"
 KIND = "hpcsync straggler record"
@@ -317,7 +322,7 @@ class StepMonitor:
         if not self.timeout > 0:
             bad.append(f"timeout={timeout!r} (expected a positive number of seconds)")
         self.waits = frozenset(waits)
-        base = comm_mod._comm(group)
+        base = comm_mod.group_comm(group)
         self.rank, self.size = base.Get_rank(), base.Get_size()
         over_mpi = hasattr(base, "Idup")
         if over_mpi and self.size > 1:  # every rank raises the same error, or none does

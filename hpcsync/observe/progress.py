@@ -7,6 +7,8 @@ from typing import Optional, TextIO
 
 from ..core import settings
 
+__all__ = ["Progress"]
+
 
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

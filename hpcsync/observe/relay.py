@@ -24,6 +24,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 from ..core import mpi, nodemap
 from . import responder
 
+__all__ = ["FANOUT", "HOP_S", "ROUNDS", "hops", "round_budget", "budget", "job_budget", "shares", "Gathered", "ask_all"]
+
 FANOUT = 16  #: relays a rank asks (besides its own node's ranks)
 HOP_S = 1.0  #: one hop's allowance: a responder polls every 0.1 s, under load it answers later
 ROUNDS = 3  #: rounds at most: the first, then the ranks behind silent relays

@@ -19,6 +19,11 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..core import mpi, settings
 
+__all__ = [
+    "POLL_S", "SLOW_WORKERS", "ANSWERS", "SLOW", "Responder", "start", "responder", "ask", "ask_each", "wait_done",
+    "notify_done"
+]
+
 _TAG_ASK, _TAG_STATE, _TAG_DONE = settings.TAG_REPORT_ASK, settings.TAG_REPORT_STATE, settings.TAG_REPORT_DONE
 POLL_S = 0.1
 SLOW_WORKERS = 4  #: slow answers computed at once (each waits for other ranks within its bound)

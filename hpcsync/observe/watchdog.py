@@ -27,7 +27,14 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..core import mpi, jobend, nodemap, settings
 from . import failure, flight, relay
-from .responder import ANSWERS, ask, ask_each, notify_done, responder, start, wait_done  # noqa: F401 (re-exported)
+from .responder import ANSWERS, ask, ask_each, notify_done, responder, wait_done
+
+__all__ = [
+    "RING", "OpRecord", "GroupLog", "group_log", "drop_group_log", "snapshot", "digest", "FLIGHT_CACHE_S", "SKEW_S",
+    "report_bound", "mark_failed", "claim", "failure_state", "flush_before_abort", "collect", "MAX_GROUPS",
+    "build_report", "format_report", "LIBRARY_DIRS", "AT_EXIT", "main_frames", "user_frames", "write_report",
+    "report_timeout", "report_p2p_timeout", "hang_reported"
+]
 
 RING = 64  # operations kept per group
 

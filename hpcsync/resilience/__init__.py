@@ -8,3 +8,5 @@ node (:mod:`~hpcsync.resilience.supervisor`), with the launchers it starts and r
 (:mod:`~hpcsync.resilience.launchers`); Lightning's Trainer on all of it
 (:mod:`~hpcsync.resilience.lightning`). May import every other package but the command line.
 """
+
+__all__ = []

@@ -55,10 +55,12 @@ from ..data.filesync import fsync_dir
 from . import checkpoint_io
 from . import node_copies as _node_copies
 from . import sharded as _sharded
-from .checkpoint_io import dumps, from_rank0, loads, numpy_safe_globals  # noqa: F401  (the API's)
-from .root_owner import OWNER, claim, job_running, this_job  # noqa: F401  (the API's)
+from .checkpoint_io import dumps, from_rank0, loads
+from .root_owner import claim, this_job
 
-log = logging.getLogger("hpcsync.checkpoint")  # the name users configure, as before the packages
+__all__ = ["MARKER", "read_marker", "next_seq", "Checkpoint", "Checkpoints"]
+
+log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")

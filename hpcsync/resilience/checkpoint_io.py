@@ -10,6 +10,8 @@ from typing import Any, List, Sequence
 from ..core import settings
 from ..core.errors import CheckpointError
 
+__all__ = ["dumps", "numpy_safe_globals", "loads", "write_file", "from_rank0", "allow_for", "tensor_bytes"]
+
 
 def dumps(obj: Any) -> bytes:
     """``obj`` as ``torch.save`` writes it."""

@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from .checkpoint_io import numpy_safe_globals
 
+__all__ = ["MetadataUnpickler", "read_metadata", "parse_metadata", "reader", "ranged_reader", "planner"]
+
 _META = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
     (_META, "Metadata"), (_META, "TensorStorageMetadata"), (_META, "BytesStorageMetadata"),

@@ -9,6 +9,8 @@ import subprocess
 import time
 from typing import List, Optional, Sequence, Tuple
 
+__all__ = ["WARNING_SIGNALS", "LauncherWords", "Launcher", "Srun", "OpenMPI", "Hydra", "mpi_launcher", "parse_hosts"]
+
 
 # -- what the launcher said ---------------------------------------------------------------------
 _SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (.+)$")

@@ -1,6 +1,6 @@
 """Lightning integration: ranks from MPI, a routable master address, the socket-free backend::
 
-    import hpcsync.lightning as hl
+    import hpcsync.resilience.lightning as hl
     trainer = lightning.Trainer(max_epochs=3, **hl.trainer_kwargs())   # under mpirun / srun
     fabric = lightning.Fabric(**hl.fabric_kwargs()); fabric.launch()    # or Fabric
 
@@ -29,9 +29,11 @@ try:
     from lightning.fabric.utilities.rank_zero import rank_zero_only
     from lightning.pytorch.callbacks import Callback
 except ImportError as exc:  # pragma: no cover - optional extra
-    raise MissingDependencyError("hpcsync.lightning needs Lightning: pip install lightning") from exc
+    raise MissingDependencyError("hpcsync.resilience.lightning needs Lightning: pip install lightning") from exc
 
-log = logging.getLogger("hpcsync.lightning")  # the name users configure, as before the packages
+__all__ = ["HpcsyncEnvironment", "PreemptionCallback", "trainer_kwargs", "fabric_kwargs"]
+
+log = logging.getLogger(__name__)
 
 
 class HpcsyncEnvironment(ClusterEnvironment):
@@ -88,7 +90,7 @@ class HpcsyncEnvironment(ClusterEnvironment):
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         if num_devices * num_nodes != self._topo.world_size:
             raise ValueError(f"Trainer(devices={num_devices}, num_nodes={num_nodes}) does not match the "
-                             f"{self._topo.world_size} ranks the launcher started; use hpcsync.lightning.trainer_kwargs()")
+                             f"{self._topo.world_size} ranks the launcher started; use hpcsync.resilience.lightning.trainer_kwargs()")
 
 
 class PreemptionCallback(Callback):

@@ -71,7 +71,9 @@ from . import sharded as _sharded
 from .checkpoint_io import from_rank0, loads
 from .root_owner import claim
 
-log = logging.getLogger("hpcsync.checkpoint")
+__all__ = ["MARKER", "FOLDER", "Layout", "needs_mpi", "layout", "base", "save", "latest", "load"]
+
+log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 FOLDER = _sharded.FOLDER
@@ -237,13 +239,13 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
         import torch.distributed.checkpoint as dcp
 
         dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
-                 process_group=pg, no_dist=_sharded._alone())
+                 process_group=pg, no_dist=_sharded.single_process())
         checkpoint_io.write_file(os.path.join(tmp, f"rank-{me:05d}.pt"), data)
         if me == 0:
             checkpoint_io.write_file(os.path.join(tmp, "shared.pt"), blob)
         own = _own(tmp, me)
-    except _sharded._failed() as exc:
-        error = _sharded._why(exc)
+    except _sharded.failed_types() as exc:
+        error = _sharded.why_failed(exc)
     raise_if_any(ctl, error, CheckpointError, failed)
     out = {peer: sorted(own.items()) for peer in lay.peers(me, replicas)}
     _, errors = peer_transfer.send_files(ctl, out, lay.incoming(me, replicas), tmp, lay.where)
@@ -292,7 +294,7 @@ def _to_root(ckpts: Any, ctl: Any, step: int, seq: int, folder: str, blob: bytes
         error = f"cannot copy into {tmp}: {exc}"
     raise_if_any(ctl, error, CheckpointError, failed)
     every = ctl.gather(sizes, root=0)
-    return from_rank0(ctl, lambda: _sharded._complete(ckpts, step, seq, size, tmp, final, blob, every),
+    return from_rank0(ctl, lambda: _sharded.mark_complete(ckpts, step, seq, size, tmp, final, blob, every),
                       f"step {step} not saved in the root (rank 0: {{}})")
 
 
@@ -430,7 +432,7 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
     error, pg, plain = None, None, {}
     try:
         pg = _sharded.process_group(ckpts._group, size)
-        plain = _sharded._plain(template)
+        plain = _sharded.plain_state(template)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: hpcsync.checkpoint: ")
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
@@ -442,7 +444,7 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
         import torch.distributed.checkpoint as dcp
 
         dcp.load(plain, storage_reader=dcp_reader.ranged_reader(metadata, fetch, FOLDER),
-                 planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_sharded._alone())
+                 planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_sharded.single_process())
         _sharded.put_back(template, plain)
         shared = loads(bytes(blob), ckpts.safe_globals) if blob is not None else None
         if (mine, 0, sizes.get(mine, -1)) in got:
@@ -450,8 +452,8 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
         elif me == 0:
             log.warning("hpcsync.checkpoint: step %d was written by %d ranks, this job has %d: the sharded state is "
                         "resharded, the ranks' local states are not loaded", found, world, size)
-    except _sharded._failed() as exc:
-        error = f"{folder}: {_sharded._why(exc)}"
+    except _sharded.failed_types() as exc:
+        error = f"{folder}: {_sharded.why_failed(exc)}"
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
     every = ctl.gather((read["node"], read["peers"]), root=0)
     if me == 0:

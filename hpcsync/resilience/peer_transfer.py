@@ -27,6 +27,8 @@ import numpy as np
 from ..core import mpi, serial, settings
 from ..core.errors import CollectiveTimeout
 
+__all__ = ["CHUNK", "TAG_HEAD", "TAG_DATA", "TAG_ASK", "TAG_RANGE", "SPIN_S", "Step", "Range", "send_files", "fetch"]
+
 CHUNK = 64 << 20  #: the most bytes one message carries
 TAG_HEAD, TAG_DATA, TAG_ASK, TAG_RANGE = (settings.TAG_COPY_HEAD, settings.TAG_COPY_DATA, settings.TAG_COPY_ASK,
                                          settings.TAG_COPY_RANGE)

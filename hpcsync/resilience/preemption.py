@@ -41,6 +41,11 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 from ..core import serial, settings
 from ..core.errors import CollectiveTimeout
 
+__all__ = [
+    "DEFAULT_SIGNALS", "REQUEUE", "STOP", "ENDING_SIGNALS", "Signals", "job_end_time", "actions",
+    "ignore_in_worker", "PreemptionGuard", "preemption"
+]
+
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 REQUEUE, STOP = "requeue", "stop"  #: the actions a signal can have
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  #: default action: stop, never requeue
@@ -98,12 +103,11 @@ class PreemptionGuard:
     own collectives without MPI). ``end_time``: epoch seconds (default :func:`job_end_time`).
     ``margin_s``: time kept in hand before the end. Waiting for the other ranks' flags is bounded by
     ``timeout`` (default ``HPCSYNC_TIMEOUT``): past it :meth:`should_stop` raises
-    :class:`~hpcsync.core.errors.CollectiveTimeout` (a ``TimeoutError``). ``comm`` is the older name of
-    ``group``.
+    :class:`~hpcsync.core.errors.CollectiveTimeout` (a ``TimeoutError``).
     """
 
     def __init__(self, signals: Signals = DEFAULT_SIGNALS, group: Any = None, end_time: Optional[float] = None,
-                 margin_s: float = 30.0, timeout: Optional[float] = None, *, comm: Any = None) -> None:
+                 margin_s: float = 30.0, timeout: Optional[float] = None) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("hpcsync.preemption: signal handlers can only be installed from the main thread")
         import numpy as np
@@ -121,8 +125,8 @@ class PreemptionGuard:
         self.step_s: Optional[float] = None  # the longest recent step (what the next one may take)
         self.checkpoint_s = 0.0  # the last checkpoint's time
         self._timeout = float(timeout if timeout is not None else settings.number("HPCSYNC_TIMEOUT"))
-        self._group = comm_mod.pick_group(group, comm, "hpcsync.preemption")  # what requeue() agrees over
-        base = comm_mod._comm(self._group)
+        self._group = group  # what requeue() agrees over
+        base = comm_mod.group_comm(self._group)
         self._mode = "mpi" if hasattr(base, "Iallreduce") else "torch" if hasattr(base, "group") else "local"
         self._bits = 0  # every signal this rank got, bit (signum - 1)
         self._broken: Optional[str] = None
@@ -146,7 +150,7 @@ class PreemptionGuard:
         elif self._mode == "torch":
             import torch.distributed as dist
 
-            self._comm = comm_mod._get_global_gloo_group() if base.group is None else base.group
+            self._comm = comm_mod.global_gloo_group() if base.group is None else base.group
             if dist.get_backend(self._comm) == "nccl":
                 raise ValueError("hpcsync.preemption: the guard agrees on CPU tensors; give it a gloo group")
         else:

@@ -14,6 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence
 
+__all__ = ["PROBE_TIMEOUT_S", "PROBES_AT_ONCE", "unreachable"]
+
 PROBE_TIMEOUT_S = 30.0  #: one probe's bound: a launcher waiting on a node it cannot reach
 PROBES_AT_ONCE = 32  #: probes in flight together (each one a launcher process on this node)
 

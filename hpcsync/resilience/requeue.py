@@ -41,7 +41,12 @@ from typing import Any, Mapping, Optional, Tuple
 
 from ..core import settings
 
-log = logging.getLogger("hpcsync.requeue")  # the name users configure, as before the packages
+__all__ = [
+    "EXIT_REQUEUED", "EXIT_REQUEUE_FAILED", "EXIT_NO_SCONTROL", "EXIT_RESTARTS_SPENT", "EXIT_ENDING_BASE",
+    "SCONTROL_TIMEOUT_S", "Requeue", "slurm_job_id", "restart_cap", "job_state", "requeue_job", "requeue"
+]
+
+log = logging.getLogger(__name__)
 
 EXIT_REQUEUED = 0  #: requeued (by hpcsync or by Slurm), or nothing to requeue outside Slurm
 EXIT_REQUEUE_FAILED = 70  #: scontrol ran and refused (EX_SOFTWARE)

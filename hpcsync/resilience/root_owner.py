@@ -13,7 +13,9 @@ from typing import Any, Dict, Optional
 
 from ..core.errors import CheckpointError
 
-log = logging.getLogger("hpcsync.checkpoint")
+__all__ = ["OWNER", "this_job", "job_running", "claim"]
+
+log = logging.getLogger(__name__)
 
 OWNER = "OWNER"
 _SQUEUE_TIMEOUT_S = 30.0

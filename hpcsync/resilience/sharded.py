@@ -41,7 +41,13 @@ from ..data.filesync import fsync_dir
 from . import checkpoint_io, dcp_reader
 from .checkpoint_io import dumps, from_rank0, loads
 
-log = logging.getLogger("hpcsync.checkpoint")
+__all__ = [
+    "FOLDER", "process_group", "plain_state", "failed_types", "why_failed", "single_process", "prepare", "visible",
+    "mark_complete", "save", "checkpoint_groups", "drop_groups", "save_in_background", "put_back", "load",
+    "load_chosen"
+]
+
+log = logging.getLogger(__name__)
 
 FOLDER = "sharded"  #: DCP's files, inside a checkpoint directory
 
@@ -63,7 +69,7 @@ def process_group(group: Any, size: int) -> Any:
     return None
 
 
-def _plain(state: Any) -> Dict[str, Any]:
+def plain_state(state: Any) -> Dict[str, Any]:
     """``state`` with each top-level ``Stateful`` replaced by its ``state_dict()``: what DCP would
     do first on each rank, done here where one rank's error is agreed before any collective."""
     from torch.distributed.checkpoint.stateful import Stateful
@@ -96,24 +102,24 @@ def _replicated(state: Any, at: str = "") -> Dict[str, int]:
     return {at: zlib.crc32(dumps(state))}
 
 
-def _failed() -> Tuple[type, ...]:
+def failed_types() -> Tuple[type, ...]:
     """What a DCP call raises when it fails: its CheckpointException is a BaseException."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return Exception, CheckpointException
 
 
-def _why(exc: BaseException) -> str:
+def why_failed(exc: BaseException) -> str:
     """One line for ``exc``; for DCP's CheckpointException, the first failed rank's own error."""
     failures = getattr(exc, "failures", None)
     if failures:
         rank, (inner, _) = sorted(failures.items())[0]
-        return f"rank {rank}: {_why(inner)}"
+        return f"rank {rank}: {why_failed(inner)}"
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def _alone() -> bool:
+def single_process() -> bool:
     """One process without torch.distributed: DCP then plans alone (and says nothing of it)."""
     import torch.distributed as dist
 
@@ -147,7 +153,7 @@ def prepare(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
         doing = "serialise the shared state"
         blob = dumps(shared) if me == 0 else b""
         doing = "read its sharded state"
-        plain = _plain(state)
+        plain = plain_state(state)
         sums = _replicated(plain)
     except CheckpointError as exc:
         error = str(exc).removeprefix("hpcsync.checkpoint: ")
@@ -194,7 +200,7 @@ def _write_part(tmp: str, me: int, data: bytes) -> Dict[str, int]:
     return _own_files(tmp, me, [name])
 
 
-def _complete(ckpts: Any, step: int, seq: int, size: int, tmp: str, final: str, blob: bytes,
+def mark_complete(ckpts: Any, step: int, seq: int, size: int, tmp: str, final: str, blob: bytes,
               every: Sequence[Dict[str, int]]) -> str:
     """Rank 0, once every rank's part is on disk: the shared state, the marker, the rename."""
     files: Dict[str, int] = {}
@@ -216,13 +222,13 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -
         import torch.distributed.checkpoint as dcp
 
         dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
-                 process_group=pg, no_dist=_alone())
+                 process_group=pg, no_dist=single_process())
         sizes = _write_part(tmp, me, data)
-    except _failed() as exc:  # every rank still reaches the agreement below
-        error = _why(exc)
+    except failed_types() as exc:  # every rank still reaches the agreement below
+        error = why_failed(exc)
     raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
     every = comm.gather(sizes, dst=0, group=ctl)
-    path = from_rank0(ctl, lambda: _complete(ckpts, step, seq, size, tmp, final, blob, every),
+    path = from_rank0(ctl, lambda: mark_complete(ckpts, step, seq, size, tmp, final, blob, every),
                        f"step {step} not saved (rank 0: {{}})")
     log.info("hpcsync.checkpoint: saved step %d (sharded) to %s", step, path)
     return path
@@ -280,8 +286,8 @@ def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any,
     try:
         writing, agreeing = checkpoint_groups(ckpts, pg)
         copy = BlockingAsyncStager().stage(plain)
-    except _failed() as exc:
-        error = _why(exc)
+    except failed_types() as exc:
+        error = why_failed(exc)
     raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
     together = size > 1  # (a one-process job may have no torch.distributed at all)
     root = dist.get_global_rank(agreeing, 0) if together and agreeing is not None else 0
@@ -290,10 +296,10 @@ def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any,
         sizes, err = {}, None
         try:
             dcp.save(copy, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
-                     process_group=writing, no_dist=_alone())
+                     process_group=writing, no_dist=single_process())
             sizes = _write_part(tmp, me, data)
-        except _failed() as exc:  # every rank still reaches the exchange below
-            err = f"rank {me}: {_why(exc)}"
+        except failed_types() as exc:  # every rank still reaches the exchange below
+            err = f"rank {me}: {why_failed(exc)}"
         parts: Any = [(sizes, err)]
         if together:
             parts = [None] * size if me == 0 else None
@@ -304,7 +310,7 @@ def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any,
             errs = sorted((e for _, e in parts if e), key=lambda e: "timed out" in e.lower() or "timeout" in e.lower())
             try:
                 outcome[0] = (None, errs[0]) if errs else \
-                    (_complete(ckpts, step, seq, size, tmp, final, blob, [sz for sz, _ in parts]), None)
+                    (mark_complete(ckpts, step, seq, size, tmp, final, blob, [sz for sz, _ in parts]), None)
             except Exception as exc:
                 outcome[0] = (None, f"rank 0: {type(exc).__name__}: {exc}")
         if together:
@@ -352,7 +358,7 @@ def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optiona
     error, pg, plain = None, None, {}
     try:
         pg = process_group(ckpts._group, size)
-        plain = _plain(template)
+        plain = plain_state(template)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: hpcsync.checkpoint: ")
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
@@ -361,7 +367,7 @@ def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optiona
         import torch.distributed.checkpoint as dcp
 
         dcp.load(plain, storage_reader=dcp_reader.reader(os.path.join(folder, FOLDER)),
-                 planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_alone())
+                 planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=single_process())
         put_back(template, plain)
         shared = loads(shared_blob, ckpts.safe_globals) if shared_blob is not None else None
         name = f"rank-{me:05d}.pt"
@@ -371,8 +377,8 @@ def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optiona
         elif me == 0:
             log.warning("hpcsync.checkpoint: %s was written by %d ranks, this job has %d: the sharded state is "
                         "resharded, the ranks' local states are not loaded", folder, marker["world_size"], size)
-    except _failed() as exc:
-        error = f"{folder}: {_why(exc)}"
+    except failed_types() as exc:
+        error = f"{folder}: {why_failed(exc)}"
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
     if me == 0 and latest:  # the latest: what a supervised attempt resumes from
         from ..observe import failure

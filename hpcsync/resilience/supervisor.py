@@ -60,10 +60,16 @@ import psutil
 from ..core import settings
 from ..observe import failure
 from . import probe, requeue
-from .verdict import Verdict, judge, weigh  # noqa: F401
-from .launchers import (WARNING_SIGNALS, Hydra, Launcher, LauncherWords, OpenMPI, Srun,  # noqa: F401
+from .verdict import Verdict, judge
+from .launchers import (WARNING_SIGNALS, Launcher, LauncherWords, Srun,
                         mpi_launcher, parse_hosts)
 from ..core.environments import expand_hostlist, parse_tasks_per_node
+
+__all__ = [
+    "EXIT_NO_NODES", "EXIT_SIGNALLED", "EXIT_RESTARTS_SPENT", "say", "Attempt", "State", "Supervisor",
+    "LAUNCHER_SLACK_S", "launcher_grace", "START_MIN_S", "start_limit", "slurm_down", "requeue_excluding",
+    "slurm_tasks_per_node", "slurm_nodes", "main", "add_parser"
+]
 
 EXIT_NO_NODES = 66  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
 EXIT_SIGNALLED = 128 + signal.SIGTERM  #: ended by a signal to the supervisor between two attempts

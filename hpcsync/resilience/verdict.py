@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .launchers import LauncherWords
 
+__all__ = ["Verdict", "weigh", "judge"]
+
 
 @dataclass
 class Verdict:

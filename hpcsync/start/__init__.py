@@ -9,3 +9,5 @@ What it owns: the bootstrap, torch.distributed from MPI with the backend it pick
 :mod:`hpcsync.backend` and :mod:`hpcsync.data`; ``init()`` wires the backend and the observers
 together, so it sits above them.
 """
+
+__all__ = []

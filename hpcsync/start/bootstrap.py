@@ -16,13 +16,17 @@ import traceback
 from typing import Any, List, Optional, Union
 
 from ..core import mpi, bounded, jobend, settings
-from ..observe import digest, failure, flight, watchdog
+from ..observe import digest, failure, flight, responder, watchdog
 from ..core.errors import AddressError, HpcsyncError, MissingDependencyError
 from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
 from ..core.topology import Topology, topology
 
-log = logging.getLogger("hpcsync.bootstrap")  # the name users configure, as before the packages
+__all__ = [
+    "BACKENDS", "master_address", "init", "is_initialized", "shutdown", "install_abort_hook", "uninstall_abort_hook"
+]
+
+log = logging.getLogger(__name__)
 
 _lock = threading.RLock()
 _state: dict = {}
@@ -238,7 +242,8 @@ def init(
             _export_env(topo, None, None)
             dist.init_process_group("mpi", timeout=td)
         elif name == "hpcsync":
-            from ..backend import BACKEND_NAME, INIT_METHOD
+            from ..backend import INIT_METHOD
+            from ..backend.engine import BACKEND_NAME
 
             _export_env(topo, None, None)
             dist.init_process_group(BACKEND_NAME, init_method=INIT_METHOD, timeout=td)
@@ -263,7 +268,7 @@ def init(
             dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
         _check_ranks(topo)
         if topo.uses_mpi and mpi.MPI().Query_thread() == mpi.MPI().THREAD_MULTIPLE:
-            watchdog.start()  # answers report questions (a stalled gloo/NCCL collective, a failure)
+            responder.start()  # answers report questions (a stalled gloo/NCCL collective, a failure)
         _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice)
         if _our_backend_available():  # groups created without timeout= (any backend) follow init's
             from ..backend import follow_default_timeout

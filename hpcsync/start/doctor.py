@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+__all__ = ["OK", "WARN", "FAIL", "Check", "KEEPALIVE_FLAGS", "tensor_hugepages", "run"]
+
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 _JOB_WIDE = ("interfaces", "interface names")  # checks rank 0 makes from every node's answer
 _ORDER = {OK: 0, WARN: 1, FAIL: 2}

@@ -24,6 +24,8 @@ from ..core.errors import AddressError
 from .network import (Acceptor, Interface, RouteFn, ifname_matches, kernel_route_source, local_interfaces,
                       open_listener, reach_all, usable)
 
+__all__ = ["BACKEND_VARS", "NodeLink", "own_link", "export", "prove_peers", "names_differ"]
+
 # The variable each backend reads, and which of them hpcsync sets for a rank.
 BACKEND_VARS = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 

@@ -24,6 +24,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..core.errors import AddressError
 
+__all__ = [
+    "Interface", "NodeInterfaces", "MasterChoice", "local_interfaces", "hostname_addresses", "usable",
+    "duplicated_addresses", "RouteFn", "kernel_route_source", "ifname_matches", "master_candidates",
+    "choose_master", "describe_nodes", "open_listener", "Acceptor", "reach_all", "try_connect"
+]
+
 # Virtual / container interfaces: usable only when nothing better exists.
 _VIRTUAL = re.compile(r"^(docker|br-|virbr|veth|cni|flannel|cali|vxlan|weave|lxc|lxd|podman|tun|tap|kube|cilium)")
 

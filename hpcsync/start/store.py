@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from ..core import bounded, mpi, serial, settings
 
+__all__ = ["REPLY_GRACE_S", "MPIStore"]
+
 _TAG_REQ, _TAG_REP = settings.TAG_STORE_REQUEST, settings.TAG_STORE_REPLY
 REPLY_GRACE_S = 30.0  # past the store's own timeout, for rank 0's answer to arrive
 

@@ -44,7 +44,7 @@ out.update(
     bcast_half=comm.broadcast_object(f"from {rank}", src=1, group=mine),
     all_gather_local=comm.all_gather(rank, group=local),
     local_pg_is_module_attr=comm._LOCAL_PROCESS_GROUP is local,
-    gloo_group_is_world=comm._get_global_gloo_group() is dist.group.WORLD,
+    gloo_group_is_world=comm.global_gloo_group() is dist.group.WORLD,
     seed_same=len(set(comm.all_gather(comm.shared_random_seed()))) == 1,
     reduced=comm.reduce_dict({"x": float(rank)}, average=False)["x"],
     main=comm.is_main_process(),

@@ -4,8 +4,7 @@ under MPI and (torchrun) over torch.distributed, and close() after it returns at
     guard_timeout.py [group | never]
 
 Rank 1 calls ``should_stop()`` three times, then sleeps; rank 0 calls it every 10 ms until it
-raises, then closes the guard. ``group``: the guard gets a torch process group (``group=`` and
-its older name ``comm=``), made with ``dist.new_group`` after ``hpcsync.init``. ``never``: rank 1
+raises, then closes the guard. ``group``: the guard gets a torch process group (``group=``), made with ``dist.new_group`` after ``hpcsync.init``. ``never``: rank 1
 never makes a guard and exits after 4 s; rank 0's guard times out while it is being made, and
 rank 0 then exits too.
 """
@@ -34,7 +33,6 @@ if "never" in sys.argv:
     sys.exit(0)
 if "group" in sys.argv:
     pg = dist.new_group(list(range(topo.world_size)))
-    hpcsync.PreemptionGuard(comm=pg, timeout=2).close()  # the older name takes a torch group too
     guard = hpcsync.PreemptionGuard(group=pg, timeout=2)
 else:
     guard = hpcsync.preemption(timeout=2)

@@ -16,7 +16,7 @@ from _report import report
 
 topo = hpcsync.topology()
 relay.FANOUT = int(sys.argv[1])
-watchdog.start()
+responder.start()
 world = mpi.MPI().COMM_WORLD
 widest = [0]
 ask_each = responder.ask_each

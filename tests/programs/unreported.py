@@ -6,11 +6,11 @@ import time
 
 import hpcsync
 from hpcsync.core import mpi
-from hpcsync.observe import failure, watchdog
+from hpcsync.observe import failure, responder, watchdog
 from _report import report
 
 topo = hpcsync.topology()
-watchdog.start()
+responder.start()
 world = mpi.MPI().COMM_WORLD
 log = watchdog.group_log(998, "unreported", [0, 1])
 rec = log.start("all_reduce", "float32", (4,), -1)

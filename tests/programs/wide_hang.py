@@ -3,7 +3,7 @@
     wide_hang.py TIMEOUT
 
 No torch (32 processes importing it would take a minute on a small machine): the flight
-recorder and report of ``hpcsync.watchdog`` driven directly over real MPI, as the backend drives
+recorder and report of ``hpcsync.observe.watchdog`` driven directly over real MPI, as the backend drives
 them. Every rank does two all_reduce, then every rank but the last enters a third one and waits
 against the deadline; the last sleeps (STUCK HERE). The timed-out ranks report and abort.
 """
@@ -12,12 +12,14 @@ import time
 
 from mpi4py import MPI
 
-from hpcsync import topology, watchdog
+from hpcsync import topology
+
+from hpcsync.observe import responder, watchdog
 
 timeout = float(sys.argv[1])
 topo = topology()
 world = MPI.COMM_WORLD
-watchdog.start()
+responder.start()
 log = watchdog.group_log(1, "0", list(range(world.size)))
 buf = bytearray(16)
 for _ in range(2):

@@ -68,18 +68,15 @@ import numpy as np
 from ...core import bigmpi, bounded, mpi
 from ...core.errors import CollectiveTimeout, StageError, StageTimeout, raise_if_any, raise_if_settings_differ
 from ...observe.progress import Progress
-from .destination import TMP_SUFFIX, Destination
-from .manifest import MANIFEST
-from .journal import JOURNAL
-from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks, chunks,
+from .destination import Destination
+from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks,
                       collector_paused, scan, stat_names, walk_names)
 from .broadcast import Reader, close_bar, unexpected
 from .heartbeat import Heartbeat
 from .rounds import stage_across_nodes
-from .transfer import SPLIT_BYTES, copy_blocks, copy_shared, help_on_one_node, identity, idle_until_all_arrive
+from .transfer import copy_blocks, copy_shared, help_on_one_node, identity, idle_until_all_arrive
 
-__all__ = ["stage", "StageResult", "Entry", "chunks", "blocks", "MANIFEST", "JOURNAL", "TMP_SUFFIX",
-           "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "SPLIT_BYTES"]
+__all__ = ["stage", "StageResult"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -119,7 +116,6 @@ def stage(
     progress: Optional[bool] = None,
     timeout: Optional[float] = None,
     names: bool = False,
-    comm: Any = None,
     group: Any = None,
 ) -> StageResult:
     """Copy ``src`` (a file or directory that rank ``root`` can read) into the directory ``dst`` on
@@ -135,7 +131,7 @@ def stage(
     node, the file, reading or writing) comes before the others' rounds time out. ``names``: the
     result lists every file copied and skipped (by default it counts them: the names of a
     million files on every rank cost memory). ``group``: the ranks taking part, a torch process
-    group (under MPI) or an mpi4py communicator (default: the world; ``comm`` is its older name).
+    group (under MPI) or an mpi4py communicator (default: the world).
     Raises :class:`~hpcsync.core.errors.StageError` on every rank if anything fails, and
     :class:`~hpcsync.core.errors.StageTimeout` (a StageError and a CollectiveTimeout) on the
     ranks that waited past the timeout for a rank that stopped.
@@ -143,7 +139,7 @@ def stage(
     t0 = time.perf_counter()
     from ...core.comm import group_comm
 
-    base = _transport(group_comm(group, comm, "stage"))
+    base = _transport(group_comm(group))
     me, size = base.Get_rank(), base.Get_size()
     if not 0 <= root < size:
         raise ValueError(f"root {root} outside the world of {size} rank(s)")

@@ -20,7 +20,9 @@ from .destination import Destination
 from .fileops import source_changed
 from .listing import FILE, Entry, Piece, chunks, trailer_at
 
-log = logging.getLogger("hpcsync.staging")
+__all__ = ["broadcast", "round_bytes", "close_bar", "unexpected", "Reader"]
+
+log = logging.getLogger(__name__)
 
 
 def broadcast(leaders: Any, todo: List[Tuple[int, int]], chunk_bytes: int, reader: Optional["Reader"],

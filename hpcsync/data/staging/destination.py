@@ -19,10 +19,15 @@ from .listing import DEFAULT_CHUNK_BYTES, DIR, FILE, Entry, Piece, trailer_at, w
 from .manifest import MANIFEST, load_all, up_to_date, write_object
 from .private import make_private_dirs
 
-log = logging.getLogger("hpcsync.staging")
+__all__ = [
+    "TMP_SUFFIX", "JOURNAL_SECONDS", "Destination", "set_dir_attributes", "remove_temporaries", "unlink",
+    "clear_killed", "claims_path"
+]
+
+log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".hpcsync-tmp"
-_JOURNAL_SECONDS = 1.0
+JOURNAL_SECONDS = 1.0
 
 
 class Destination:
@@ -185,7 +190,7 @@ class Destination:
         if self.broken is not None or idx in self.failed:
             return None
         e = self.entries[idx]
-        if e.size > DEFAULT_CHUNK_BYTES or time.monotonic() - self.last_journal > _JOURNAL_SECONDS:
+        if e.size > DEFAULT_CHUNK_BYTES or time.monotonic() - self.last_journal > JOURNAL_SECONDS:
             self.checkpoint()  # record what is done before a long file, so a kill loses little
         tmp = self.tmp_path(self.path(idx))
         mode, chmod = (0o600, True) if shared else creation_mode(e.mode, self.umask)

@@ -17,6 +17,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .listing import Entry
 
+__all__ = [
+    "process_umask", "creation_mode", "create", "seal", "copy_file", "Failure", "new_folder", "fill_folder",
+    "Copier", "source_changed", "pwrite_all", "syncfs"
+]
+
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_CLOEXEC

@@ -17,6 +17,8 @@ from typing import Any, List, Optional, Tuple
 from ...core import bounded, serial
 from ...core.errors import StageError, StageTimeout
 
+__all__ = ["TAG", "MAX_BYTES", "Heartbeat"]
+
 TAG = 0x5EA1  # on the node's private duplicate: never matches the program's own messages
 MAX_BYTES = 2000  # a leader's error, as sent, in UTF-8 (the receive buffer bounds a message; small: sent eagerly)
 

@@ -13,7 +13,9 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-log = logging.getLogger("hpcsync.staging")
+__all__ = ["JOURNAL", "journals", "read_journals", "Journal"]
+
+log = logging.getLogger(__name__)
 
 JOURNAL = ".hpcsync-stage.journal"
 

@@ -7,6 +7,12 @@ import os
 import stat as st
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+__all__ = [
+    "DEFAULT_CHUNK_BYTES", "MAX_PIECES", "FILE", "DIR", "LINK", "WHOLE_MIN_FILES", "WHOLE_MAX_BYTES", "Entry",
+    "collector_paused", "scan", "Names", "walk_names", "Stat", "stat_names", "assemble", "source_path", "Piece",
+    "chunks", "trailer_at", "whole", "blocks"
+]
+
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 MAX_PIECES = 4096  # files (or file pieces) per broadcast: bounds the trailer and the latency of one round
 FILE, DIR, LINK = "f", "d", "l"

@@ -24,7 +24,12 @@ from .fileops import syncfs
 from .journal import journals
 from .listing import FILE, Entry
 
-log = logging.getLogger("hpcsync.staging")
+__all__ = [
+    "MANIFEST", "Record", "order_key", "load", "load_all", "Lines", "recorded_bytes", "LinesWriter",
+    "remove_journals", "encode_records", "write_object", "up_to_date"
+]
+
+log = logging.getLogger(__name__)
 
 MANIFEST = ".hpcsync-stage.json"
 Record = Sequence[Any]

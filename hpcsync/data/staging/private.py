@@ -6,6 +6,8 @@ import os
 import stat as st
 from typing import Optional
 
+__all__ = ["not_private", "make_private_dirs"]
+
 
 def _squattable(folder: str) -> bool:
     """A folder anyone may create names in (``/tmp``, ``/dev/shm``: sticky, world-writable)."""

@@ -39,6 +39,8 @@ from .journal import journals, read_journals
 from .listing import DIR, FILE, LINK, Entry
 from .manifest import MANIFEST, Lines, LinesWriter, load, recorded_bytes, remove_journals
 
+__all__ = ["ROUND_ENTRIES", "stage_across_nodes", "NodeInRounds"]
+
 ROUND_ENTRIES = 65536  #: listing entries per round: what a node leader holds at once
 
 

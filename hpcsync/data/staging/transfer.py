@@ -12,13 +12,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...observe.progress import Progress
 from .broadcast import Reader, unexpected
-from .destination import _JOURNAL_SECONDS, Destination, claims_path
+from .destination import JOURNAL_SECONDS, Destination, claims_path
 from .manifest import encode_records
 from .journal import JOURNAL
 from .fileops import Copier, copy_file, fill_folder, new_folder, source_changed
 from .listing import DEFAULT_CHUNK_BYTES, Entry, blocks, source_path
 
-log = logging.getLogger("hpcsync.staging")
+__all__ = [
+    "SPLIT_BYTES", "copy_blocks", "copy_local", "idle_until_all_arrive", "identity", "Range", "copy_shared",
+    "help_on_one_node"
+]
+
+log = logging.getLogger(__name__)
 
 SPLIT_BYTES = 64 * 2**20  # on one node, a file this big is copied in one byte range per rank
 
@@ -45,7 +50,7 @@ def copy_blocks(plan: List[Tuple[int, List[int]]], src: str, entries: List[Entry
         if p < 0:
             copy_local([(i, entries[i].size, source_path(src, entries, entries[i])) for i in files], node, reader, bar)
             continue
-        if time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
+        if time.monotonic() - node.last_journal > JOURNAL_SECONDS:
             node.checkpoint()
         _copy_folder(node, p, files, os.path.dirname(source_path(src, entries, entries[files[0]])), reader, bar)
     return mine
@@ -58,7 +63,7 @@ def copy_local(todo: List[Tuple[int, int, str]], node: "Destination", reader: "R
     for idx, size, source in todo:
         if node.broken is not None:
             break
-        if size > DEFAULT_CHUNK_BYTES or time.monotonic() - node.last_journal > _JOURNAL_SECONDS:
+        if size > DEFAULT_CHUNK_BYTES or time.monotonic() - node.last_journal > JOURNAL_SECONDS:
             node.checkpoint()
         final = node.path(idx)
         copied, done, error, source_side = copy_file(copier, umask, entries[idx], source, node.tmp_path(final), final)
