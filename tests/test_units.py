@@ -183,3 +183,16 @@ def test_a_stuck_background_call_is_named_and_does_not_hold_the_exit():
     assert proc.returncode == 0, proc.stderr
     assert "writing /x/f.bin: no progress for 0.5 s" in proc.stdout, proc.stdout
     assert time.monotonic() - t0 < 20
+
+
+def test_an_owned_duplicate_is_freed_when_its_block_ends(tmp_path):
+    """``bounded.owned`` frees the private duplicate it made when the ``with`` block ends, by an
+    exception too; a communicator it was given back as it is stays; after a timeout the duplicate
+    is kept (its barrier is still in flight) and the process says so (2 ranks, Open MPI)."""
+    from launch import openmpi, run
+
+    res = run(openmpi(), 2, "owned.py", tmp_path=tmp_path, timeout=60, expect_ok=False)
+    for r, d in enumerate(res.ranks):
+        assert d is not None and d["gathered"] == [0, 1], res
+        assert d["freed_after_block"] and d["freed_after_exception"] and d["world_kept"] and d["self_given_back"], d
+    assert res.ranks[0]["timed_out"] and res.ranks[0]["kept_after_timeout"], res.ranks[0]

@@ -17,10 +17,11 @@ group's timeout; in one process there is nothing to wait for.
 """
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from . import bigmpi, mpi, jobend, serial, settings
 from .errors import CollectiveTimeout
 
 __all__ = [
-    "SPIN_S", "LARGE_BYTES", "wait", "BoundedComm", "own", "over", "default_timeout", "control", "helper",
+    "SPIN_S", "LARGE_BYTES", "wait", "BoundedComm", "own", "over", "owned", "default_timeout", "control", "helper",
     "abandon", "broken"
 ]
 
@@ -254,6 +255,19 @@ def over(c: Any, what: str, timeout: float) -> Any:
     (:func:`own`) when it is an mpi4py communicator; a torch-backed or already bounded one as it
     is (bounded by its process group's timeout, or already)."""
     return own(c, what, timeout) if hasattr(c, "Idup") else c
+
+
+@contextlib.contextmanager
+def owned(c: Any, what: str, timeout: float) -> Iterator[Any]:
+    """:func:`over` for the length of a ``with`` block: the private duplicate it made is freed when
+    the block ends, however it ends (:meth:`BoundedComm.free`: kept after a timeout, whose
+    operation is still in flight on it). ``c`` itself when :func:`over` gave it back as it is."""
+    comm = over(c, what, timeout)
+    try:
+        yield comm
+    finally:
+        if comm is not c:
+            comm.free()
 
 
 def default_timeout() -> float:
