@@ -19,3 +19,32 @@ def test_wheel_holds_every_module(tmp_path):
     tree = {str(f.relative_to(ROOT)) for f in (ROOT / "hpcsync").rglob("*.py")}
     assert tree and tree == shipped, sorted(tree ^ shipped)
     assert "hpcsync/py.typed" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_the_claimed_versions_are_the_tested_ones():
+    """pyproject.toml claims the versions CI runs (hpcsync/start/versions.py), no wider: Python
+    and torch bounded above too; the running stack is inside them (else CI tests something else
+    than the claims), and `hpcsync doctor` warns outside them."""
+    import platform
+    import re
+    import tomllib
+    from importlib.metadata import version
+
+    from hpcsync.start.doctor import OK, WARN, version_check
+    from hpcsync.start.versions import TESTED, outside
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == TESTED["python"].spec()
+    specs = {}
+    for req in project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]:
+        name, spec = re.match(r"([A-Za-z0-9_.-]+)(.*)", req).groups()
+        if name in TESTED:
+            assert specs.setdefault(name, spec) == spec, (name, spec, specs[name])  # the same in every extra
+    assert specs == {name: t.spec() for name, t in TESTED.items() if name != "python"}, specs
+    running = {"python": platform.python_version(), **{n: version(n) for n in TESTED if n != "python"}}
+    assert not [outside(n, v) for n, v in running.items() if outside(n, v)], running
+    assert version_check(running).status == OK
+    warned = version_check({**running, "torch": "2.14.1", "python": "3.12.4"})
+    assert warned.status == WARN and "torch 2.14.1: hpcsync is tested with torch >=2.13,<2.14" in warned.detail
+    assert "python 3.12.4: hpcsync is tested with python >=3.11,<3.12" in warned.detail
+    assert version_check({**running, "numpy": "1.26.4"}).status == WARN

@@ -6,9 +6,9 @@ the ranks it concerns) and the command exits non-zero when any check failed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
-__all__ = ["OK", "WARN", "FAIL", "Check", "KEEPALIVE_FLAGS", "tensor_hugepages", "run"]
+__all__ = ["OK", "WARN", "FAIL", "Check", "KEEPALIVE_FLAGS", "tensor_hugepages", "version_check", "run"]
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 _JOB_WIDE = ("interfaces", "interface names")  # checks rank 0 makes from every node's answer
@@ -285,9 +285,38 @@ def _hdf5_check(checks: List[Check]) -> None:
     checks.append(Check("HDF5", status, "parallel (h5py + mpio)" if ok else f"serial fallback: {why} ({fix})"))
 
 
+def version_check(installed: Dict[str, str]) -> Check:
+    """``installed``: name -> version of Python and the packages hpcsync is tested with
+    (:data:`hpcsync.start.versions.TESTED`): ok inside those bounds, a warning naming each one
+    outside them (it may work; nobody has run the tests there)."""
+    from .versions import outside
+
+    off = [why for name, version in installed.items() if (why := outside(name, version))]
+    if off:
+        return Check("versions", WARN, "; ".join(off) + " (untested: it may work, but nobody ran the tests there)")
+    return Check("versions", OK, ", ".join(f"{name} {version}" for name, version in installed.items()) +
+                 ": inside the tested bounds")
+
+
+def _installed() -> Dict[str, str]:
+    import importlib.metadata
+    import platform
+
+    from .versions import TESTED
+
+    found = {"python": platform.python_version()}
+    for name in TESTED:
+        if name != "python":
+            try:
+                found[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                pass  # the feature's own check says what is missing
+    return found
+
+
 def run(connect: bool = True) -> int:
     """Run every check; rank 0 prints the report. Returns the exit code (agreed by all ranks)."""
-    checks: List[Check] = []
+    checks: List[Check] = [version_check(_installed())]
     topo = _mpi_checks(checks)
     if topo is not None:
         _hostname_check(topo, checks)
