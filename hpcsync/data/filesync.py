@@ -44,13 +44,47 @@ from ..core.errors import CollectiveTimeout, SyncError, SyncTimeout, raise_if_an
 from .transports import choose_method, Part, Source, write_copy, write_gather, write_mpiio
 from ..observe.progress import Progress
 
-__all__ = ["PathLike", "METHODS", "part_path", "SyncResult", "fsync_dir", "merge_parts", "sync_file", "SyncedFile"]
+__all__ = ["PathLike", "METHODS", "SyncOptions", "part_path", "SyncResult", "fsync_dir", "merge_parts", "sync_file",
+           "SyncedFile"]
 
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 METHODS = ("auto", "copy", "gather", "mpiio")
 _HEADER_SCAN = 1 << 20
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """How the parts are joined: the keyword arguments of :func:`sync_file`, :func:`merge_parts`
+    and :class:`SyncedFile` (their docstring says what each means), checked once, when made."""
+
+    root: int = 0
+    strip_header: bool = False
+    check_headers: bool = True
+    text: bool = True
+    allow_missing: bool = False
+    keep_parts: bool = False
+    method: str = "auto"
+    round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES
+    progress: Optional[bool] = None
+    timeout: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.timeout is not None and not float(self.timeout) > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+    def limit(self) -> float:
+        """Seconds each exchange waits: ``timeout``, else ``HPCSYNC_TIMEOUT`` (read now)."""
+        return bounded.default_timeout() if self.timeout is None else float(self.timeout)
+
+    def agreed(self, target: str) -> Dict[str, Any]:
+        """What every rank must give alike for one merge (``round_bytes`` and ``progress`` may differ)."""
+        return {"target": target, "root": self.root, "strip_header": self.strip_header,
+                "check_headers": self.check_headers, "text": self.text, "allow_missing": self.allow_missing,
+                "keep_parts": self.keep_parts, "method": self.method, "timeout": self.limit()}
 
 
 def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[PathLike] = None) -> str:
@@ -193,52 +227,50 @@ def merge_parts(
     """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order).
     ``group``: the ranks taking part (a torch process group or an mpi4py communicator; default the
     world). ``timeout``: as for :func:`sync_file`."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    options = SyncOptions(root, strip_header, check_headers, text, allow_missing, keep_parts, method, round_bytes,
+                          progress, timeout)
+    return _merge_parts(target, my_parts, options, group)
+
+
+def _merge_parts(target: PathLike, my_parts: Sequence[PathLike], options: SyncOptions, group: Any) -> SyncResult:
     t0 = time.perf_counter()
     from ..core.comm import group_comm
 
     base = group_comm(group)
     size, me = base.Get_size(), base.Get_rank()
-    if not 0 <= root < size:
-        raise ValueError(f"root {root} outside the world of {size} rank(s)")
-    limit = bounded.default_timeout() if timeout is None else float(timeout)
+    if not 0 <= options.root < size:
+        raise ValueError(f"root {options.root} outside the world of {size} rank(s)")
+    limit = options.limit()
     if not limit > 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+        raise ValueError(f"timeout must be positive, got {options.timeout}")
     target = os.path.abspath(os.fspath(target))
-    comm = bounded.over(base, f"sync of {target} on rank {me} ({socket.gethostname()})", limit)
     try:
-        return _merge(comm, target, my_parts, root, strip_header, check_headers, text, allow_missing, keep_parts,
-                      method, round_bytes, progress, limit, t0)
+        with bounded.owned(base, f"sync of {target} on rank {me} ({socket.gethostname()})", limit) as comm:
+            return _merge(comm, target, my_parts, options, limit, t0)
     except CollectiveTimeout as exc:
         if isinstance(exc, SyncError):
             raise
         raise SyncTimeout(f"sync of {target} failed, nothing deleted: {exc}") from None
-    finally:
-        if comm is not base:
-            comm.free()
 
 
-def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, strip_header: bool, check_headers: bool,
-           text: bool, allow_missing: bool, keep_parts: bool, method: str, round_bytes: int,
-           progress: Optional[bool], limit: float, t0: float) -> SyncResult:
+def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], options: SyncOptions, limit: float,
+           t0: float) -> SyncResult:
     """:func:`merge_parts` on a bounded communicator: every round waits at most ``limit``
     seconds; a rank's own read or the root's write gets a quarter of it."""
     size, me = comm.Get_size(), comm.Get_rank()
+    root = options.root
     raise_if_settings_differ(  # every rank must mean the same merge
-        comm, {"target": target, "root": root, "strip_header": strip_header, "check_headers": check_headers,
-               "text": text, "allow_missing": allow_missing, "keep_parts": keep_parts, "method": method,
-               "timeout": limit},
+        comm, options.agreed(target),
         SyncError, "sync_file: ranks called it with different arguments (desync), nothing merged or deleted: ")
 
     src, err = Source(), None
     for p in my_parts:
-        part, perr = _inspect(os.path.abspath(os.fspath(p)), allow_missing, strip_header)
+        part, perr = _inspect(os.path.abspath(os.fspath(p)), options.allow_missing, options.strip_header)
         err = err or perr
         if part is not None:
             src.parts.append(part)
     _agree(comm, err, f"sync of {target}")
-    _plan(comm, src.parts, strip_header, check_headers, text)
+    _plan(comm, src.parts, options.strip_header, options.check_headers, options.text)
     mine = src.size
     sizes = bigmpi.allgather_sizes(comm, mine)
     total = sum(sizes)
@@ -246,16 +278,16 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, stri
     tmp, err = _prepare_target(target, total) if me == root else (None, None)
     tmp = comm.bcast(tmp, root=root)
     _agree(comm, err, f"sync of {target}")
-    bar = Progress(f"merging {os.path.basename(target)}", total, enabled=progress) if me == root else None
+    bar = Progress(f"merging {os.path.basename(target)}", total, enabled=options.progress) if me == root else None
     chosen = "gather"
     try:
-        chosen, everything = choose_method(comm, method, tmp, total, src, root)
+        chosen, everything = choose_method(comm, options.method, tmp, total, src, root)
         if chosen == "copy":
             err = write_copy(tmp, everything, bar) if me == root else None  # type: ignore[arg-type]
         elif chosen == "mpiio":
-            err = write_mpiio(comm, tmp, src, sizes, round_bytes, bar)
+            err = write_mpiio(comm, tmp, src, sizes, options.round_bytes, bar)
         else:
-            err = write_gather(comm, tmp, src, sizes, root, round_bytes, bar, limit / 4)
+            err = write_gather(comm, tmp, src, sizes, root, options.round_bytes, bar, limit / 4)
         # every rank's error first: a rank whose read failed sent zeros, which must not become the target
         _agree(comm, err or src.error, f"sync of {target}")
         err = None
@@ -274,7 +306,7 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], root: int, stri
         if bar is not None:
             bar.close()
     deleted = False
-    if not keep_parts:
+    if not options.keep_parts:
         for p in src.parts:
             try:
                 os.unlink(p.path)
@@ -318,35 +350,35 @@ def sync_file(
     :class:`~hpcsync.core.errors.SyncError` on every rank, before any round times out. A rank that
     stops (frozen, lost) makes the others raise :class:`~hpcsync.core.errors.SyncTimeout`.
     """
-    options = dict(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
-                   allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
-                   progress=progress, timeout=timeout)
+    options = SyncOptions(root, strip_header, check_headers, text, allow_missing, keep_parts, method, round_bytes,
+                          progress, timeout)
+    return _sync(path, part, parts_dir, options)
+
+
+def _sync(path: PathLike, part: Optional[PathLike], parts_dir: Optional[PathLike], options: SyncOptions) -> SyncResult:
     comm = _world()
     rank = comm.Get_rank()
     if part is None:
         mine = part_path(path, rank, parts_dir)
     else:
         mine = os.fspath(part).format(rank=rank) if "{rank" in os.fspath(part) else os.fspath(part)
-    result = merge_parts(path, [mine], group=comm, **options)
+    result = _merge_parts(path, [mine], options, comm)
     if result.parts_deleted and part is None:
         # Remove the parts folder once every rank deleted its part, and let no rank go on (and
         # create its next part there) before every rank's rmdir is done: without the second
         # barrier a fast rank's next SyncedFile raced a slow rank's rmdir (FileNotFoundError).
         folder = os.path.dirname(mine)
-        done = bounded.over(comm, f"sync of {os.fspath(path)}: removing the parts folder on rank {rank}",
-                        bounded.default_timeout() if timeout is None else float(timeout))
         try:
-            done.Barrier(idle=True) if done is not comm else comm.Barrier()
-            try:
-                os.rmdir(folder)
-            except OSError:
-                pass
-            done.Barrier(idle=True) if done is not comm else comm.Barrier()
+            with bounded.owned(comm, f"sync of {os.fspath(path)}: removing the parts folder on rank {rank}",
+                               options.limit()) as done:
+                done.Barrier(idle=True) if done is not comm else comm.Barrier()
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    pass
+                done.Barrier(idle=True) if done is not comm else comm.Barrier()
         except CollectiveTimeout as exc:
             raise SyncTimeout(f"sync of {os.fspath(path)}: the merge is done, but {exc}") from None
-        finally:
-            if done is not comm:
-                done.free()
     return result
 
 
@@ -372,10 +404,8 @@ class SyncedFile:
         if mode not in ("w", "a"):
             raise ValueError("mode must be 'w' (start a new part) or 'a' (append to an existing one)")
         self.target = os.path.abspath(os.fspath(path))
-        self.options: Dict[str, Any] = dict(
-            root=root, strip_header=strip_header, check_headers=check_headers, text=text,
-            allow_missing=allow_missing, keep_parts=keep_parts, method=method, round_bytes=round_bytes,
-            progress=progress, timeout=timeout)
+        self.options = SyncOptions(root, strip_header, check_headers, text, allow_missing, keep_parts, method,
+                                   round_bytes, progress, timeout)
         self.parts_dir = parts_dir
         self.path = part_path(self.target, None, parts_dir)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -389,7 +419,7 @@ class SyncedFile:
 
     def sync(self) -> SyncResult:
         """Join all parts into the target now (collective)."""
-        self.result = sync_file(self.target, parts_dir=self.parts_dir, **self.options)
+        self.result = _sync(self.target, None, self.parts_dir, self.options)
         return self.result
 
     def __enter__(self) -> "SyncedFile":
@@ -400,11 +430,10 @@ class SyncedFile:
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
         if exc_type is not None and comm.Get_size() == 1:
             return False
-        limit = self.options["timeout"]
-        agree = bounded.over(comm, f"SyncedFile({self.target}): agreeing that every rank is done with its part",
-                         bounded.default_timeout() if limit is None else float(limit))
         try:
-            _agree(agree, failed, f"SyncedFile({self.target})")
+            with bounded.owned(comm, f"SyncedFile({self.target}): agreeing that every rank is done with its part",
+                               self.options.limit()) as agree:
+                _agree(agree, failed, f"SyncedFile({self.target})")
         except SyncError:
             if exc_type is not None:
                 return False  # re-raise this rank's own exception
@@ -413,8 +442,5 @@ class SyncedFile:
             if exc_type is not None:
                 return False
             raise SyncTimeout(f"SyncedFile({self.target}): nothing merged or deleted: {exc}") from None
-        finally:
-            if agree is not comm:
-                agree.free()
         self.sync()
         return False
