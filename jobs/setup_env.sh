@@ -41,10 +41,12 @@ if ! { "$PY" -c "import torch, mpi4py, numpy, psutil, pytest, yaml, h5py" 2>/dev
 fi
 pip install --no-deps -e .
 
-if [ "$full" = 1 ] && ! { "$PY" -c "import lightning, matplotlib, expecttest, sphinx, myst_parser" 2>/dev/null && [ -x "$VENV/bin/ruff" ]; }; then
-  log "pip install lightning matplotlib expecttest ruff + docs/requirements.txt (Lightning tests, plots, torch's suite, lint, docs)"
-  # torch 2.13.0 already satisfies lightning: no CUDA download. ruff pinned: a new release may add rules.
-  pip install lightning matplotlib expecttest "ruff==0.17.6" -r docs/requirements.txt
+if [ "$full" = 1 ] && ! { "$PY" -c "import lightning, matplotlib, expecttest, sphinx, myst_parser" 2>/dev/null && [ -x "$VENV/bin/ruff" ] \
+    && [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("mypy"))' 2>/dev/null)" = 2.4.1 ]; }; then
+  log "pip install lightning matplotlib expecttest ruff mypy + docs/requirements.txt (Lightning tests, plots, torch's suite, lint, types, docs)"
+  # torch 2.13.0 already satisfies lightning: no CUDA download. ruff and mypy pinned: a new release
+  # may add rules, and tests/mypy_baseline.json counts one release's errors.
+  pip install lightning matplotlib expecttest "ruff==0.17.6" "mypy==2.4.1" -r docs/requirements.txt
 fi
 # Parallel h5py must be compiled with the headers of the MPI it links (Debian's Open MPI). The
 # mpich wheel puts MPICH's mpi.h into $VENV/include, which setuptools adds to every compile of a

@@ -27,6 +27,7 @@ _MACHINE_WORDS = ("netns", "slurm_cluster")  # what a module that builds nodes o
 # tests/test_layout.py checks that every package has its entry and that each entry selects a test.
 QUICK = {
     "core": ["test_topology.py", "test_environments.py", "test_units.py", "test_layout.py", "test_jobend.py",
+             "test_types.py",
              "test_comm.py::test_helpers_single_process", "test_comm.py::test_helpers_over_mpi[mpich-3]",
              "test_comm.py::test_ranks_disagreeing_on_the_root_raise_everywhere[openmpi]"],
     "observe": ["test_reports.py", "test_progress.py",

@@ -8,13 +8,18 @@ largest rank. The receiving side holds at most one round (plus whatever it keeps
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import ranks_by_value
 from .worker import Stalled, Worker
 from .worker import result as worker_result
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from .protocols import BufferComm
 
 __all__ = [
     "INT_MAX", "DEFAULT_ROUND_BYTES", "Fill", "schedule", "allgather_sizes", "agree_root", "iter_gatherv",
@@ -57,7 +62,7 @@ def _displs(counts: Sequence[int]) -> List[int]:
     return out
 
 
-def allgather_sizes(comm: Any, nbytes: int, root: Optional[int] = None) -> List[int]:
+def allgather_sizes(comm: BufferComm, nbytes: int, root: Optional[int] = None) -> List[int]:
     """Every rank's byte count. With ``root``, also check that every rank names the same root
     (ranks that disagree would each think they are the root: silent wrong data): a ValueError
     on every rank otherwise, at no extra cost (it travels with the sizes)."""
@@ -81,7 +86,7 @@ def _same_root(roots: Sequence[int]) -> None:
                          + "; ".join(f"rank(s) {ranks} say root {r}" for r, ranks in by.items()))
 
 
-def agree_root(comm: Any, root: int) -> None:
+def agree_root(comm: BufferComm, root: int) -> None:
     """Check (one 16-byte allreduce) that every rank names the same ``root``; ValueError on all if not."""
     from mpi4py import MPI
 
@@ -91,7 +96,7 @@ def agree_root(comm: Any, root: int) -> None:
         _same_root(comm.allgather(root))
 
 
-def _from_buffer(data: Any) -> Tuple[int, Fill]:
+def _from_buffer(data: ReadableBuffer) -> Tuple[int, Fill]:
     mv = memoryview(data).cast("B")
 
     def fill(view: memoryview, offset: int) -> None:
@@ -101,7 +106,7 @@ def _from_buffer(data: Any) -> Tuple[int, Fill]:
 
 
 def iter_gatherv(
-    comm: Any,
+    comm: BufferComm,
     sizes: Sequence[int],
     fill: Fill,
     root: int = 0,
@@ -119,7 +124,7 @@ def iter_gatherv(
 
 
 def iter_gatherv_rounds(
-    comm: Any,
+    comm: BufferComm,
     sizes: Sequence[int],
     fill: Fill,
     root: int = 0,
@@ -192,9 +197,9 @@ def iter_gatherv_rounds(
             sendbuf = [view, counts[me], MPI.BYTE]
             if is_root:
                 displs = _displs(counts)
-                if recvs[k % nbuf] is None:
-                    recvs[k % nbuf] = bytearray(recv_max)
                 recv = recvs[k % nbuf]
+                if recv is None:
+                    recv = recvs[k % nbuf] = bytearray(recv_max)
                 comm.Gatherv(sendbuf, [recv, counts, displs, MPI.BYTE], root=root)
                 rv = memoryview(recv)
                 yield [(r, starts[k][r], rv[d: d + c]) for r, (c, d) in enumerate(zip(counts, displs)) if c]
@@ -210,7 +215,7 @@ def _zeros(view: memoryview, offset: int) -> None:
     view[:] = bytes(len(view))
 
 
-def _object_rounds(comm: Any, sizes: Sequence[int], fill: Fill, root: int, round_bytes: int,
+def _object_rounds(comm: BufferComm, sizes: Sequence[int], fill: Fill, root: int, round_bytes: int,
                    direct: Optional[memoryview]) -> Iterator[List[Tuple[int, int, memoryview]]]:
     me, is_root = comm.Get_rank(), comm.Get_rank() == root
     sent = [0] * len(sizes)
@@ -218,16 +223,16 @@ def _object_rounds(comm: Any, sizes: Sequence[int], fill: Fill, root: int, round
         view = memoryview(bytearray(counts[me]))
         if counts[me] and direct is None:
             fill(view, sent[me])
-        elif counts[me]:
+        elif counts[me] and direct is not None:
             view[:] = direct[sent[me]:sent[me] + counts[me]]
         chunks = comm.gather(bytes(view), root=root)
-        if is_root:
+        if is_root and chunks is not None:  # (the root's is a list)
             yield [(r, sent[r], memoryview(c)) for r, c in enumerate(chunks) if c]
         for r, c in enumerate(counts):
             sent[r] += c
 
 
-def gatherv_bytes(comm: Any, data: Any, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES) -> Optional[List[bytearray]]:
+def gatherv_bytes(comm: BufferComm, data: ReadableBuffer, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES) -> Optional[List[bytearray]]:
     """Gather one bytes-like object per rank to ``root``; returns the list there, None elsewhere."""
     n, fill = _from_buffer(data)
     sizes = allgather_sizes(comm, n, root=root)
@@ -237,7 +242,7 @@ def gatherv_bytes(comm: Any, data: Any, root: int = 0, round_bytes: int = DEFAUL
     return out
 
 
-def allgatherv_bytes(comm: Any, data: Any, round_bytes: int = DEFAULT_ROUND_BYTES) -> List[bytearray]:
+def allgatherv_bytes(comm: BufferComm, data: ReadableBuffer, round_bytes: int = DEFAULT_ROUND_BYTES) -> List[bytearray]:
     """Every rank gets every rank's bytes-like object, in rank order."""
     from mpi4py import MPI
 
@@ -261,7 +266,7 @@ def allgatherv_bytes(comm: Any, data: Any, round_bytes: int = DEFAULT_ROUND_BYTE
     return out
 
 
-def bcast_bytes(comm: Any, data: Any = None, root: int = 0, round_bytes: int = 1 << 30) -> memoryview:
+def bcast_bytes(comm: BufferComm, data: Any = None, root: int = 0, round_bytes: int = 1 << 30) -> memoryview:
     """Broadcast a bytes-like object of any size from ``root``."""
     from mpi4py import MPI
 

@@ -21,12 +21,18 @@ import contextlib
 import pickle
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
 from . import bigmpi, mpi, jobend, serial, settings
 from .errors import CollectiveTimeout
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm, Op, Request
+    from mpi4py.typing import BufSpec, BufSpecB, BufSpecV, InPlace
+
+    from .protocols import ObjectComm
 
 __all__ = [
     "SPIN_S", "LARGE_BYTES", "wait", "BoundedComm", "own", "over", "owned", "default_timeout", "control", "helper",
@@ -36,10 +42,10 @@ __all__ = [
 SPIN_S = 0.05  # test without sleeping this long first (a peer a few µs late costs no ms)
 LARGE_BYTES = 64 << 10  # a transfer above this polls without sleeping (MPI progresses only inside calls)
 
-_abandoned: List[Any] = []  # (why, request, buffers): operations MPI may still complete, and write into
+_abandoned: List[Tuple[str, object, object]] = []  # (why, request, buffers): operations MPI may still complete, and write into
 
 
-def wait(req: Any, timeout: float, large: bool = False, idle: bool = False) -> None:
+def wait(req: Request, timeout: float, large: bool = False, idle: bool = False) -> None:
     """Wait for the MPI request ``req`` at most ``timeout`` seconds, else raise
     :class:`CollectiveTimeout` (the request stays in flight: the caller keeps it and its buffers).
     Spins first, then sleeps a millisecond between tests, unless ``large`` (a transfer that MPI
@@ -67,9 +73,9 @@ def wait(req: Any, timeout: float, large: bool = False, idle: bool = False) -> N
 class _Private:
     """A private duplicate of one communicator, shared by every :class:`BoundedComm` over it."""
 
-    def __init__(self, base: Any) -> None:
+    def __init__(self, base: Comm) -> None:
         self.base = base
-        self.dup: Any = None
+        self.dup: Optional[Comm] = None
         self.broken: Optional[str] = None
 
 
@@ -91,7 +97,8 @@ class BoundedComm:
         self._p = private
         self.timeout = float(timeout)
         self.what = what
-        self._rank, self._size = private.base.Get_rank(), private.base.Get_size()
+        self._rank: int = private.base.Get_rank()
+        self._size: int = private.base.Get_size()
         self.received = 0  # bytes that arrived in this rank's receive buffers
 
     def Get_rank(self) -> int:
@@ -101,12 +108,12 @@ class BoundedComm:
         return self._size
 
     @property
-    def base(self) -> Any:
+    def base(self) -> Comm:
         """The communicator this one bounds (for what has no non-blocking form: MPI-IO's open)."""
         return self._p.base
 
     # -- the deadline ---------------------------------------------------------------------------
-    def _comm(self) -> Any:
+    def _comm(self) -> Comm:
         p = self._p
         if p.broken:
             raise CollectiveTimeout(f"{self.what}: not attempted: {p.broken}")
@@ -116,7 +123,7 @@ class BoundedComm:
             p.dup = comm
         return p.dup
 
-    def _wait(self, req: Any, op: str, keep: Any, large: bool, idle: bool = False) -> None:
+    def _wait(self, req: Request, op: str, keep: object, large: bool, idle: bool = False) -> None:
         try:
             wait(req, self.timeout, large, idle)
         except CollectiveTimeout:
@@ -128,26 +135,27 @@ class BoundedComm:
                                     "before this point (its own error says which), or its node was lost") from None
 
     @staticmethod
-    def _nbytes(spec: Any) -> int:
+    def _nbytes(spec: Any) -> int:  # a buffer specification, or any argument of a call
         buf = spec[0] if isinstance(spec, (list, tuple)) else spec
         try:
             return memoryview(buf).nbytes
         except TypeError:
             return 0
 
-    def _run(self, op: str, name: str, args: tuple, kwargs: Optional[dict] = None, into: Any = None) -> None:
+    def _run(self, op: str, name: str, args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None,
+             into: object = None) -> None:
         comm = self._comm()
         large = any(self._nbytes(a) > LARGE_BYTES for a in args if a is not None)
         self._wait(serial.call(getattr(comm, name), *args, **(kwargs or {})), op, args, large)
         if into is not None:
             self.received += self._nbytes(into) if not isinstance(into, int) else into
 
-    def raw(self) -> Any:
+    def raw(self) -> Comm:
         """The private duplicate itself (made on first use), for point-to-point messages that
         must never match the program's own."""
         return self._comm()
 
-    def give_up(self, op: str, reqs: Any, keep: Any) -> None:
+    def give_up(self, op: str, reqs: object, keep: object) -> None:
         """Point-to-point requests on :meth:`raw` that waited past their deadline: kept for good
         with their buffers (MPI may still complete them), and this communicator unusable from here
         (as after a collective's timeout)."""
@@ -164,30 +172,30 @@ class BoundedComm:
         p.dup = None
 
     # -- buffer collectives (what bigmpi calls) ------------------------------------------------
-    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+    def Allgather(self, sendbuf: BufSpec | InPlace, recvbuf: BufSpecB) -> None:
         self._run("Allgather", "Iallgather", (sendbuf, recvbuf), into=recvbuf)
 
-    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+    def Allgatherv(self, sendbuf: BufSpec | InPlace, recvbuf: BufSpecV) -> None:
         self._run("Allgatherv", "Iallgatherv", (sendbuf, recvbuf), into=_counted(recvbuf))
 
-    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+    def Gatherv(self, sendbuf: BufSpec | InPlace, recvbuf: BufSpecV | None, root: int = 0) -> None:
         self._run("Gatherv", "Igatherv", (sendbuf, recvbuf), {"root": root},
                   into=_counted(recvbuf) if recvbuf is not None else None)
 
-    def Bcast(self, buf: Any, root: int = 0) -> None:
+    def Bcast(self, buf: BufSpec, root: int = 0) -> None:
         self._run("Bcast", "Ibcast", (buf,), {"root": root}, into=_counted(buf) if self._rank != root else None)
 
-    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+    def Alltoall(self, sendbuf: BufSpecB | InPlace, recvbuf: BufSpecB) -> None:
         self._run("Alltoall", "Ialltoall", (sendbuf, recvbuf), into=recvbuf)
 
-    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
+    def Allreduce(self, sendbuf: BufSpec | InPlace, recvbuf: BufSpec, op: Optional[Op] = None) -> None:
         self._run("Allreduce", "Iallreduce", (sendbuf, recvbuf), {"op": op if op is not None else mpi.MPI().SUM},
                   into=recvbuf)
 
-    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+    def Scatter(self, sendbuf: BufSpecB | None, recvbuf: BufSpec | InPlace, root: int = 0) -> None:
         self._run("Scatter", "Iscatter", (sendbuf, recvbuf), {"root": root}, into=recvbuf)
 
-    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+    def Scatterv(self, sendbuf: BufSpecV | None, recvbuf: BufSpec | InPlace, root: int = 0) -> None:
         self._run("Scatterv", "Iscatterv", (sendbuf, recvbuf), {"root": root}, into=_counted(recvbuf))
 
     def Barrier(self, idle: bool = False) -> None:
@@ -208,14 +216,14 @@ class BoundedComm:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self._rank == root else None
         return pickle.loads(bigmpi.bcast_bytes(self, data, root=root))
 
-    def scatter(self, objs: Any = None, root: int = 0, round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES) -> Any:
+    def scatter(self, objs: Optional[Sequence[Any]] = None, root: int = 0, round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES) -> Any:
         """Object ``i`` of the root's ``objs`` to rank ``i`` (each pickled): every rank learns every
         size, then the bytes go in rounds of at most ``round_bytes`` (MPI's counts and offsets are
         C ints: one call would overflow past 2 GiB in all), a rank's object across rounds if need
         be. Rounds: the total over ``round_bytes``, the same on every rank."""
         MPI = mpi.MPI()
         is_root = self._rank == root
-        parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs] if is_root else []
+        parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in cast("Sequence[Any]", objs)] if is_root else []
         sizes = np.array([len(p) for p in parts], dtype=np.int64) if is_root else np.zeros(self._size, np.int64)
         self.Bcast([sizes, MPI.INT64_T], root=root)
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -228,14 +236,14 @@ class BoundedComm:
             displs = np.clip(first - lo, 0, hi - lo).astype(np.int32)
             at = int(first[self._rank] - starts[self._rank])  # where they go in this rank's object
             recv = [memoryview(mine)[at: at + int(counts[self._rank])], int(counts[self._rank]), MPI.BYTE]
-            self.Scatterv([blob[lo:hi], counts, displs, MPI.BYTE] if is_root else None, recv, root=root)
+            self.Scatterv([blob[lo:hi], counts, displs, MPI.BYTE] if blob is not None else None, recv, root=root)
         return pickle.loads(mine)
 
     def __repr__(self) -> str:
         return f"BoundedComm({self.what!r}, timeout={self.timeout:g}, rank {self._rank}/{self._size})"
 
 
-def _counted(spec: Any) -> Any:
+def _counted(spec: object) -> object:
     """The bytes a buffer specification ``[buf, counts, displs, type]`` or ``[buf, count, type]``
     receives (its counts, not its capacity)."""
     if isinstance(spec, (list, tuple)) and len(spec) >= 3:
@@ -244,17 +252,17 @@ def _counted(spec: Any) -> Any:
     return spec
 
 
-def own(base: Any, what: str, timeout: float) -> BoundedComm:
+def own(base: Comm, what: str, timeout: float) -> BoundedComm:
     """A :class:`BoundedComm` over an mpi4py communicator ``base`` with a private duplicate of its
     own (for one call's communicators, split and freed by that call: :meth:`BoundedComm.free`)."""
     return BoundedComm(_Private(base), timeout, what)
 
 
-def over(c: Any, what: str, timeout: float) -> Any:
+def over(c: ObjectComm, what: str, timeout: float) -> Any:  # Any: the callers reach past ObjectComm
     """``c`` with every collective bounded by ``timeout`` seconds on a private duplicate of its own
     (:func:`own`) when it is an mpi4py communicator; a torch-backed or already bounded one as it
     is (bounded by its process group's timeout, or already)."""
-    return own(c, what, timeout) if hasattr(c, "Idup") else c
+    return own(cast("Comm", c), what, timeout) if hasattr(c, "Idup") else c
 
 
 @contextlib.contextmanager
@@ -275,7 +283,7 @@ def default_timeout() -> float:
     return settings.number("HPCSYNC_TIMEOUT")
 
 
-def control(what: str, group: Any = None, timeout: Optional[float] = None) -> Any:
+def control(what: str, group: Any = None, timeout: Optional[float] = None) -> Any:  # as over()
     """The communicator for a control exchange among ``group``'s ranks (default: the world; a
     torch process group or an mpi4py communicator, as for :mod:`hpcsync.core.comm`): a
     :class:`BoundedComm` under MPI (``timeout`` default :func:`default_timeout`), else the
@@ -287,10 +295,10 @@ def control(what: str, group: Any = None, timeout: Optional[float] = None) -> An
         return base
     if not hasattr(base, "Iallgatherv") or base.Get_size() == 1:
         return base
-    return BoundedComm(_cached(_private, base), default_timeout() if timeout is None else timeout, what)
+    return BoundedComm(_cached(_private, cast("Comm", base)), default_timeout() if timeout is None else timeout, what)
 
 
-def helper(what: str, base: Any) -> Any:
+def helper(what: str, base: ObjectComm) -> Any:  # as over()
     """The communicator one of :mod:`hpcsync.core.comm`'s helpers uses over ``base`` (the world,
     or this node's): a :class:`BoundedComm` on a private duplicate of its own -- not the one
     hpcsync's control exchanges use, so a program's helper call in one thread and a checkpoint's
@@ -298,10 +306,10 @@ def helper(what: str, base: Any) -> Any:
     torch-backed or one-process communicator as it is."""
     if not hasattr(base, "Iallgatherv") or base.Get_size() == 1:
         return base
-    return BoundedComm(_cached(_helper_private, base), default_timeout(), what)
+    return BoundedComm(_cached(_helper_private, cast("Comm", base)), default_timeout(), what)
 
 
-def _cached(cache: Dict[int, _Private], base: Any) -> _Private:
+def _cached(cache: Dict[int, _Private], base: Comm) -> _Private:
     """``base``'s private duplicate in ``cache``, made once (the exit hook that frees them set up
     with the first of all)."""
     private = cache.get(id(base))
@@ -312,7 +320,7 @@ def _cached(cache: Dict[int, _Private], base: Any) -> _Private:
     return private
 
 
-def abandon(why: str, req: Any, keep: Any = None) -> None:
+def abandon(why: str, req: object, keep: object = None) -> None:
     """Keep a timed-out request and its buffers for good (MPI may still complete it and write into
     them); the process then ends with ``MPI_Abort`` at exit, saying ``why``."""
     if not _abandoned and not _private and not _helper_private:

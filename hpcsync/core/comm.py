@@ -50,11 +50,11 @@ def _torch_dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _is_mpi_comm(comm: Any) -> bool:
+def _is_mpi_comm(comm: object) -> bool:
     return hasattr(comm, "Allgatherv")
 
 
-def group_comm(group: Any = None) -> Any:
+def group_comm(group: Any = None) -> Any:  # as _bounded
     """The transport for a public call's ``group=``: a torch process group or an mpi4py
     communicator, default (None) the world (:func:`hpcsync.core.torchcomm.transport`)."""
     return transport(group)
@@ -147,7 +147,7 @@ def global_gloo_group() -> Any:
     return dist.group.WORLD
 
 
-def _bounded(group: Any, what: str) -> Any:
+def _bounded(group: Any, what: str) -> Any:  # an MPI communicator, or an ObjectComm
     """:func:`group_comm`; for the world and this node's group (``group`` None or
     :func:`get_local_process_group`'s), every collective bounded under MPI
     (:func:`hpcsync.core.bounded.helper`: ``HPCSYNC_TIMEOUT``, on a private duplicate of the
@@ -193,7 +193,8 @@ def _all_gather(data: Any, group: Any, what: str) -> List[Any]:
         return [data]
     if _is_mpi_comm(comm):
         return _loads_all(bigmpi.allgatherv_bytes(comm, _dumps(data)))
-    return comm.allgather(data)
+    out: List[Any] = comm.allgather(data)
+    return out
 
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
@@ -266,7 +267,8 @@ def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str
 
 def _to_numpy(v: Any) -> np.ndarray:
     if hasattr(v, "detach"):
-        return v.detach().cpu().double().numpy()
+        out: np.ndarray = v.detach().cpu().double().numpy()
+        return out
     return np.asarray(v, dtype=np.float64)
 
 

@@ -1,7 +1,10 @@
 """Exceptions raised by hpcsync. Collective failures raise the same error on every rank."""
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Type
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Type, TypeVar
+
+if TYPE_CHECKING:
+    from .protocols import ObjectComm
 
 __all__ = [
     "HpcsyncError", "MissingDependencyError", "LaunchError", "AddressError", "SyncError", "StageError",
@@ -53,7 +56,7 @@ class SyncTimeout(SyncError, CollectiveTimeout):
     lost). Caught as either a :class:`SyncError` or a :class:`CollectiveTimeout`."""
 
 
-def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], what: str) -> None:
+def raise_if_any(comm: ObjectComm, error: Optional[str], exc_type: Type[Exception], what: str) -> None:
     """Collective: if any rank has an ``error``, raise the same ``exc_type`` on every rank.
 
     The message names each failing rank, so the cause is visible wherever the job is read.
@@ -65,7 +68,7 @@ def raise_if_any(comm: Any, error: Optional[str], exc_type: Type[Exception], wha
         raise exc_type(f"{what}{lines}")
 
 
-def raise_if_settings_differ(comm: Any, settings: Dict[str, Any], exc_type: Type[Exception], what: str) -> None:
+def raise_if_settings_differ(comm: ObjectComm, settings: Dict[str, Any], exc_type: Type[Exception], what: str) -> None:
     """Collective: every rank must call with the same ``settings``; otherwise the same ``exc_type``
     on every rank, ``what`` followed by which ranks gave which value for each differing setting
     (a rank that diverges is an error on all, never silently outvoted)."""
@@ -78,10 +81,13 @@ def raise_if_settings_differ(comm: Any, settings: Dict[str, Any], exc_type: Type
                                         for k, by in differ.items()))
 
 
-def ranks_by_value(values: Sequence[Hashable], ranks: Optional[Sequence[int]] = None) -> Dict[Any, List[int]]:
+_V = TypeVar("_V", bound=Hashable)
+
+
+def ranks_by_value(values: Sequence[_V], ranks: Optional[Sequence[int]] = None) -> Dict[_V, List[int]]:
     """Group ranks by what each said (first-seen order): ``{value: [ranks...]}``, for errors that
     name which ranks disagree. ``ranks`` maps positions to rank numbers (default 0, 1, ...)."""
-    out: Dict[Any, List[int]] = {}
+    out: Dict[_V, List[int]] = {}
     for pos, v in enumerate(values):
         out.setdefault(v, []).append(ranks[pos] if ranks is not None else pos)
     return out

@@ -21,7 +21,7 @@ def ranges(ranks: Iterable[int]) -> str:
     if not rs:
         return "none"
     out, start, prev = [], rs[0], rs[0]
-    for r in rs[1:] + [None]:  # type: ignore[list-item]
+    for r in rs[1:] + [None]:
         if r is not None and r == prev + 1:
             prev = r
             continue

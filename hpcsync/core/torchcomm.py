@@ -9,7 +9,12 @@ ranks runs unchanged in one process. :func:`world` is the one transport choice t
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from .protocols import ObjectComm
 
 __all__ = ["TorchComm", "SelfComm", "SELF", "world", "transport"]
 
@@ -18,7 +23,7 @@ class TorchComm:
     """``Get_rank``/``Get_size``/``allgather``/``gather``/``bcast``/``scatter``/``Barrier`` over a torch group
     (default: the world). ``root`` is a rank within the group, as in MPI."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Optional[ProcessGroup] = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
@@ -95,7 +100,7 @@ class SelfComm:
 SELF = SelfComm()
 
 
-def world() -> Any:
+def world() -> ObjectComm:
     """MPI's COMM_WORLD when MPI is in use, a TorchComm when only torch.distributed runs several
     processes, else :data:`SELF` (one process)."""
     from . import mpi
@@ -104,7 +109,8 @@ def world() -> Any:
         from .topology import topology
 
         topology()  # silent-singleton check
-        return mpi.MPI().COMM_WORLD
+        comm: ObjectComm = mpi.MPI().COMM_WORLD
+        return comm
     import sys
 
     if "torch.distributed" in sys.modules:
@@ -122,24 +128,26 @@ def world() -> Any:
     return SELF
 
 
-_subcomms: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_subcomms: "weakref.WeakKeyDictionary[ProcessGroup, Any]" = weakref.WeakKeyDictionary()  # -> mpi4py comm
 
 
-def transport(group: Any = None) -> Any:
+def transport(group: Any = None) -> ObjectComm:
     """The transport for ``group``: an MPI communicator (the world's, an mpi4py one given, or the
     MPI communicator of a torch group's ranks), a TorchComm, or SELF (one process)."""
     if group is None:
         return world()
     if hasattr(group, "Get_rank"):  # an mpi4py communicator
-        return group
+        given: ObjectComm = group
+        return given
     from . import mpi
 
     if mpi.use_mpi():
-        return _mpi_subcomm(group)
+        sub: ObjectComm = _mpi_subcomm(group)
+        return sub
     return TorchComm(group)
 
 
-def _mpi_subcomm(group: Any) -> Any:
+def _mpi_subcomm(group: ProcessGroup) -> Any:
     """The MPI communicator of a torch group's ranks (created once per group, by its members)."""
     import torch.distributed as dist
 
