@@ -65,3 +65,19 @@ def test_hpcsync_backend_without_mpi_is_a_clear_error(tmp_path):
     p = subprocess.run([*LAUNCHERS["torchrun"]().command(2), str(prog)], env=clean_env(), capture_output=True,
                        text=True, timeout=120)
     assert p.stdout.count("ERR backend 'hpcsync' moves tensors with MPI") == 2, p.stdout + p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("launcher,n", [(None, 1), ("openmpi", 2)], ids=["one-process", "openmpi-2"])
+def test_a_second_init_that_asks_for_something_else_is_an_error(launcher, n, tmp_path):
+    """``init()`` then ``init(backend="gloo")`` returned the first topology and kept the first
+    backend without a word; now it is a ValueError on every rank naming what differs (the
+    backend, the timeout, the store), while ``init()`` again, or naming the backend it started,
+    still returns the same topology."""
+    res = run(LAUNCHERS[launcher]() if launcher else None, n, "init_twice.py", tmp_path=tmp_path, timeout=120)
+    for d in res.ranks:
+        assert d["same"] and d["same_backend_named"] and d["still"], d
+        assert f"backend={'gloo' if d['started'] != 'gloo' else 'hpcsync'!r} (the first started {d['started']!r})" \
+            in d["errors"]["backend"], d
+        assert "timeout=5 (the first gave 60)" in d["errors"]["timeout"], d
+        assert "store='mpi' (the first gave None)" in d["errors"]["store"], d
+        assert all("call hpcsync.shutdown() first" in e for e in d["errors"].values()), d

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, List, Optional, Union
 
 from ..core import mpi, bounded, jobend, settings
@@ -23,7 +24,8 @@ from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, des
 from ..core.topology import Topology, topology
 
 __all__ = [
-    "BACKENDS", "master_address", "init", "is_initialized", "shutdown", "install_abort_hook", "uninstall_abort_hook"
+    "BACKENDS", "master_address", "init", "InitOptions", "Rendezvous", "is_initialized", "shutdown", "install_abort_hook",
+    "uninstall_abort_hook"
 ]
 
 log = logging.getLogger(__name__)
@@ -192,11 +194,14 @@ def init(
     :class:`hpcsync.start.store.MPIStore` (MPI messages to rank 0, no listening port for the store).
     log_dir: a file per rank there, rank 0 and every rank's warnings on the console
     (:func:`hpcsync.setup_logging`; ``HPCSYNC_LOG_DIR`` does the same without code).
-    Calling it again returns the same topology; :func:`shutdown` undoes it.
+    Calling it again returns the same topology; a second call whose arguments differ from the
+    first's (``init()`` then ``init(backend="gloo")``) raises ``ValueError`` on every rank:
+    :func:`shutdown` first. :func:`shutdown` undoes it.
     """
+    asked = InitOptions(backend, init_method, timeout, master_port, set_device, abort_on_exception, store, log_dir)
     with _lock:
         if _state.get("topology") is not None:
-            return _state["topology"]
+            return _again(asked)
         # Before anything that can fail on one rank only (a setting, MPI itself): an exception
         # escaping init ends the job as one from training does, instead of leaving the other
         # ranks waiting in MPI (a launcher need not end the job when one rank exits).
@@ -207,11 +212,7 @@ def init(
         store_kind = (store or settings.text("HPCSYNC_STORE") or "tcp").lower()
         if store_kind not in ("tcp", "mpi"):
             raise ValueError(f"store must be 'tcp' or 'mpi', got {store_kind!r}")
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError as exc:
-            raise MissingDependencyError(f"hpcsync.init needs torch: pip install torch ({exc})") from exc
+        dist = _torch_distributed()
         _our_backend_available()  # registers "hpcsync" with torch, so new_group(backend="hpcsync") works
         topo = topology()
         jobend.stacks_on_crash()  # after MPI_Init: its handler for SIGSEGV runs after ours
@@ -223,67 +224,148 @@ def init(
         if dist.is_initialized():
             log.info("torch.distributed was already initialised; checking it against MPI")
             _check_ranks(topo)
-            _state.update(topology=topo, owner=False)
+            _state.update(topology=topo, owner=False, asked=asked, backend=dist.get_backend())
             return topo
         name = _pick_backend(backend, topo)
-        if name in ("gloo", "nccl"):
-            flight.enable(name)  # where each rank is in each group, for a report when a collective stalls
-        # The MPI-based backends need no address: do not pay for choosing and proving one.
-        choice = None if name in ("mpi", "hpcsync") else master_address(topo, timeout=td.total_seconds())
-        if choice is not None:
-            _own_interface(topo, choice, name, td.total_seconds())
-        if name == "nccl" and set_device:
-            torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
-        kv: Any = None  # the rendezvous store (TCPStore or MPIStore); `store` names its kind
-        port = None
-        if init_method is None and not topo.uses_mpi:
-            init_method = "env://"  # torchrun's agent store, or MASTER_ADDR/PORT from the launcher
         if name == "mpi":
-            _export_env(topo, None, None)
-            dist.init_process_group("mpi", timeout=td)
+            done = _rendezvous_mpi(topo, td)
         elif name == "hpcsync":
-            from ..backend import INIT_METHOD
-            from ..backend.engine import BACKEND_NAME
-
-            _export_env(topo, None, None)
-            dist.init_process_group(BACKEND_NAME, init_method=INIT_METHOD, timeout=td)
-        elif init_method and init_method != "tcp":
-            assert choice is not None
-            if init_method == "env://":
-                port = int(os.environ.get("MASTER_PORT") or master_port or _default_port())
-                _export_env(topo, os.environ.get("MASTER_ADDR") or choice.address, port)
-            else:
-                _export_env(topo, choice.address, None)
-            dist.init_process_group(name, init_method=init_method, rank=topo.rank,
-                                    world_size=topo.world_size, timeout=td)
+            done = _rendezvous_hpcsync(topo, td)
         else:
-            assert choice is not None
-            if store_kind == "mpi" and topo.uses_mpi:
-                from .store import MPIStore
-
-                kv = MPIStore(timeout=td)
-            else:
-                kv, port = _tcp_store(topo, choice.address, master_port, td)
-            _export_env(topo, choice.address, port)
-            dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
-        _check_ranks(topo)
-        if topo.uses_mpi and mpi.MPI().Query_thread() == mpi.MPI().THREAD_MULTIPLE:
-            responder.start()  # answers report questions (a stalled gloo/NCCL collective, a failure)
-        _state.update(topology=topo, owner=True, store=kv, backend=name, master=choice)
-        if _our_backend_available():  # groups created without timeout= (any backend) follow init's
-            from ..backend import follow_default_timeout
-
-            follow_default_timeout(td)
-        # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
-        # the process ("terminate called without an active exception"), measured under torchrun.
-        jobend.at_exit("torch", shutdown)
-        if jobend.abort_on_error():
-            install_abort_hook()  # again: on top of the hook torch's init_process_group wrapped around it
-        if topo.rank == 0:
-            failure.note_started()
-            log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
-                     topo.num_nodes, f"{choice.address}:{port} ({choice.reason})" if choice else "none (MPI)")
+            done = _rendezvous_sockets(name, topo, td, asked, store_kind)
+        _started(topo, name, done, td, asked)
         return topo
+
+
+@dataclass(frozen=True)
+class InitOptions:
+    """The arguments of one :func:`init` call, as given (a second call is checked against them)."""
+
+    backend: str = "auto"
+    init_method: Optional[str] = None
+    timeout: Union[None, float, _dt.timedelta] = None
+    master_port: Optional[int] = None
+    set_device: bool = True
+    abort_on_exception: bool = True
+    store: Optional[str] = None
+    log_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """What a backend's rendezvous leaves: the store (a TCPStore, an MPIStore or None), the TCP
+    store's port and the master address (None for the MPI-based backends)."""
+
+    store: Any = None
+    port: Optional[int] = None
+    master: Optional[MasterChoice] = None
+
+
+def _again(asked: InitOptions) -> Topology:
+    """A second :func:`init`: the first one's topology, unless an argument given now differs from
+    the first call's (the backend compared with the one the first call started)."""
+    first: InitOptions = _state.get("asked") or InitOptions()
+    default = InitOptions()
+    clashes = []
+    for name in InitOptions.__dataclass_fields__:
+        now, then = getattr(asked, name), getattr(first, name)
+        if name == "backend":
+            then = _state.get("backend") or then
+            if now not in ("auto", then):
+                clashes.append(f"backend={now!r} (the first started {then!r})")
+        elif now != getattr(default, name) and now != then:
+            clashes.append(f"{name}={now!r} (the first gave {then!r})")
+    if clashes:
+        raise ValueError("hpcsync.init: already initialised, and this call asks for something else: "
+                         + ", ".join(clashes) + "; call hpcsync.shutdown() first to start again")
+    return _state["topology"]
+
+
+def _torch_distributed() -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise MissingDependencyError(f"hpcsync.init needs torch: pip install torch ({exc})") from exc
+    return dist
+
+
+def _rendezvous_mpi(topo: Topology, td: _dt.timedelta) -> Rendezvous:
+    """torch's own MPI backend (torch built with it): MPI is the rendezvous."""
+    import torch.distributed as dist
+
+    _export_env(topo, None, None)
+    dist.init_process_group("mpi", timeout=td)
+    return Rendezvous()
+
+
+def _rendezvous_hpcsync(topo: Topology, td: _dt.timedelta) -> Rendezvous:
+    """The socket-free backend: its ``hpcsync://`` rendezvous runs over MPI, no address, no port."""
+    import torch.distributed as dist
+
+    from ..backend import INIT_METHOD
+    from ..backend.engine import BACKEND_NAME
+
+    _export_env(topo, None, None)
+    dist.init_process_group(BACKEND_NAME, init_method=INIT_METHOD, timeout=td)
+    return Rendezvous()
+
+
+def _rendezvous_sockets(name: str, topo: Topology, td: _dt.timedelta, asked: InitOptions,
+                        store_kind: str) -> Rendezvous:
+    """gloo and nccl: a master address every node reaches, each rank's own interface, then an
+    ``init_method`` of the user's (``env://``, ``file://``) or a store (TCP, or over MPI)."""
+    import torch
+    import torch.distributed as dist
+
+    flight.enable(name)  # where each rank is in each group, for a report when a collective stalls
+    choice = master_address(topo, timeout=td.total_seconds())
+    _own_interface(topo, choice, name, td.total_seconds())
+    if name == "nccl" and asked.set_device:
+        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+    init_method = asked.init_method
+    if init_method is None and not topo.uses_mpi:
+        init_method = "env://"  # torchrun's agent store, or MASTER_ADDR/PORT from the launcher
+    if init_method and init_method != "tcp":
+        port = None
+        if init_method == "env://":
+            port = int(os.environ.get("MASTER_PORT") or asked.master_port or _default_port())
+            _export_env(topo, os.environ.get("MASTER_ADDR") or choice.address, port)
+        else:
+            _export_env(topo, choice.address, None)
+        dist.init_process_group(name, init_method=init_method, rank=topo.rank, world_size=topo.world_size, timeout=td)
+        return Rendezvous(None, port, choice)
+    if store_kind == "mpi" and topo.uses_mpi:
+        from .store import MPIStore
+
+        kv: Any = MPIStore(timeout=td)
+        port = None
+    else:
+        kv, port = _tcp_store(topo, choice.address, asked.master_port, td)
+    _export_env(topo, choice.address, port)
+    dist.init_process_group(name, store=kv, rank=topo.rank, world_size=topo.world_size, timeout=td)
+    return Rendezvous(kv, port, choice)
+
+
+def _started(topo: Topology, name: str, done: Rendezvous, td: _dt.timedelta, asked: InitOptions) -> None:
+    """After the rendezvous: the ranks checked, the responder, the exit order, the log line."""
+    _check_ranks(topo)
+    if topo.uses_mpi and mpi.MPI().Query_thread() == mpi.MPI().THREAD_MULTIPLE:
+        responder.start()  # answers report questions (a stalled gloo/NCCL collective, a failure)
+    _state.update(topology=topo, owner=True, store=done.store, backend=name, master=done.master, asked=asked)
+    if _our_backend_available():  # groups created without timeout= (any backend) follow init's
+        from ..backend import follow_default_timeout
+
+        follow_default_timeout(td)
+    # Destroy the group before interpreter teardown: a gloo group left alive at exit can abort
+    # the process ("terminate called without an active exception"), measured under torchrun.
+    jobend.at_exit("torch", shutdown)
+    if jobend.abort_on_error():
+        install_abort_hook()  # again: on top of the hook torch's init_process_group wrapped around it
+    if topo.rank == 0:
+        failure.note_started()
+        choice = done.master
+        log.info("torch.distributed ready: backend=%s world=%d nodes=%d master=%s", name, topo.world_size,
+                 topo.num_nodes, f"{choice.address}:{done.port} ({choice.reason})" if choice else "none (MPI)")
 
 
 def _own_interface(topo: Topology, choice: MasterChoice, backend: str, timeout: float) -> None:
