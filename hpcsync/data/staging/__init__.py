@@ -69,6 +69,7 @@ from ...core import bigmpi, bounded, mpi
 from ...core.errors import CollectiveTimeout, StageError, StageTimeout, raise_if_any, raise_if_settings_differ
 from ...observe.progress import Progress
 from .destination import Destination
+from .options import StageOptions
 from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, assemble, blocks,
                       collector_paused, scan, stat_names, walk_names)
 from .broadcast import Reader, close_bar, unexpected
@@ -150,15 +151,15 @@ def stage(
         raise ValueError(f"timeout must be positive, got {timeout}")
     chunk_bytes = min(int(chunk_bytes), bigmpi.INT_MAX - 16 * MAX_PIECES - 16)  # a round's count fits an int
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    opts = StageOptions(src, dst, root, chunk_bytes, durable, progress, limit, names)
     what = f"stage of {src} to {dst} failed: "
     host = socket.gethostname()
     comm = bounded.over(base, f"agreeing on the arguments on rank {me} ({host})", limit)
     made: List[Any] = [comm]
     try:
-        raise_if_settings_differ(comm, {"src": src, "dst": dst, "root": root, "chunk_bytes": chunk_bytes,
-                                        "durable": durable, "timeout": limit, "names": names}, StageError,
+        raise_if_settings_differ(comm, opts.agreed(), StageError,
                                  "stage: ranks called it with different arguments (desync), nothing staged: ")
-        result = _stage(comm, base, made, src, dst, root, chunk_bytes, durable, progress, limit, names, what, host)
+        result = _stage(comm, base, made, opts, what, host)
     except CollectiveTimeout as exc:
         if isinstance(exc, StageError):
             raise
@@ -171,10 +172,10 @@ def stage(
     return StageResult(**{**result, "seconds": time.perf_counter() - t0, "received_bytes": received})
 
 
-def _stage(comm: Any, base: Any, made: List[Any], src: str, dst: str, root: int, chunk_bytes: int, durable: bool,
-           progress: Optional[bool], limit: float, names: bool, what: str, host: str) -> Dict[str, Any]:
+def _stage(comm: Any, base: Any, made: List[Any], opts: StageOptions, what: str, host: str) -> Dict[str, Any]:
     """The stage once the ranks agree on what it is: the result (a dict) on every rank. Each
     communicator it makes goes into ``made`` (bounded; freed by the caller)."""
+    src, dst, root, limit = opts.src, opts.dst, opts.root, opts.limit
     me, size = comm.Get_rank(), comm.Get_size()
     phase = f"%s on rank {me} ({host})"
     node_raw, leaders_raw = _split(base, root, dst)
@@ -195,8 +196,7 @@ def _stage(comm: Any, base: Any, made: List[Any], src: str, dst: str, root: int,
     result = None
     if leaders is not None:
         try:
-            result, err = _stage_on_leader(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress,
-                                           node if one_node else None, limit, names, beat, phase)
+            result, err = _stage_on_leader(leaders, entries, ignored, opts, node if one_node else None, beat, phase)
         except CollectiveTimeout as exc:
             if beat is not None:
                 beat.done(f"rank {me}: node {host}: {exc}", timed_out=True)
@@ -212,7 +212,7 @@ def _stage(comm: Any, base: Any, made: List[Any], src: str, dst: str, root: int,
         if beat is not None:
             beat.done(None)  # this node's own error reaches every rank below, named once
     elif one_node:
-        help_on_one_node(node, src, dst, durable, entries, me)
+        help_on_one_node(node, src, dst, opts.durable, entries, me)
     elif beat is not None:
         beat.follow(what)
     _say(comm, phase % "agreeing on the outcome")
@@ -353,19 +353,16 @@ def _guarded(listing: Any, src: str, nothing: Tuple[Any, Any]) -> Tuple[Any, ...
         return (*nothing, unexpected(exc))
 
 
-def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str, chunk_bytes: int,
-                     durable: bool, progress: Optional[bool], helpers: Any = None, limit: Optional[float] = None,
-                     names: bool = False, beat: Optional[Heartbeat] = None, phase: str = "%s"
-                     ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+def _stage_on_leader(leaders: Any, entries: List[Entry], ignored: List[str], opts: StageOptions, helpers: Any = None,
+                     beat: Optional[Heartbeat] = None, phase: str = "%s") -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """What each node lacks, the transfer; the result on the root. Across nodes, the leaders take
     the listing in rounds (:mod:`.rounds`); on one node, the root copies (``helpers``: a one-node
-    job's communicator, whose ranks share the copying). ``limit``: the exchanges' timeout (the
-    node's own reads and writes get a quarter); ``beat``: tells the node's other ranks of each
+    job's communicator, whose ranks share the copying); ``beat``: tells the node's other ranks of each
     step; ``phase``: what a timeout says the ranks were doing (``%s``: the step)."""
     tick = beat.beat if beat is not None else (lambda: None)
     if leaders.Get_size() > 1:
-        return stage_across_nodes(leaders, entries, ignored, src, dst, chunk_bytes, durable, progress, limit, names,
-                                  tick, lambda doing: _say(leaders, phase % doing))
+        return stage_across_nodes(leaders, entries, ignored, opts, tick, lambda doing: _say(leaders, phase % doing))
+    src, dst, durable, progress, names = opts.src, opts.dst, opts.durable, opts.progress, opts.names
     host = socket.gethostname()
     node = Destination(dst, src, entries, durable, host, call=uuid.uuid4().hex)
     err = node.open_destination(uuid.uuid4().hex[:12], 0)

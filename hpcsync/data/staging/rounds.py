@@ -38,19 +38,20 @@ from .fileops import syncfs
 from .journal import journals, read_journals
 from .listing import DIR, FILE, LINK, Entry
 from .manifest import MANIFEST, Lines, LinesWriter, load, recorded_bytes, remove_journals
+from .options import Listing, StageOptions
 
 __all__ = ["ROUND_ENTRIES", "stage_across_nodes", "NodeInRounds"]
 
 ROUND_ENTRIES = 65536  #: listing entries per round: what a node leader holds at once
 
 
-def stage_across_nodes(leaders: Any, entries: List[Entry], ignored: List[str], src: str, dst: str,
-                       chunk_bytes: int, durable: bool, progress: Optional[bool], limit: Optional[float],
-                       names: bool, tick: Callable[[], None], say: Callable[[str], None]
+def stage_across_nodes(leaders: Any, entries: List[Entry], ignored: List[str], opts: StageOptions,
+                       tick: Callable[[], None], say: Callable[[str], None]
                        ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """The leaders' part of a stage across nodes (``entries``, ``ignored``: the root's listing;
     empty elsewhere). Returns ``(result on the root else None, this node's error or None)``.
     ``tick`` tells the node's other ranks of each step, ``say`` what a timeout names."""
+    src, dst = opts.src, opts.dst
     me = leaders.Get_rank()
     is_root = me == 0
     files = [e for e in entries if e.kind == FILE]
@@ -59,7 +60,7 @@ def stage_across_nodes(leaders: Any, entries: List[Entry], ignored: List[str], s
     token, total, single, count, per_round = leaders.bcast(
         (uuid.uuid4().hex[:12], total, single, len(entries), ROUND_ENTRIES) if is_root else None, root=0)
     host = socket.gethostname()
-    node = NodeInRounds(dst, src, [], durable, host, call=uuid.uuid4().hex)
+    node = NodeInRounds(dst, src, [], opts.durable, host, call=uuid.uuid4().hex)
 
     def now(doing: str) -> None:
         say(doing)
@@ -80,17 +81,17 @@ def stage_across_nodes(leaders: Any, entries: List[Entry], ignored: List[str], s
     try:
         if any(leaders.allgather(err)):
             return None, err  # no node moves anything when one cannot take it; every rank raises
-        return _rounds(leaders, node, entries, ignored, files, total, count, per_round, single, src, dst, chunk_bytes,
-                       progress, limit, names, tick, now)
+        return _rounds(leaders, node, Listing(entries, ignored, files, total, count, per_round, single), opts, tick, now)
     finally:
         node.close_rounds()  # (whatever ended the stage: a round's timeout too)
 
 
-def _rounds(leaders: Any, node: "NodeInRounds", entries: List[Entry], ignored: List[str], files: List[Entry],
-            total: int, count: int, per_round: int, single: bool, src: str, dst: str, chunk_bytes: int, progress: Optional[bool],
-            limit: Optional[float], names: bool, tick: Callable[[], None], now: Callable[[str], None]
-            ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+def _rounds(leaders: Any, node: "NodeInRounds", listing: Listing, opts: StageOptions, tick: Callable[[], None],
+            now: Callable[[str], None]) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """The rounds, once every node can take the copy, then what each node wrote."""
+    entries, ignored, files, total = listing.entries, listing.ignored, listing.files, listing.total
+    count, per_round, single = listing.count, listing.per_round, listing.single
+    src, dst, chunk_bytes, progress, limit, names = opts.src, opts.dst, opts.chunk_bytes, opts.progress, opts.limit, opts.names
     is_root = leaders.Get_rank() == 0
     host = node.host
     err = None
