@@ -28,16 +28,16 @@ class PyHpcsync(PythonPackage):
     variant("lightning", default=False, description="Lightning Trainer/Fabric integration")
     variant("bench", default=False, description="plots for bench/")
 
-    # pyproject.toml: requires-python >=3.9, setuptools>=77, numpy>=1.22, psutil>=5.9;
-    # extras mpi4py>=4.0, torch>=2.2, h5py>=3.8, lightning>=2.2, pytest>=7, pyyaml>=6
-    depends_on("python@3.9:", type=("build", "run"))
+    # pyproject.toml: requires-python >=3.11, setuptools>=77, numpy>=2.4, psutil>=7.1;
+    # extras mpi4py>=4.1, torch>=2.12, h5py>=3.16, lightning>=2.2, pytest>=7, pyyaml>=6
+    depends_on("python@3.11:", type=("build", "run"))
     depends_on("py-setuptools@77:", type="build")
-    depends_on("py-numpy@1.22:", type=("build", "run"))
-    depends_on("py-psutil@5.9:", type=("build", "run"))
-    depends_on("py-mpi4py@4.0:", type=("build", "run"))
+    depends_on("py-numpy@2.4:", type=("build", "run"))
+    depends_on("py-psutil@7.1:", type=("build", "run"))
+    depends_on("py-mpi4py@4.1:", type=("build", "run"))
     depends_on("mpi", type=("build", "run"))
-    depends_on("py-torch@2.2:", type=("build", "run"), when="+torch")
-    depends_on("py-h5py@3.8:+mpi", type=("build", "run"), when="+h5")
+    depends_on("py-torch@2.12:", type=("build", "run"), when="+torch")
+    depends_on("py-h5py@3.16:+mpi", type=("build", "run"), when="+h5")
     depends_on("hdf5+mpi", when="+h5")
     depends_on("py-lightning@2.2:", type=("build", "run"), when="+lightning")
     depends_on("py-matplotlib", type=("build", "run"), when="+bench")
