@@ -85,7 +85,7 @@ __all__ = [
     # starting and ending a job
     "init", "shutdown", "is_initialized", "master_address", "install_abort_hook", "Topology", "topology",
     "local_comm", "setup_logging",
-    # the comm helpers (also as the module ``hpcsync.comm``)
+    # the comm helpers (also as the module: ``from hpcsync import comm``)
     "comm", "get_world_size", "get_rank", "get_local_rank", "get_local_size", "is_main_process", "synchronize",
     "all_gather", "gather", "broadcast_object", "shared_random_seed", "reduce_dict", "monitored_barrier",
     # moving data
@@ -105,15 +105,25 @@ if "torch" in sys.modules:
         pass
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hpcsync' has no attribute {name!r}")
-    owner = importlib.import_module(f".{module}", __name__)
-    value = owner if name in ("comm", "h5") else getattr(owner, name)
-    globals()[name] = value
-    return value
+# Where the modules once reached as ``hpcsync.<name>`` live now: only for the error's words.
+_MOVED = {"bounded": "core", "environments": "core", "errors": "core", "jobend": "core", "nodemap": "core",
+          "settings": "core", "digest": "observe", "failure": "observe", "flight": "observe", "logs": "observe",
+          "progress": "observe", "watchdog": "observe", "filesync": "data", "staging": "data", "bootstrap": "start",
+          "doctor": "start", "interfaces": "start", "network": "start", "store": "start", "checkpoint": "resilience",
+          "lightning": "resilience", "supervisor": "resilience"}
+
+if not TYPE_CHECKING:  # type checkers see the names above only, so a misspelt one is an error there too
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            moved = f"; the module is hpcsync.{_MOVED[name]}.{name} (from hpcsync.{_MOVED[name]} import {name})" \
+                if name in _MOVED else ""
+            raise AttributeError(f"module 'hpcsync' has no attribute {name!r}{moved}")
+        owner = importlib.import_module(f".{module}", __name__)
+        value = owner if name in ("comm", "h5") else getattr(owner, name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(__all__)

@@ -194,5 +194,6 @@ def test_an_owned_duplicate_is_freed_when_its_block_ends(tmp_path):
     res = run(openmpi(), 2, "owned.py", tmp_path=tmp_path, timeout=60, expect_ok=False)
     for d in res.ranks:
         assert d is not None and d["gathered"] == [0, 1], res
-        assert d["freed_after_block"] and d["freed_after_exception"] and d["world_kept"] and d["self_given_back"], d
+        assert d["freed_after_block"] and d["freed_after_exception"] and d["world_kept"], d
+        assert d["self_given_back"] and d["self_kept"], d
     assert res.ranks[0]["timed_out"] and res.ranks[0]["kept_after_timeout"], res.ranks[0]

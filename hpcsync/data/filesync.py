@@ -227,8 +227,9 @@ def merge_parts(
     """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order).
     ``group``: the ranks taking part (a torch process group or an mpi4py communicator; default the
     world). ``timeout``: as for :func:`sync_file`."""
-    options = SyncOptions(root, strip_header, check_headers, text, allow_missing, keep_parts, method, round_bytes,
-                          progress, timeout)
+    options = SyncOptions(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
+                          allow_missing=allow_missing, keep_parts=keep_parts, method=method,
+                          round_bytes=round_bytes, progress=progress, timeout=timeout)
     return _merge_parts(target, my_parts, options, group)
 
 
@@ -350,8 +351,9 @@ def sync_file(
     :class:`~hpcsync.core.errors.SyncError` on every rank, before any round times out. A rank that
     stops (frozen, lost) makes the others raise :class:`~hpcsync.core.errors.SyncTimeout`.
     """
-    options = SyncOptions(root, strip_header, check_headers, text, allow_missing, keep_parts, method, round_bytes,
-                          progress, timeout)
+    options = SyncOptions(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
+                          allow_missing=allow_missing, keep_parts=keep_parts, method=method,
+                          round_bytes=round_bytes, progress=progress, timeout=timeout)
     return _sync(path, part, parts_dir, options)
 
 
@@ -404,8 +406,9 @@ class SyncedFile:
         if mode not in ("w", "a"):
             raise ValueError("mode must be 'w' (start a new part) or 'a' (append to an existing one)")
         self.target = os.path.abspath(os.fspath(path))
-        self.options = SyncOptions(root, strip_header, check_headers, text, allow_missing, keep_parts, method,
-                                   round_bytes, progress, timeout)
+        self.options = SyncOptions(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
+                                   allow_missing=allow_missing, keep_parts=keep_parts, method=method,
+                                   round_bytes=round_bytes, progress=progress, timeout=timeout)
         self.parts_dir = parts_dir
         self.path = part_path(self.target, None, parts_dir)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

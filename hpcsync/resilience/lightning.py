@@ -19,7 +19,7 @@ import os
 import uuid
 from typing import Any, Dict, Optional, Sequence
 
-from ..start.bootstrap import init, master_address
+from ..start.bootstrap import init, is_initialized, master_address
 from ..core.errors import MissingDependencyError
 from .preemption import DEFAULT_SIGNALS, PreemptionGuard
 from ..core.topology import topology
@@ -205,7 +205,8 @@ def _kwargs(strategy_cls: Any, backend: str, ddp_kwargs: Dict[str, Any]) -> Dict
     import torch
     import torch.distributed as dist
 
-    topo = init(backend=backend)
+    # a job already initialised (hpcsync.init() first, any backend) keeps its process group
+    topo = init() if is_initialized() else init(backend=backend)
     gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     strategy = strategy_cls(cluster_environment=HpcsyncEnvironment(), process_group_backend=dist.get_backend(),
                             **ddp_kwargs)

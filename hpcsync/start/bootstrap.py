@@ -194,9 +194,9 @@ def init(
     :class:`hpcsync.start.store.MPIStore` (MPI messages to rank 0, no listening port for the store).
     log_dir: a file per rank there, rank 0 and every rank's warnings on the console
     (:func:`hpcsync.setup_logging`; ``HPCSYNC_LOG_DIR`` does the same without code).
-    Calling it again returns the same topology; a second call whose arguments differ from the
-    first's (``init()`` then ``init(backend="gloo")``) raises ``ValueError`` on every rank:
-    :func:`shutdown` first. :func:`shutdown` undoes it.
+    Calling it again returns the same topology; a second call that asks for something else than
+    the first set up (``init()`` then ``init(backend="gloo")``) raises ``ValueError`` (each rank
+    checks its own call): :func:`shutdown` first. :func:`shutdown` undoes it.
     """
     asked = InitOptions(backend, init_method, timeout, master_port, set_device, abort_on_exception, store, log_dir)
     with _lock:
@@ -234,6 +234,7 @@ def init(
         else:
             done = _rendezvous_sockets(name, topo, td, asked, store_kind)
         _started(topo, name, done, td, asked)
+        _state["store_kind"] = store_kind if name in ("gloo", "nccl") else None
         return topo
 
 
@@ -262,18 +263,27 @@ class Rendezvous:
 
 
 def _again(asked: InitOptions) -> Topology:
-    """A second :func:`init`: the first one's topology, unless an argument given now differs from
-    the first call's (the backend compared with the one the first call started)."""
+    """A second :func:`init`: the first one's topology, unless an argument given now (not left
+    at its default) means something else than what the first call set up -- compared as
+    resolved: the backend with the one running, the timeout as a duration, the store's kind,
+    the log folder as an absolute path. Each rank checks its own call against its own first."""
     first: InitOptions = _state.get("asked") or InitOptions()
     default = InitOptions()
     clashes = []
-    for name in InitOptions.__dataclass_fields__:
+    running = str(_state.get("backend") or "")  # "gloo", or torch's "cpu:gloo,cuda:nccl"
+    if asked.backend != "auto" and asked.backend not in running.replace(",", ":").split(":"):
+        clashes.append(f"backend={asked.backend!r} (the first started {running!r})")
+    if asked.timeout is not None and _timeout(asked.timeout) != _timeout(first.timeout):
+        clashes.append(f"timeout={asked.timeout!r} (the first gave {first.timeout!r})")
+    kind = _state.get("store_kind")
+    if asked.store is not None and kind is not None and asked.store.lower() != kind:
+        clashes.append(f"store={asked.store!r} (the first used {kind!r})")
+    if asked.log_dir is not None and os.path.abspath(asked.log_dir) != os.path.abspath(first.log_dir or
+                                                                                       settings.text("HPCSYNC_LOG_DIR") or ""):
+        clashes.append(f"log_dir={asked.log_dir!r} (the first gave {first.log_dir!r})")
+    for name in ("init_method", "master_port", "set_device", "abort_on_exception"):
         now, then = getattr(asked, name), getattr(first, name)
-        if name == "backend":
-            then = _state.get("backend") or then
-            if now not in ("auto", then):
-                clashes.append(f"backend={now!r} (the first started {then!r})")
-        elif now != getattr(default, name) and now != then:
+        if now != getattr(default, name) and now != then:
             clashes.append(f"{name}={now!r} (the first gave {then!r})")
     if clashes:
         raise ValueError("hpcsync.init: already initialised, and this call asks for something else: "

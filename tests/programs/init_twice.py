@@ -3,6 +3,8 @@ backend the first one started), a ValueError naming what differs when it does.
 
     init_twice.py
 """
+import datetime
+
 import torch.distributed as dist
 
 import hpcsync
@@ -11,9 +13,11 @@ from _report import report
 topo = hpcsync.init(timeout=60)
 started = dist.get_backend()
 out = {"rank": topo.rank, "world_size": topo.world_size, "started": started, "same": hpcsync.init() is topo,
-       "same_backend_named": hpcsync.init(backend=started, timeout=60) is topo, "errors": {}}
+       "same_backend_named": hpcsync.init(backend=started, timeout=60) is topo,
+       "same_spelled_otherwise": hpcsync.init(timeout=datetime.timedelta(seconds=60)) is topo, "errors": {}}
 other = "gloo" if started != "gloo" else "hpcsync"
-for name, kwargs in (("backend", {"backend": other}), ("timeout", {"timeout": 5}), ("store", {"store": "mpi"})):
+for name, kwargs in (("backend", {"backend": other}), ("timeout", {"timeout": 5}), ("store", {"store": "mpi"}),
+                       ("master_port", {"master_port": 1234})):
     try:
         hpcsync.init(**kwargs)
         out["errors"][name] = None

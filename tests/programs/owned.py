@@ -11,7 +11,7 @@ import time
 from mpi4py import MPI
 
 from _report import report
-from hpcsync.core import bounded
+from hpcsync.core import bounded, torchcomm
 from hpcsync.core.errors import CollectiveTimeout
 
 world = MPI.COMM_WORLD
@@ -30,21 +30,22 @@ except KeyError:
     pass
 out["freed_after_exception"] = second == MPI.COMM_NULL or not bool(second)
 out["world_kept"] = bool(world) and world.Get_size() == 2
-with bounded.owned(MPI.COMM_SELF, "alone", 10) as same:
-    out["self_given_back"] = same.Get_size() == 1
-if rank == 1:  # never arrives at the barrier below
-    report(rank, out)
-    time.sleep(3)
-    import os
+alone = torchcomm.SELF  # no Idup: over() gives it back as it is, and nothing frees it
+with bounded.owned(alone, "alone", 10) as same:
+    out["self_given_back"] = same is alone
+out["self_kept"] = alone.Get_size() == 1 and alone.allgather(7) == [7]
+import os  # noqa: E402
 
-    os._exit(0)
 try:
     with bounded.owned(world, "a timeout", 0.5) as comm:
+        held = comm.raw()  # both ranks make the duplicate; rank 1 then never arrives at the barrier
+        if rank == 1:
+            report(rank, out)
+            time.sleep(3)
+            os._exit(0)
         comm.Barrier()
 except CollectiveTimeout:
     out["timed_out"] = True
-    out["kept_after_timeout"] = bounded.broken() is not None
+    out["kept_after_timeout"] = held != MPI.COMM_NULL and bounded.broken() is not None
 report(rank, out)
-import os  # noqa: E402
-
 os._exit(0)  # an abandoned barrier: MPI cannot finalize with it in flight (the exit hook would abort)
