@@ -86,7 +86,7 @@ def test_who_settles_a_failure_report_on_paper(monkeypatch):
     without a node map); a claim passes over an arbiter that does not answer, the next one's word
     stands, and with none answering the claimant prints."""
     from hpcsync.core import nodemap
-    from hpcsync.observe import digest, watchdog
+    from hpcsync.observe import digest, responder, watchdog
 
     monkeypatch.setattr(nodemap, "_current", NodeMap([0, 0, 0, 1, 1, 2, 3, 3], [f"n{k}" for k in range(4)]))
     assert digest.arbiters(8) == [0, 3, 5]
@@ -99,10 +99,10 @@ def test_who_settles_a_failure_report_on_paper(monkeypatch):
         asked.append(ranks[0])
         return {3: 6} if ranks == [3] else {}  # rank 0 silent; rank 3 heard rank 6's claim first
 
-    monkeypatch.setattr(watchdog, "ask", ask)
+    monkeypatch.setattr(responder, "ask", ask)
     assert digest._claim(7, 8) == 6 and asked == [0, 3]
     asked.clear()
-    monkeypatch.setattr(watchdog, "ask", lambda ranks, question, wait_s: asked.append(ranks[0]) or {})
+    monkeypatch.setattr(responder, "ask", lambda ranks, question, wait_s: asked.append(ranks[0]) or {})
     assert digest._claim(7, 8) == 7 and asked == [0, 3, 5]
     asked.clear()
     monkeypatch.setattr(watchdog, "_first_claim", None)
