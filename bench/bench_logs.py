@@ -25,7 +25,7 @@ from common import save_json
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hpcsync import logs  # noqa: E402
+from hpcsync.observe import logs  # noqa: E402
 
 
 def per_record_us(folder: str, records: int, gather_to: str = "") -> float:

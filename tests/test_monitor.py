@@ -42,7 +42,7 @@ def test_a_slowed_rank_is_named_and_jitter_names_nobody(launcher, backend, slow_
     assert set(r0["stragglers"]) == {"3"}
     assert all(r["verdicts"] == [] for r in res.ranks[1:])  # rank 0 judges
     # the log line on rank 0 names the rank, its node and the factor
-    line = re.search(r"WARNING hpcsync\.monitor: hpcsync: straggler: rank (\d+) on (\S+) is ([\d.]+)x slower",
+    line = re.search(r"WARNING hpcsync\.observe\.monitor: hpcsync: straggler: rank (\d+) on (\S+) is ([\d.]+)x slower",
                      res.stdout + res.stderr)
     # the line rounds the factor to 2 places, the record to 3: 1.3354 is "1.34" there and 1.335 here
     assert line and line.groups()[:2] == ("3", host) and abs(float(line.group(3)) - v["factor"]) < 0.0051, \
