@@ -273,7 +273,8 @@ def _again(asked: InitOptions) -> Topology:
     running = str(_state.get("backend") or "")  # "gloo", or torch's "cpu:gloo,cuda:nccl"
     if asked.backend != "auto" and asked.backend not in running.replace(",", ":").split(":"):
         clashes.append(f"backend={asked.backend!r} (the first started {running!r})")
-    if asked.timeout is not None and _timeout(asked.timeout) != _timeout(first.timeout):
+    started = _state.get("timeout")  # the first call's, resolved then (HPCSYNC_TIMEOUT may have changed since)
+    if asked.timeout is not None and started is not None and _timeout(asked.timeout) != started:
         clashes.append(f"timeout={asked.timeout!r} (the first gave {first.timeout!r})")
     kind = _state.get("store_kind")
     if asked.store is not None and kind is not None and asked.store.lower() != kind:
@@ -361,7 +362,8 @@ def _started(topo: Topology, name: str, done: Rendezvous, td: _dt.timedelta, ask
     _check_ranks(topo)
     if topo.uses_mpi and mpi.MPI().Query_thread() == mpi.MPI().THREAD_MULTIPLE:
         responder.start()  # answers report questions (a stalled gloo/NCCL collective, a failure)
-    _state.update(topology=topo, owner=True, store=done.store, backend=name, master=done.master, asked=asked)
+    _state.update(topology=topo, owner=True, store=done.store, backend=name, master=done.master, asked=asked,
+                  timeout=td)
     if _our_backend_available():  # groups created without timeout= (any backend) follow init's
         from ..backend import follow_default_timeout
 
