@@ -11,7 +11,7 @@ target = sys.argv[1] if len(sys.argv) > 1 else "metrics.csv"
 rank = hpcsync.get_rank()  # from MPI; no torch needed
 
 with hpcsync.SyncedFile(target, strip_header=True) as part:  # joined on exit, in rank order
-    with open(part.path, "w", newline="") as f:
+    with part.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["rank", "step", "value"])
         for step in range(3):

@@ -241,7 +241,7 @@ def main() -> None:
     stopped: Optional[str] = None
     t0 = time.perf_counter()
     with hpcsync.SyncedFile(metrics_path, strip_header=True) as part:
-        with open(part.path, "w", newline="") as f:
+        with part.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["rank", "epoch", "step", "loss"])
             writer.writerows(rows)

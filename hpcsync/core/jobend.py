@@ -17,13 +17,13 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Callable, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, List, NoReturn, Optional, Tuple
 
 from . import mpi, settings
 
 __all__ = [
     "LAUNCHERS", "before_abort", "run_before_abort", "EXIT_STAGES", "at_exit", "set_abort_on_error",
-    "abort_on_error", "grace_s", "end_within", "stacks_on_crash", "launcher_pid", "watch_launcher", "abort"
+    "abort_on_error", "set_hook_installed", "exception_ends_job", "grace_s", "end_within", "stacks_on_crash", "launcher_pid", "watch_launcher", "abort"
 ]
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiex
 
 
 _abort_on_error = True  # init(abort_on_exception=...) sets it for the job
+_hook_installed = False  # hpcsync's sys.excepthook (hpcsync.start.bootstrap.install_abort_hook)
 _before_abort: List[Callable[[], None]] = []  # what must reach the user before MPI_Abort (held-back logs)
 
 
@@ -89,6 +90,24 @@ def set_abort_on_error(on: bool) -> None:
 def abort_on_error() -> bool:
     """The policy: ``init(abort_on_exception=)``, and ``HPCSYNC_ABORT_ON_EXCEPTION=0`` turns it off."""
     return _abort_on_error and settings.flag("HPCSYNC_ABORT_ON_EXCEPTION")
+
+
+def set_hook_installed(on: bool) -> None:
+    """Whether hpcsync's hook for uncaught exceptions is in place (:func:`hpcsync.init` installs it)."""
+    global _hook_installed
+    _hook_installed = bool(on)
+
+
+def exception_ends_job(exc_type: Any) -> bool:
+    """Whether an exception of ``exc_type`` now leaving a ``with`` block will end the job: an
+    :class:`Exception` (not ``SystemExit`` or ``KeyboardInterrupt``), hpcsync's hook in place
+    and the policy on, more than one rank. A context manager's ``__exit__`` then does only its
+    local part -- flush, keep its files -- and enters no collective: the other ranks are elsewhere
+    (in the program's next collective), so that collective would wait out its timeout on this
+    rank alone while the job should end in seconds, this rank's traceback first."""
+    if exc_type is None or not issubclass(exc_type, Exception) or not (_hook_installed and abort_on_error()):
+        return False
+    return mpi.use_mpi() and mpi.MPI().COMM_WORLD.Get_size() > 1
 
 
 def grace_s() -> float:

@@ -35,10 +35,11 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..core import bigmpi, bounded, settings
+from ..core import bigmpi, bounded, jobend, settings
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else SELF
 from ..core.errors import CollectiveTimeout, SyncError, SyncTimeout, raise_if_any, raise_if_settings_differ
 from .transports import choose_method, Part, Source, write_copy, write_gather, write_mpiio
@@ -384,6 +385,23 @@ def _sync(path: PathLike, part: Optional[PathLike], parts_dir: Optional[PathLike
     return result
 
 
+_open_parts: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the parts SyncedFile.open() gave, while open
+
+
+def _flush(files: Any) -> None:
+    for f in list(files):
+        if not f.closed:
+            try:
+                f.flush()
+            except (OSError, ValueError):  # (a full disk: the abort matters more)
+                pass
+
+
+def _flush_open_parts() -> None:
+    """Before this rank aborts, or another rank asks it to: what the program wrote to its parts."""
+    _flush(_open_parts)
+
+
 class SyncedFile:
     """A file every rank writes its own part of during training, joined on exit.
 
@@ -391,9 +409,14 @@ class SyncedFile:
     ...     with open(part.path, "w") as f:
     ...         f.write("step,loss\\n")
 
-    Each rank's part is created (empty) up front, so every rank has one. If any rank leaves the
-    block with an exception, no rank merges: every rank raises :class:`SyncError` (the failing
-    rank its own exception) and all parts are kept.
+    Each rank's part is created (empty) up front, so every rank has one. A rank that leaves the
+    block with an exception merges nothing and waits for nobody: under :func:`hpcsync.init` the
+    exception ends the job in seconds, its traceback first (the other ranks are in the program's
+    next collective, not here), every rank's part kept on disk for ``hpcsync merge`` (the
+    traceback's last line says the command). Where the job goes on instead
+    (``HPCSYNC_ABORT_ON_EXCEPTION=0``, no ``init``, ``SystemExit``), the ranks agree at the end
+    of the block: no rank merges, every rank raises :class:`SyncError` (the failing rank its own
+    exception), the parts are kept.
     """
 
     def __init__(self, path: PathLike, *, parts_dir: Optional[PathLike] = None, mode: str = "w",
@@ -415,10 +438,23 @@ class SyncedFile:
         with open(self.path, "ab" if mode == "a" else "wb"):
             pass
         self.result: Optional[SyncResult] = None
+        self._files: List[Any] = []  # what open() gave: flushed when the job ends on an error
 
     def open(self, mode: str = "w", **kwargs: Any):
-        """``open()`` this rank's part (a shortcut for ``open(synced.path, ...)``)."""
-        return open(self.path, mode, **kwargs)
+        """``open()`` this rank's part (``open(synced.path, ...)``), line-buffered in text mode
+        unless ``buffering=`` says otherwise: every row written is on disk (in the page cache) at
+        once, so a rank killed when another fails keeps its rows."""
+        if "b" not in mode:
+            kwargs.setdefault("buffering", 1)
+        f = open(self.path, mode, **kwargs)
+        self._files.append(f)
+        if not _open_parts:
+            jobend.before_abort(_flush_open_parts)
+        _open_parts.add(f)
+        return f
+
+    def _flush(self) -> None:
+        _flush(self._files)
 
     def sync(self) -> SyncResult:
         """Join all parts into the target now (collective)."""
@@ -431,7 +467,13 @@ class SyncedFile:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         comm = _world()
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
-        if exc_type is not None and comm.Get_size() == 1:
+        if exc_type is not None and (comm.Get_size() == 1 or jobend.exception_ends_job(exc_type)):
+            self._flush()
+            if isinstance(exc, BaseException):
+                folder = os.path.dirname(self.path)
+                exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in {folder}: "
+                             f"hpcsync merge {self.target} {folder}/* "
+                             f"{'--strip-header' if self.options.strip_header else ''}".rstrip())
             return False
         try:
             with bounded.owned(comm, f"SyncedFile({self.target}): agreeing that every rank is done with its part",

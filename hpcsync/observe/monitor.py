@@ -42,7 +42,7 @@ from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import failure
-from ..core import serial, settings
+from ..core import jobend, serial, settings
 from ..core.errors import CollectiveTimeout
 
 __all__ = [
@@ -356,8 +356,6 @@ class StepMonitor:
             if self.rank == 0:
                 self._judge = Judge(self.factor, self.votes, self.steps_per_window, *_where(base))
                 self.verdicts = self._judge.verdicts
-            from ..core import jobend
-
             jobend.at_exit("store", self._at_exit)  # before MPI_Finalize: nothing left in flight
         elif self.steps_per_window and self.size > 1 and self.rank == 0:
             log.warning("hpcsync.monitor: comparing ranks needs MPI (a job launched by mpirun, mpiexec or srun, "
@@ -490,6 +488,8 @@ class StepMonitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if jobend.exception_ends_job(exc[0]):  # the exchange is left as it is: the job is ending
+            return
         self.close()
 
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
-from ..core import serial, settings
+from ..core import jobend, serial, settings
 from ..core.errors import CollectiveTimeout
 
 __all__ = [
@@ -267,10 +267,7 @@ class PreemptionGuard:
         """Give back the handlers that are still this guard's (one that :func:`~hpcsync.requeue`
         or a framework installed since stays), and free the private communicator (collective under
         MPI, bounded by the timeout; after a timeout nothing is waited for again)."""
-        for s, prev in self._previous.items():
-            if signal.getsignal(s) == self._record:
-                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-        self._previous = {}
+        self._give_back_handlers()
         if self._broken:
             self._req = None
             return
@@ -282,10 +279,19 @@ class PreemptionGuard:
                 serial.call(self._comm.Free)
             self._mode = "closed"
 
+    def _give_back_handlers(self) -> None:
+        for s, prev in self._previous.items():
+            if signal.getsignal(s) == self._record:
+                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._previous = {}
+
     def __enter__(self) -> "PreemptionGuard":
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if jobend.exception_ends_job(exc[0]):  # the handlers back, nothing collective: the job is ending
+            self._give_back_handlers()
+            return
         self.close()
 
 

@@ -525,6 +525,7 @@ def install_abort_hook() -> None:
                 jobend.abort(1)
 
     sys.excepthook = _hook = hook
+    jobend.set_hook_installed(True)
 
 
 def uninstall_abort_hook() -> None:
@@ -532,3 +533,4 @@ def uninstall_abort_hook() -> None:
     if _prev_hook is not None:
         sys.excepthook = _prev_hook
         _prev_hook = _hook = None
+        jobend.set_hook_installed(False)

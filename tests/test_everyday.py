@@ -1,0 +1,122 @@
+"""The everyday path, pattern by pattern: every pattern the README and the docs show
+(``tests/programs/everyday.py``), with one fault on one rank of 2-3 (an exception out of the
+program's own code, a SIGKILL, a clean exit mid-run, a rank that leaves out one call), on both MPI
+libraries. Where, when and on which rank each fault strikes is drawn (seeded by the case's name,
+so a failure reruns as it failed).
+
+Each job must end non-zero: an exception or a death within ``BOUND`` seconds under the default
+settings (an exception is not a hang: the default timeout of 1,800 s must not be what ends it), a
+rank that is missing or exits within ``HPCSYNC_TIMEOUT`` + ``BOUND``. The cause comes first, before
+any other rank's hang report; what the pattern writes is complete or absent (never half-written),
+every rank's part is kept for ``hpcsync merge``, and a rerun without the fault completes with the
+right contents."""
+import filecmp
+import json
+import random
+import re
+import time
+
+import pytest
+
+from launch import mpich, openmpi, run
+
+pytestmark = pytest.mark.alone  # bounds of wall time
+
+PATTERNS = ("synced_file", "sync_file", "stage", "checkpoints", "preemption", "monitor", "comm")
+FAULTS = ("raise", "kill", "exit", "skip")
+LIBRARIES = {"openmpi": openmpi, "mpich": mpich}
+STEPS = 3  # as in the program
+BOUND = 45.0
+TIMEOUT = 3  # HPCSYNC_TIMEOUT for the faults that leave ranks waiting (exit, skip)
+WRITES = {"synced_file", "sync_file", "stage", "checkpoints"}  # what leaves files to check and rerun
+# a rank may leave out monitor.step() calls: ranks close after different numbers of steps by design
+TOLERATED = {("monitor", "skip")}
+
+
+def draw(pattern, fault, library):
+    rng = random.Random(f"{pattern}-{fault}-{library}")
+    n = rng.choice((2, 3))
+    cfg = {"pattern": pattern, "fault": fault, "rank": rng.randrange(n),
+           "step": rng.randrange(STEPS + (pattern == "sync_file")), "where": rng.choice(("before", "after"))}
+    if fault == "skip":  # the call left out: sync_file's is the join, after the steps
+        cfg.update(where="before", step=STEPS if pattern == "sync_file" else cfg["step"])
+    if fault == "exit" and cfg["step"] >= STEPS - 1:  # (an exit after the last call is the program's normal end)
+        cfg.update(where="before")
+    return cfg, n
+
+
+def prepare(folder, pattern):
+    if pattern == "stage":
+        src = folder / "src"
+        (src / "sub").mkdir(parents=True)
+        rng = random.Random(7)
+        for i in range(6):
+            (src / ("sub" if i % 2 else "") / f"f{i}.bin").write_bytes(rng.randbytes(rng.randrange(1, 200_000)))
+
+
+def check_files(folder, pattern, n, complete):
+    """What the pattern wrote: complete, or absent (``complete``: it must be there, whole)."""
+    if pattern in ("synced_file", "sync_file"):
+        target = folder / "metrics.csv"
+        want = "rank,step\n" + "".join(f"{r},{s}\n" for r in range(n) for s in range(STEPS))
+        if complete or target.exists():
+            assert target.read_text() == want, target.read_text()
+    elif pattern == "stage":
+        dst = folder / "dst"
+        if complete:
+            cmp = filecmp.dircmp(folder / "src", dst, ignore=[".hpcsync-stage.json", ".hpcsync-stage.journal"])  # (stage's journal)
+            assert not cmp.left_only and not cmp.right_only and not cmp.diff_files, cmp.report()
+            for sub in cmp.subdirs.values():
+                assert not sub.left_only and not sub.right_only and not sub.diff_files, sub.report()
+    elif pattern == "checkpoints":  # the rerun loads the latest complete one (the program checks its contents)
+        pass
+
+
+def job(folder, lib, n, cfg, env):
+    t0 = time.monotonic()
+    res = run(LIBRARIES[lib](), n, "everyday.py", json.dumps({**cfg, "dir": str(folder)}), tmp_path=folder,
+              timeout=BOUND + float(env.get("HPCSYNC_TIMEOUT", 0)) + 15, env=env, expect_ok=False)
+    return res, time.monotonic() - t0
+
+
+def cause_first(res, cfg):
+    """The fault's own words before any other rank's report of a wait."""
+    text = res.stderr + res.stdout
+    waits = [m.start() for m in re.finditer(r"did not arrive|timed out|hang|stall|silent", text)]
+    first_wait = min(waits) if waits else len(text)
+    bad = cfg["rank"]
+    if cfg["fault"] == "raise":
+        at = text.find(f"injected fault on rank {bad}")
+        assert 0 <= at < first_wait, f"the exception is not the first thing said:\n{text[-6000:]}"
+    elif cfg["fault"] == "kill":
+        at = min((i for i in (text.find("signal 9"), text.find("Killed")) if i >= 0), default=-1)
+        assert 0 <= at < first_wait, f"the killed rank is not the first thing said:\n{text[-6000:]}"
+    else:  # a rank missing: the first report names it
+        at = text.find("[hpcsync]")
+        assert at >= 0 and f"rank {bad}" in text[at:at + 3000], f"the first report does not name rank {bad}:\n{text[-6000:]}"
+
+
+CASES = [(p, f, lib) for lib in LIBRARIES for p in PATTERNS for f in FAULTS]
+
+
+@pytest.mark.parametrize("pattern,fault,lib", CASES, ids=[f"{p}-{f}-{lib}" for p, f, lib in CASES])
+def test_one_fault_ends_the_job_cause_first_and_loses_nothing(tmp_path, pattern, fault, lib):
+    cfg, n = draw(pattern, fault, lib)
+    prepare(tmp_path, pattern)
+    env = {"HPCSYNC_TIMEOUT": str(TIMEOUT)} if fault in ("exit", "skip") else {}
+    res, took = job(tmp_path, lib, n, cfg, env)
+    if (pattern, fault) in TOLERATED:
+        assert res.returncode == 0 and all(res.ranks), res
+        return
+    assert res.returncode != 0, f"the job ended well despite the fault ({cfg}): {res}"
+    limit = BOUND + (TIMEOUT if env else 0)
+    assert took < limit, f"{cfg}: took {took:.1f} s (bound {limit:.0f} s): {res}"
+    cause_first(res, cfg)
+    check_files(tmp_path, pattern, n, complete=False)
+    if pattern in ("synced_file",) and fault == "raise":  # every rank's part kept, with its rows so far
+        parts = sorted((tmp_path / ".metrics.csv.parts").glob("rank*"))
+        assert len(parts) == n and all(p.read_text().startswith("rank,step\n") for p in parts), parts
+    if pattern in WRITES:  # the rerun, without the fault, on the same files
+        again, _ = job(tmp_path, lib, n, {**cfg, "fault": "none"}, {})
+        assert again.returncode == 0 and all(again.ranks), f"the rerun failed: {again}"
+        check_files(tmp_path, pattern, n, complete=True)
