@@ -197,3 +197,43 @@ def test_an_owned_duplicate_is_freed_when_its_block_ends(tmp_path):
         assert d["freed_after_block"] and d["freed_after_exception"] and d["world_kept"], d
         assert d["self_given_back"] and d["self_kept"], d
     assert res.ranks[0]["timed_out"] and res.ranks[0]["kept_after_timeout"], res.ranks[0]
+
+
+def test_a_checkpoint_root_owner_that_has_ended_or_is_ending_holds_nothing():
+    """A job's rank 0 that is a zombie (its launcher has not reaped it) or still dying when its
+    launcher returns is not a job that still runs: a rerun right after a failed job must get the
+    root (found by tests/test_everyday.py: 'in use by process N, which is still running')."""
+    import os
+    import signal
+
+    from hpcsync.resilience import root_owner
+
+    def record(pid):
+        return {"slurm_job": None, "host": __import__("socket").gethostname(), "pid": pid,
+                "start": root_owner.start_ticks(pid)}
+
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and open(f"/proc/{zombie.pid}/stat").read().split(") ")[1][0] != "Z":
+        time.sleep(0.01)
+    try:
+        assert root_owner.job_running(record(zombie.pid)) is False
+    finally:
+        zombie.wait()
+    ending = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                               "time.sleep(0.8)"])
+    try:
+        time.sleep(0.3)
+        job = record(ending.pid)
+        os.kill(ending.pid, signal.SIGTERM)  # ignored: it ends on its own 0.5 s later
+        t0 = time.monotonic()
+        assert root_owner.job_running(job) is False and time.monotonic() - t0 < root_owner.ENDING_WAIT_S + 1
+    finally:
+        ending.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)
+        assert root_owner.job_running(record(alive.pid)) is True
+    finally:
+        alive.kill()
+        alive.wait()

@@ -9,27 +9,36 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from typing import Any, Dict, Optional
 
 from ..core.errors import CheckpointError
 
-__all__ = ["OWNER", "this_job", "job_running", "claim"]
+__all__ = ["OWNER", "ENDING_WAIT_S", "start_ticks", "this_job", "job_running", "claim"]
 
 log = logging.getLogger(__name__)
 
 OWNER = "OWNER"
 _SQUEUE_TIMEOUT_S = 30.0
+ENDING_WAIT_S = 3.0  # how long a process of this host that holds the root is given to end
 _FINISHED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
              "OUT_OF_MEMORY", "")
 
 
-def _start_ticks(pid: int) -> Optional[int]:
+def start_ticks(pid: int) -> Optional[int]:
+    """When process ``pid`` started (clock ticks since boot), or None when no such process runs:
+    a zombie (ended, not yet reaped by its launcher) or a process already exiting counts as ended."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
-        return int(text[text.rindex(")") + 2:].split()[19])
+        fields = text[text.rindex(")") + 2:].split()
+        return None if fields[0] in ("Z", "X", "x") else int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _runs(pid: Any, start: Any) -> bool:
+    return isinstance(pid, int) and start is not None and start_ticks(pid) == start
 
 
 def this_job() -> Dict[str, Any]:
@@ -37,7 +46,7 @@ def this_job() -> Dict[str, Any]:
     task has its own), and rank 0's host and process."""
     pid = os.getpid()
     return {"slurm_job": os.environ.get("SLURM_JOB_ID") or None, "host": socket.gethostname(), "pid": pid,
-            "start": _start_ticks(pid)}
+            "start": start_ticks(pid)}
 
 
 def _describe_job(job: Dict[str, Any]) -> str:
@@ -69,8 +78,11 @@ def job_running(job: Dict[str, Any]) -> Optional[bool]:
         return proc.stdout.strip().upper() not in _FINISHED
     if job.get("host") != socket.gethostname():
         return None
-    pid = job.get("pid")
-    return isinstance(pid, int) and _start_ticks(pid) is not None and _start_ticks(pid) == job.get("start")
+    pid, start = job.get("pid"), job.get("start")
+    deadline = time.monotonic() + ENDING_WAIT_S  # a job that just failed: its launcher may return
+    while _runs(pid, start) and time.monotonic() < deadline:  # before every rank has died
+        time.sleep(0.05)
+    return _runs(pid, start)
 
 
 def claim(root: str, job: Dict[str, Any]) -> None:
