@@ -120,3 +120,31 @@ def test_one_fault_ends_the_job_cause_first_and_loses_nothing(tmp_path, pattern,
         again, _ = job(tmp_path, lib, n, {**cfg, "fault": "none"}, {})
         assert again.returncode == 0 and all(again.ranks), f"the rerun failed: {again}"
         check_files(tmp_path, pattern, n, complete=True)
+
+
+@pytest.mark.parametrize("lib,n,stops", [("openmpi", 3, 2), ("mpich", 2, 1)])
+def test_a_resumed_run_continues_the_joined_csv(tmp_path, lib, n, stops):
+    """Stopped by SIGUSR1 on a drawn rank at a drawn step (a real signal, the guard's agreed stop,
+    a checkpoint), run again from the checkpoint ``stops`` times: ``SyncedFile(append=True)``
+    keeps every row the earlier runs joined, adds each run's own after them, one header, each
+    (rank, step) exactly once, and the file between two runs is what the first left."""
+    rng = random.Random(f"resume-{lib}-{n}-{stops}")
+    steps, runs, joined = 12, [], []
+    for k in range(stops + 1):
+        stop = [str(rng.randrange(n)), str(rng.randrange(4 * k + 1, 4 * k + 4))] if k < stops else []
+        res = run(LIBRARIES[lib](), n, "resume_rows.py", str(tmp_path), str(steps), *stop, tmp_path=tmp_path,
+                  timeout=120, expect_ok=False)
+        assert all(res.ranks) and {r["world_size"] for r in res.ranks} == {n}, res
+        assert res.returncode == 0, res  # (the guard's code outside Slurm after SIGUSR1: 0)
+        text = (tmp_path / "metrics.csv").read_text()
+        if joined:
+            assert text.startswith(joined[-1]), f"run {k} lost rows the run before joined:\n{text}"
+        joined.append(text)
+        runs.append(res.ranks)
+    lines = joined[-1].splitlines()
+    assert lines[0] == "rank,step,value" and lines.count("rank,step,value") == 1, lines
+    seen = [tuple(int(x) for x in line.split(",")[:2]) for line in lines[1:]]
+    assert sorted(seen) == [(r, s) for r in range(n) for s in range(steps)], seen
+    starts = [ranks[0]["start"] for ranks in runs]
+    assert starts[0] == 0 and all(b == ranks[0]["stopped"] + 1 for b, ranks in zip(starts[1:], runs)), runs
+    assert all(len(set(p)) == 1 for p in ([r["stopped"] for r in ranks] for ranks in runs)), runs  # one agreed step

@@ -70,6 +70,7 @@ class SyncOptions:
     round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES
     progress: Optional[bool] = None
     timeout: Optional[float] = None
+    append: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -85,7 +86,7 @@ class SyncOptions:
         """What every rank must give alike for one merge (``round_bytes`` and ``progress`` may differ)."""
         return {"target": target, "root": self.root, "strip_header": self.strip_header,
                 "check_headers": self.check_headers, "text": self.text, "allow_missing": self.allow_missing,
-                "keep_parts": self.keep_parts, "method": self.method, "timeout": self.limit()}
+                "keep_parts": self.keep_parts, "method": self.method, "timeout": self.limit(), "append": self.append}
 
 
 def part_path(path: PathLike, rank: Optional[int] = None, parts_dir: Optional[PathLike] = None) -> str:
@@ -224,13 +225,14 @@ def merge_parts(
     progress: Optional[bool] = None,
     timeout: Optional[float] = None,
     group: Any = None,
+    append: bool = False,
 ) -> SyncResult:
     """Collective core of :func:`sync_file`: each rank contributes the files ``my_parts`` (in order).
     ``group``: the ranks taking part (a torch process group or an mpi4py communicator; default the
     world). ``timeout``: as for :func:`sync_file`."""
     options = SyncOptions(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
                           allow_missing=allow_missing, keep_parts=keep_parts, method=method,
-                          round_bytes=round_bytes, progress=progress, timeout=timeout)
+                          round_bytes=round_bytes, progress=progress, timeout=timeout, append=append)
     return _merge_parts(target, my_parts, options, group)
 
 
@@ -266,8 +268,15 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], options: SyncOp
         SyncError, "sync_file: ranks called it with different arguments (desync), nothing merged or deleted: ")
 
     src, err = Source(), None
-    for p in my_parts:
-        part, perr = _inspect(os.path.abspath(os.fspath(p)), options.allow_missing, options.strip_header)
+    paths = [os.path.abspath(os.fspath(p)) for p in my_parts]
+    if options.append:  # what the target holds comes first: rank 0's first part
+        there = comm.bcast(os.path.isfile(target) if me == root else None, root=root)
+        if there and me == 0:
+            paths.insert(0, target)
+        if target in paths[1 if there and me == 0 else 0:]:
+            err = f"append: the target {target} is also one of rank {me}'s parts"
+    for p in paths:
+        part, perr = _inspect(p, options.allow_missing and p != target, options.strip_header)
         err = err or perr
         if part is not None:
             src.parts.append(part)
@@ -310,6 +319,8 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], options: SyncOp
     deleted = False
     if not options.keep_parts:
         for p in src.parts:
+            if p.path == target:  # (the joined file itself, with append=True)
+                continue
             try:
                 os.unlink(p.path)
             except OSError as exc:  # the merge is durable; a stale part is only a warning
@@ -334,6 +345,7 @@ def sync_file(
     round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES,
     progress: Optional[bool] = None,
     timeout: Optional[float] = None,
+    append: bool = False,
 ) -> SyncResult:
     """Join every rank's part of ``path`` into ``path`` on the root rank (collective).
 
@@ -351,10 +363,13 @@ def sync_file(
     is named (the rank, its node, the file, reading or writing) in the same
     :class:`~hpcsync.core.errors.SyncError` on every rank, before any round times out. A rank that
     stops (frozen, lost) makes the others raise :class:`~hpcsync.core.errors.SyncTimeout`.
+    ``append``: keep what ``path`` already holds and add the parts after it (one header, with
+    ``strip_header``: the parts' must equal the file's), written whole as ever: a resumed run's
+    rows continue the joined file of the run before it.
     """
     options = SyncOptions(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
                           allow_missing=allow_missing, keep_parts=keep_parts, method=method,
-                          round_bytes=round_bytes, progress=progress, timeout=timeout)
+                          round_bytes=round_bytes, progress=progress, timeout=timeout, append=append)
     return _sync(path, part, parts_dir, options)
 
 
@@ -423,15 +438,16 @@ class SyncedFile:
                  root: int = 0, strip_header: bool = False, check_headers: bool = True, text: bool = True,
                  allow_missing: bool = False, keep_parts: bool = False, method: str = "auto",
                  round_bytes: int = bigmpi.DEFAULT_ROUND_BYTES, progress: Optional[bool] = None,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, append: bool = False) -> None:
         """``mode``: ``"w"`` starts a new part, ``"a"`` appends to this rank's existing one; the
-        other arguments are :func:`sync_file`'s."""
+        other arguments are :func:`sync_file`'s. ``append=True`` continues the joined file of a
+        run before this one (a resumed run: the rows it had joined are kept, this run's follow)."""
         if mode not in ("w", "a"):
             raise ValueError("mode must be 'w' (start a new part) or 'a' (append to an existing one)")
         self.target = os.path.abspath(os.fspath(path))
         self.options = SyncOptions(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
                                    allow_missing=allow_missing, keep_parts=keep_parts, method=method,
-                                   round_bytes=round_bytes, progress=progress, timeout=timeout)
+                                   round_bytes=round_bytes, progress=progress, timeout=timeout, append=append)
         self.parts_dir = parts_dir
         self.path = part_path(self.target, None, parts_dir)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

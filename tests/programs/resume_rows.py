@@ -1,0 +1,46 @@
+"""The README's resume pattern with a joined CSV: checkpoints, the preemption guard and
+``SyncedFile(append=True)``, for STEPS steps from the latest checkpoint.
+
+    resume_rows.py FOLDER STEPS [STOP_RANK STOP_STEP]
+
+With STOP_RANK and STOP_STEP, that rank sends itself SIGUSR1 at that step: the ranks agree on a
+stop step, save, leave the block (which joins this run's rows after the earlier runs'), and exit
+with the guard's code. Every rank reports where it started and stopped.
+"""
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hpcsync
+from _report import report
+
+folder, steps = sys.argv[1], int(sys.argv[2])
+stop_rank, stop_step = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (None, None)
+topo = hpcsync.init()
+rank = topo.rank
+guard, ckpts = hpcsync.preemption(), hpcsync.Checkpoints(os.path.join(folder, "ckpt"))
+saved = ckpts.load()
+start = 0 if saved is None else saved.step + 1
+stopped = None
+with hpcsync.SyncedFile(os.path.join(folder, "metrics.csv"), strip_header=True, append=True) as part:
+    with part.open("w") as f:
+        f.write("rank,step,value\n")
+        for step in range(start, steps):
+            t = torch.tensor([float(step)])
+            dist.all_reduce(t)
+            f.write(f"{rank},{step},{t.item():g}\n")
+            if rank == stop_rank and step == stop_step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if guard.should_stop():
+                ckpts.save(step, shared={"step": step})
+                stopped = step
+                break
+report(rank, {"rank": rank, "world_size": topo.world_size, "start": start, "stopped": stopped})
+ckpts.close()
+guard.close()
+code = guard.requeue().exit_code if stopped is not None else 0
+hpcsync.shutdown()
+sys.exit(code)
