@@ -319,3 +319,25 @@ def test_root_that_sees_other_files_at_the_same_path_does_not_copy(tmp_path):
     errors = {d["error"] for d in res.ranks}
     assert len(errors) == 1 and "method='copy' needs the root to open every rank's part" in errors.pop(), errors
     assert "another file on the root" in res.ranks[0]["error"] and not target.exists()
+
+
+@pytest.mark.parametrize("where", ["under a file", "read-only filesystem"])
+def test_synced_file_where_no_part_can_be_made_is_a_sync_error(tmp_path, where):
+    """The docs promise SyncError for a bad target folder: SyncedFile raised a raw OSError
+    (PermissionError for a new user's read-only folder; root here, so a read-only mount)."""
+    from hpcsync import SyncedFile, SyncError
+
+    if where == "under a file":
+        (tmp_path / "file").write_text("x")
+        target = tmp_path / "file" / "metrics.csv"
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], check=True)
+        target = ro / "metrics.csv"
+    try:
+        with pytest.raises(SyncError, match=r"cannot create this rank's part .*metrics\.csv"):
+            SyncedFile(target)
+    finally:
+        if where != "under a file":
+            subprocess.run(["umount", str(tmp_path / "ro")], check=True)

@@ -450,9 +450,14 @@ class SyncedFile:
                                    round_bytes=round_bytes, progress=progress, timeout=timeout, append=append)
         self.parts_dir = parts_dir
         self.path = part_path(self.target, None, parts_dir)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "ab" if mode == "a" else "wb"):
-            pass
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "ab" if mode == "a" else "wb"):
+                pass
+        except OSError as exc:
+            raise SyncError(f"SyncedFile({self.target}): cannot create this rank's part {self.path}: "
+                            f"{exc.strerror or exc} (a folder this rank can write: parts_dir= or "
+                            "HPCSYNC_PARTS_DIR)") from exc
         self.result: Optional[SyncResult] = None
         self._files: List[Any] = []  # what open() gave: flushed when the job ends on an error
 
