@@ -31,10 +31,11 @@ Nothing half-done passes as done:
   files that are complete; the journal, appended at least once a second and before each large file, lets the
   next call skip what was finished (a resumed stage rewrites it under a temporary name first, so
   a kill amid that rewrite loses nothing);
-- any error -- a missing or unreadable source, a destination that is not writable or too small on
-  one node, a file changing while it is read, a journal that cannot be written, on one node an
-  error of any kind on any rank, across nodes one of any kind while the source is listed or on a
-  node leader while the bytes move (in its reader or writer thread too) -- raises the same
+- any error -- a missing or unreadable source, a destination that overlaps the source
+  (:mod:`.overlap`), a destination that is not writable or too small on one node, a file
+  changing while it is read, a journal that cannot be written, on one node an error of any kind
+  on any rank, across nodes one of any kind while the source is listed or on a node leader
+  while the bytes move (in its reader or writer thread too) -- raises the same
   :class:`~hpcsync.core.errors.StageError` on every rank, naming the rank, its node and the path; no
   rank is left waiting for another. A source that cannot be listed leaves nothing behind, not
   even ``dst``.
@@ -74,6 +75,7 @@ from .listing import (DEFAULT_CHUNK_BYTES, DIR, FILE, LINK, MAX_PIECES, Entry, a
                       collector_paused, scan, stat_names, walk_names)
 from .broadcast import Reader, close_bar, unexpected
 from .heartbeat import Heartbeat
+from .overlap import overlap
 from .rounds import stage_across_nodes
 from .transfer import copy_blocks, copy_shared, help_on_one_node, identity, idle_until_all_arrive
 
@@ -132,7 +134,9 @@ def stage(
     node, the file, reading or writing) comes before the others' rounds time out. ``names``: the
     result lists every file copied and skipped (by default it counts them: the names of a
     million files on every rank cost memory). ``group``: the ranks taking part, a torch process
-    group (under MPI) or an mpi4py communicator (default: the world).
+    group (under MPI) or an mpi4py communicator (default: the world). ``dst`` may not be
+    ``src``, lie inside it or hold it (links and ``..`` resolved, a missing ``dst`` through its
+    nearest existing folder): refused before anything is made.
     Raises :class:`~hpcsync.core.errors.StageError` on every rank if anything fails, and
     :class:`~hpcsync.core.errors.StageTimeout` (a StageError and a CollectiveTimeout) on the
     ranks that waited past the timeout for a rank that stopped.
@@ -185,7 +189,14 @@ def _stage(comm: Any, base: Any, made: List[Any], opts: StageOptions, what: str,
     made += [c for c in (node, leaders) if c is not None]
     made += [c for c in (node_raw, leaders_raw) if c is not None and c is not base and c != mpi.MPI().COMM_SELF]
     one_node = size > 1 and node.Get_size() == size  # its ranks share the listing and the copying
-    entries, ignored, err = _list_source(node, me == root, src, one_node, me)
+    # each node's writer (its leader; on one node the root) refuses a destination that overlaps the
+    # source in its own view, before the source is walked or anything made: a listing error
+    try:
+        refused = overlap(src, dst) if leaders is not None else None
+    except Exception as exc:  # (a NUL in a path) every rank must still reach the agreement below
+        refused = unexpected(exc)
+    entries, ignored, err = _list_source(node, me == root, src, one_node, me, refused)
+    err = err or refused
     _say(comm, phase % "agreeing on the listing")
     if one_node:  # every rank has the listing's error already
         if err:
@@ -285,17 +296,21 @@ def _destination(dst: str) -> Tuple[Optional[Tuple[int, int]], str]:
         path, rest = parent, f"{name}/{rest}" if rest else name
 
 
-def _list_source(node: Any, is_root: bool, src: str, one_node: bool, me: int
+def _list_source(node: Any, is_root: bool, src: str, one_node: bool, me: int, refused: Optional[str] = None
                  ) -> Tuple[List[Entry], List[str], Optional[str]]:
     """The source's listing, made on the root's node: the root walks the names, every rank there
     takes a share of the ``stat`` calls (a tree of small files costs system calls; a rank that
     does not see the very source leaves its share to the root). Returns ``(entries, ignored,
     error)`` on the root, and on every rank of a one-node job (which all copy), where the error
     too is every rank's. An error no check expects becomes the listing's error: every rank still
-    reaches each exchange (``me``, this rank in the stage's group, names where it happened)."""
+    reaches each exchange (``me``, this rank in the stage's group, names where it happened).
+    ``refused``: the root's refusal of the arguments, its error instead of a walk."""
     if node.Get_size() == 1 or (not one_node and node.bcast(is_root, root=0) is not True):  # not the root's node
-        return _guarded(scan, src, ([], [])) if is_root else ([], [], None)
-    names, dirs, err = _guarded(walk_names, src, ([], bytearray())) if is_root else ([], bytearray(), None)
+        if not is_root:
+            return [], [], None
+        return ([], [], refused) if refused else _guarded(scan, src, ([], []))
+    names, dirs, err = (([], bytearray(), refused) if refused else _guarded(walk_names, src, ([], bytearray()))) \
+        if is_root else ([], bytearray(), None)
     idle_until_all_arrive(node)  # the others wait for the walk without spinning a core
     n = node.Get_size()
     cut = [len(names) * r // n for r in range(n + 1)]
