@@ -12,6 +12,7 @@ every rank's part is kept for ``hpcsync merge``, and a rerun without the fault c
 right contents."""
 import filecmp
 import json
+import os
 import random
 import re
 import time
@@ -110,8 +111,15 @@ def test_one_fault_ends_the_job_cause_first_and_loses_nothing(tmp_path, pattern,
         return
     assert res.returncode != 0, f"the job ended well despite the fault ({cfg}): {res}"
     limit = BOUND + (TIMEOUT if env else 0)
+    if os.environ.get("HPCSYNC_TEST_TABLE"):  # the table of the docs: case, seconds, the first line said
+        said = next((ln for ln in (res.stderr + res.stdout).splitlines() if ln.strip()), "")
+        with open(os.environ["HPCSYNC_TEST_TABLE"], "a") as f:
+            f.write(json.dumps({"case": f"{pattern}-{fault}-{lib}", **cfg, "n": n, "s": round(took, 1),
+                                "first": said[:160]}) + "\n")
     assert took < limit, f"{cfg}: took {took:.1f} s (bound {limit:.0f} s): {res}"
     cause_first(res, cfg)
+    litter = [p.name for p in tmp_path.glob("hpcsync-*")]  # (the jobs' working directory)
+    assert not litter, f"files left in the working directory unasked: {litter}"
     check_files(tmp_path, pattern, n, complete=False)
     if pattern in ("synced_file",) and fault == "raise":  # every rank's part kept, with its rows so far
         parts = sorted((tmp_path / ".metrics.csv.parts").glob("rank*"))
@@ -148,3 +156,14 @@ def test_a_resumed_run_continues_the_joined_csv(tmp_path, lib, n, stops):
     starts = [ranks[0]["start"] for ranks in runs]
     assert starts[0] == 0 and all(b == ranks[0]["stopped"] + 1 for b, ranks in zip(starts[1:], runs)), runs
     assert all(len(set(p)) == 1 for p in ([r["stopped"] for r in ranks] for ranks in runs)), runs  # one agreed step
+
+
+def test_reports_go_to_the_log_folder_when_no_report_folder_is_set(tmp_path):
+    """HPCSYNC_LOG_DIR (the job's log folder) takes the reports and records when
+    HPCSYNC_REPORT_DIR is unset; the working directory stays clean."""
+    logs = tmp_path / "logs"
+    cfg, n = {"pattern": "comm", "fault": "skip", "rank": 1, "step": 1, "where": "before"}, 2
+    res, _ = job(tmp_path, "openmpi", n, cfg, {"HPCSYNC_TIMEOUT": str(TIMEOUT), "HPCSYNC_LOG_DIR": str(logs)})
+    assert res.returncode != 0, res
+    assert not list(tmp_path.glob("hpcsync-*")), list(tmp_path.iterdir())
+    assert list(logs.glob("hpcsync-*failure-*.json")), list(logs.iterdir())  # (the failure report's, or a hang's record)

@@ -135,7 +135,7 @@ def test_a_stalled_gloo_collective_is_one_report_naming_the_rank(launcher, kind,
     rank 2 never entered the collective the others wait in, on this node, at its line."""
     t0 = time.monotonic()
     res = run(LAUNCHERS[launcher](), 3, "many_ranks.py", "hang", "gloo", kind, tmp_path=tmp_path, expect_ok=False,
-              timeout=180)
+              timeout=180, env={"HPCSYNC_REPORT_DIR": str(tmp_path)})
     took = time.monotonic() - t0
     err = res.stderr
     assert res.returncode != 0 and took < 4 + 45 + 15, (took, err[-4000:])  # + the start of 3 ranks

@@ -208,10 +208,8 @@ def _at(frame: str) -> str:
 
 
 def _write(rep: Dict[str, Any]) -> Optional[str]:
-    """The JSON beside the failure records (only where ``HPCSYNC_REPORT_DIR`` is set)."""
-    from ..core import settings
-
-    folder = settings.text("HPCSYNC_REPORT_DIR")
+    """The JSON beside the failure records (only where a folder is set: failure.report_dir)."""
+    folder = failure.report_dir()
     if not folder:
         return None
     return failure.write_json(os.path.join(folder, f"hpcsync-first-failure-{failure.job_id()}-r{rep['rank']}.json"),

@@ -52,8 +52,11 @@ RESUMED = "hpcsync-resumed.json"
 STARTED = "hpcsync-started.json"
 
 
-def report_dir() -> str:
-    return settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
+def report_dir() -> Optional[str]:
+    """Where reports and records go: ``HPCSYNC_REPORT_DIR``, else ``HPCSYNC_LOG_DIR`` (the job's
+    log folder), else None: no such files at all, never the working directory by surprise (every
+    report is on the console too)."""
+    return settings.text("HPCSYNC_REPORT_DIR") or settings.text("HPCSYNC_LOG_DIR") or None
 
 
 _step: Optional[int] = None  # the program's step, when it says (StepMonitor.step, note_step)
@@ -125,6 +128,8 @@ def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, p
               "reporter": me, "time": time.time(), "detail": detail[:2000], "attempt": settings.text("HPCSYNC_RUN_ATTEMPT"),
               **extra}
     folder = folder or report_dir()
+    if folder is None:
+        return None
     who = f"r{me['rank']}" if me["rank"] >= 0 else f"{me['node']}-pid{os.getpid()}"  # before MPI is up
     name = f"{PREFIX}{job_id()}-{who}-{cause}-{next(_written)}.json"  # a rank's second record keeps its first
     return write_json(os.path.join(folder, name), record, "failure record")
@@ -278,15 +283,17 @@ def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[st
 def note_started() -> None:
     """Under ``hpcsync run``: every rank of this attempt is up (rank 0, once ``hpcsync.init`` has
     joined them all). The supervisor learns how long a start takes, and bounds the next ones."""
-    if settings.text("HPCSYNC_RUN_ATTEMPT"):
-        write_json(os.path.join(report_dir(), STARTED), {"time": time.time()}, "note of the attempt's start")
+    folder = report_dir()
+    if settings.text("HPCSYNC_RUN_ATTEMPT") and folder is not None:
+        write_json(os.path.join(folder, STARTED), {"time": time.time()}, "note of the attempt's start")
 
 
 def note_resume(step: int, path: str, saved_at: Optional[float]) -> None:
     """Under ``hpcsync run``: which checkpoint this attempt resumed from (rank 0, at load)."""
-    if not settings.text("HPCSYNC_RUN_ATTEMPT"):
+    folder = report_dir()
+    if not settings.text("HPCSYNC_RUN_ATTEMPT") or folder is None:
         return
-    write_json(os.path.join(report_dir(), RESUMED), {"step": step, "path": path, "saved_at": saved_at,
+    write_json(os.path.join(folder, RESUMED), {"step": step, "path": path, "saved_at": saved_at,
                                                     "time": time.time()}, "note of the resumed checkpoint")
 
 

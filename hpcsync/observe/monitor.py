@@ -258,9 +258,11 @@ class Judge:
 
 def write(record: Dict[str, Any], folder: Optional[str] = None) -> Optional[str]:
     """Write a verdict's record as ``hpcsync-straggler-<job>-r<rank>-s<step>-t<time>.json`` in ``folder``
-    (default ``HPCSYNC_REPORT_DIR``, else the working directory); its path, or None when it could
-    not be written (never raises: a report must not end training)."""
+    (default :func:`hpcsync.observe.failure.report_dir`: none when no folder is set); its path, or
+    None when it was not written (never raises: a report must not end training)."""
     folder = folder or failure.report_dir()
+    if folder is None:
+        return None
     name = f"{PREFIX}{record['job']}-r{record['rank']}-s{record['step']}-t{int(record['time'])}.json"
     return failure.write_json(os.path.join(folder, name), record, "straggler record")
 

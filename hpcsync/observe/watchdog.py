@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from ..core import mpi, jobend, nodemap, settings
+from ..core import mpi, jobend, nodemap
 from . import failure, flight, relay
 from .responder import ANSWERS, ask, ask_each, notify_done, responder, wait_done
 
@@ -365,12 +365,15 @@ def user_frames(stack: List[str], keep: int = 3) -> List[str]:
 _written = itertools.count()  # this process's reports, for names no other report takes
 
 
-def write_report(rep: Dict[str, Any]) -> str:
+def write_report(rep: Dict[str, Any]) -> Optional[str]:
     """Write the JSON report whole or not at all (a temporary file, renamed) under a name no other
     report takes: the job, the second, the rank, the process and a count, so two reports in one
     second (a group's and a send's, two jobs' ranks in one folder) neither overwrite nor tear each
-    other. Raises OSError when it cannot."""
-    folder = settings.text("HPCSYNC_REPORT_DIR") or os.getcwd()
+    other. None where no folder is set (:func:`hpcsync.observe.failure.report_dir`); raises
+    OSError when it cannot."""
+    folder = failure.report_dir()
+    if folder is None:
+        return None
     rank = mpi.MPI().COMM_WORLD.Get_rank() if mpi.already_initialized() else -1
     name = f"hpcsync-hang-{failure.job_id()}-{int(time.time())}-r{rank}-{os.getpid()}-{next(_written)}.json"
     path = os.path.join(folder, name)
@@ -411,7 +414,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     failure.note_hang(rep, reached=states)
     try:
         path = write_report(rep)
-        text += f"\n[hpcsync] report written to {path}"
+        text += f"\n[hpcsync] report written to {path}" if path else ""
     except OSError as exc:
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
@@ -454,7 +457,7 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
         path = write_report({"kind": "hpcsync p2p hang report", "group": group.name, "operation": asdict(rec),
                              "rank": me, "peer": peer, "timeout_s": timeout_s, "peer_state": answer,
                              "frames": mine["frames"]})
-        text += f"\n[hpcsync] report written to {path}"
+        text += f"\n[hpcsync] report written to {path}" if path else ""
     except OSError as exc:
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
