@@ -167,3 +167,22 @@ def test_reports_go_to_the_log_folder_when_no_report_folder_is_set(tmp_path):
     assert res.returncode != 0, res
     assert not list(tmp_path.glob("hpcsync-*")), list(tmp_path.iterdir())
     assert list(logs.glob("hpcsync-*failure-*.json")), list(logs.iterdir())  # (the failure report's, or a hang's record)
+
+
+@pytest.mark.parametrize("mode,setting", [("none", None), ("none", "0"), ("before", None), ("after", None)])
+def test_hpcsyncs_warnings_reach_the_console_by_default_once(tmp_path, mode, setting):
+    """With no logging set up, hpcsync's warnings print on the console, folded across ranks
+    (one line for what every rank said alike); HPCSYNC_WARNINGS=0 silences them; a program's own
+    logging, set up before or after init, prints them its way, never twice."""
+    env = {} if setting is None else {"HPCSYNC_WARNINGS": setting}
+    res = run(openmpi(), 3, "warn_default.py", mode, tmp_path=tmp_path, env=env, timeout=90)
+    err = res.stderr
+    alike, own = err.count("checkpoint step-7 skipped: incomplete"), err.count("only rank one says this")
+    if setting == "0":
+        assert alike == 0 and own == 0, err
+    elif mode == "none":
+        assert alike == 1 and own == 1, err
+        assert re.search(r"\[3 ranks 0-2[^\]]*\] WARNING hpcsync.resilience.checkpoint: checkpoint step-7", err), err
+        assert re.search(r"\[rank 1[^\]]*\] WARNING hpcsync.resilience.checkpoint: only rank one", err), err
+    else:  # the program's own handler: every rank's, as the program asked, once each
+        assert alike == 3 and own == 1 and err.count("USER WARNING hpcsync.resilience.checkpoint") == 4, err

@@ -13,6 +13,11 @@ own handlers stay as they are, and hpcsync adds two handlers to the root logger:
   (``(logged 12 times)``). At exit rank 0 waits for every rank's last warnings (bounded). Without
   MPI, or below ``MPI_THREAD_MULTIPLE``, every rank prints its own warnings, marked.
 
+Without either, :func:`console_warnings` (``hpcsync.init`` calls it; ``HPCSYNC_WARNINGS=0``
+turns it off) puts hpcsync's own warnings on that console, folded the same way, as long as the
+program has no logging of its own: a handler the program adds to the root logger, before or after
+``init``, takes them instead, never both.
+
 ``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``; it needs a
 log folder): rank 0's still reaches stdout, the other ranks' only their files. A record logged
 with ``extra={"console": False}`` skips hpcsync's console. The root logger's level is set (to
@@ -31,8 +36,8 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 from ..core import mpi, jobend, nodemap, settings
 
 __all__ = [
-    "FORMAT", "WINDOW_S", "HOLD_S", "POLL_S", "CLOSE_WAIT_S", "BYE", "CLOSED", "setup_logging", "to_file",
-    "flush_console"
+    "FORMAT", "WINDOW_S", "HOLD_S", "POLL_S", "CLOSE_WAIT_S", "BYE", "CLOSED", "setup_logging", "console_warnings",
+    "to_file", "flush_console"
 ]
 
 FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(message)s"
@@ -268,8 +273,12 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
     """Turn on rank-aware logging (see the module text); collective under MPI. Returns this
     rank's log file, or None without a log folder (``log_dir`` or ``HPCSYNC_LOG_DIR``).
     A second call changes nothing and returns the same file."""
-    if _state:
+    if _state and not _state.get("default"):
         return _state.get("file")
+    default = _state.pop("default", None)  # console_warnings' console: it becomes this one
+    if default is not None:
+        logging.getLogger("hpcsync").removeHandler(default)
+        default.removeFilter(_unclaimed)
     folder = log_dir or settings.text("HPCSYNC_LOG_DIR")
     capture = capture_print if capture_print is not None else settings.flag("HPCSYNC_LOG_PRINT")
     if capture and not folder:  # the same on every rank: before anything collective
@@ -291,16 +300,14 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
         fh.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(fh)
         _state["file_handler"] = fh
-    collector = sender = None
     if console:
-        if over_mpi:
-            comm = _dup()
-            _state["comm"] = comm
-            collector, sender = (_Collector(comm), None) if rank == 0 else (None, _Sender(comm))
-        ch = _Console(rank, level, collector, sender)
-        ch.addFilter(fields)
+        if default is not None:
+            ch, ch.floor = default, level
+        else:
+            ch = _new_console(rank, level, over_mpi)
+            ch.addFilter(fields)
         root.addHandler(ch)
-        _state.update(console=ch, collector=collector, sender=sender, stderr=sys.stderr)
+        _state.update(console=ch, collector=ch.collector, sender=ch.sender, stderr=sys.stderr)
     if capture:  # into this rank's file only: not through the program's handlers, not to the console
         printed = logging.getLogger("hpcsync.print")
         printed.propagate = False
@@ -308,8 +315,9 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
         printed.addHandler(_state["file_handler"])
         sys.stdout = _PrintToFile(sys.stdout, printed, passthrough=rank == 0)  # type: ignore
     _state["file"] = path
-    jobend.at_exit("store", _close)
-    jobend.before_abort(flush_console)
+    if default is None:
+        jobend.at_exit("store", _close)
+        jobend.before_abort(flush_console)
     if rank == 0:
         log = logging.getLogger(__name__)
         log.info("hpcsync logging: %s", f"one file per rank in {folder}" if folder else "console only (no log folder)")
@@ -317,6 +325,42 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
             log.warning("hpcsync logging: the root logger already has the program's own console handler(s), "
                         "which print every rank's records; pass console=False to keep only those")
     return path
+
+
+def _new_console(rank: int, level: int, over_mpi: bool) -> "_Console":
+    collector = sender = None
+    if over_mpi:
+        comm = _dup()
+        _state["comm"] = comm
+        collector, sender = (_Collector(comm), None) if rank == 0 else (None, _Sender(comm))
+    return _Console(rank, level, collector, sender)
+
+
+def _unclaimed(record: logging.LogRecord) -> bool:
+    """A record no handler of the program's takes: the root logger has none but hpcsync's (a
+    program that sets logging up after ``init`` prints hpcsync's warnings its own way)."""
+    ours = (_state.get("console"), _state.get("file_handler"))
+    return not any(h not in ours for h in logging.getLogger().handlers)
+
+
+def console_warnings() -> None:
+    """hpcsync's own warnings (WARNING and above, the ``hpcsync`` loggers) on the console, folded
+    across ranks as :func:`setup_logging`'s console folds them, where the program has set up no
+    logging of its own; ``HPCSYNC_WARNINGS=0`` turns it off. Collective under MPI (as
+    :func:`setup_logging`); nothing when logging is already set up. A later
+    :func:`setup_logging` takes this console over."""
+    if _state or not settings.flag("HPCSYNC_WARNINGS"):
+        return
+    hpcsync_log = logging.getLogger("hpcsync")
+    rank, world, node, over_mpi = _where()
+    ch = _new_console(rank, logging.WARNING, over_mpi)
+    ch.addFilter(_RankFields(rank, world, node))
+    ch.addFilter(_unclaimed)
+    ch.setLevel(logging.WARNING)
+    hpcsync_log.addHandler(ch)
+    _state.update(console=ch, collector=ch.collector, sender=ch.sender, stderr=sys.stderr, default=ch)
+    jobend.at_exit("store", _close)
+    jobend.before_abort(flush_console)
 
 
 def _dup() -> Any:

@@ -216,10 +216,12 @@ def init(
         _our_backend_available()  # registers "hpcsync" with torch, so new_group(backend="hpcsync") works
         topo = topology()
         jobend.stacks_on_crash()  # after MPI_Init: its handler for SIGSEGV runs after ours
-        if log_dir or settings.text("HPCSYNC_LOG_DIR"):
-            from ..observe.logs import setup_logging
+        from ..observe import logs
 
-            setup_logging(log_dir)
+        if log_dir or settings.text("HPCSYNC_LOG_DIR"):
+            logs.setup_logging(log_dir)
+        else:
+            logs.console_warnings()  # hpcsync's own warnings on the console, unless the program logs
         td = _timeout(timeout)
         if dist.is_initialized():
             log.info("torch.distributed was already initialised; checking it against MPI")
