@@ -7,6 +7,7 @@ The bad inputs are drawn from a seeded generator: for every setting of the table
 and size gets a share of them, the bad backend name, and one case where only the last rank has
 the bad value. ``HPCSYNC_TEST_LONG=1`` runs every setting on every launcher and size."""
 import random
+import re
 import time
 
 import pytest
@@ -102,3 +103,16 @@ def test_hpcsync_debug_shows_the_traceback_once(tmp_path):
               expect_ok=False, timeout=60)
     out = res.stdout + res.stderr
     assert res.returncode != 0 and out.count("Traceback") == 1 and out.count("backend='bogus'") == 1, res
+
+
+@pytest.mark.parametrize("launcher,n", [("openmpi", 4), ("mpich", 2)])
+def test_a_second_init_asking_for_more_is_one_block_when_uncaught(launcher, n, tmp_path):
+    """``init()`` then ``init(backend=<another>)``: each rank's own check raises, and uncaught it
+    is one report for the job, the explanation once, no traceback; the job ends."""
+    t0 = time.monotonic()
+    res = run(LAUNCHERS[launcher](), n, "init_twice.py", "uncaught", tmp_path=tmp_path, expect_ok=False, timeout=90)
+    took = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and took < 30, (took, res)
+    assert len(re.findall(r"already initialised, and this call asks for something else", out)) == 1, res
+    assert "Traceback" not in out and "rank ?" not in out, res
