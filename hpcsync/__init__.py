@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time each name is 
     )
     from .core.errors import (
         AddressError, CheckpointError, CollectiveTimeout, HpcsyncError, LaunchError, MissingDependencyError,
-        StageError, StageTimeout, SyncError, SyncTimeout,
+        SetupError, StageError, StageTimeout, SyncError, SyncTimeout,
     )
     from .core.topology import Topology, local_comm, topology
     from .data import h5  # collective HDF5 rows: ``hpcsync.h5.write_rows``
@@ -59,7 +59,8 @@ _EXPORTS = {
                      "get_world_size", "is_main_process", "monitored_barrier", "reduce_dict", "shared_random_seed",
                      "synchronize"], "core.comm"),
     **dict.fromkeys(["AddressError", "CheckpointError", "CollectiveTimeout", "HpcsyncError", "LaunchError",
-                     "MissingDependencyError", "StageError", "StageTimeout", "SyncError", "SyncTimeout"], "core.errors"),
+                     "MissingDependencyError", "SetupError", "StageError", "StageTimeout", "SyncError", "SyncTimeout"],
+                    "core.errors"),
     **dict.fromkeys(["Topology", "local_comm", "topology"], "core.topology"),
     **dict.fromkeys(["SyncedFile", "sync_file"], "data.filesync"),
     **dict.fromkeys(["StageResult", "stage"], "data.staging"),
@@ -93,7 +94,7 @@ __all__ = [
     # keeping a job alive
     "preemption", "PreemptionGuard", "requeue", "Requeue", "Checkpoints", "monitor", "StepMonitor",
     # errors
-    "HpcsyncError", "LaunchError", "AddressError", "SyncError", "StageError", "StageTimeout", "SyncTimeout",
+    "HpcsyncError", "LaunchError", "SetupError", "AddressError", "SyncError", "StageError", "StageTimeout", "SyncTimeout",
     "CheckpointError", "CollectiveTimeout", "MissingDependencyError",
 ]
 

@@ -4,10 +4,35 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+import textwrap
 from typing import List, Optional
 
-__all__ = ["cmd_info", "cmd_merge", "cmd_stage", "cmd_doctor", "build_parser", "main"]
+__all__ = ["cmd_info", "cmd_merge", "cmd_stage", "cmd_doctor", "plain", "MERGE_METHODS", "HelpFormatter", "build_parser", "main"]
+
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`<]+?)(?:\s*<[^`]*>)?`")
+
+
+def plain(text: Optional[str]) -> Optional[str]:
+    """The reST markup out of a docstring that argparse shows: double backquotes dropped, a role
+    (``:func:`~a.b```) its name alone."""
+    if text is None:
+        return None
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    return text.replace("``", "")
+
+
+# hpcsync.data.filesync.METHODS, spelt out: `hpcsync --help` imports no numpy (tests/test_cli.py compares them)
+MERGE_METHODS = ["auto", "copy", "gather", "mpiio"]
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but an option named in a help text stays whole (``--mpi=pmix``, not ``--`` at
+    the end of one line and ``mpi=pmix`` on the next)."""
+
+    def _split_lines(self, text: str, width: int) -> List[str]:
+        return textwrap.wrap(re.sub(r"\s+", " ", text).strip(), width, break_on_hyphens=False)
 
 
 def _torch_backends() -> str:
@@ -87,34 +112,47 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpcsync", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hpcsync", description=plain(__doc__), formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="one line per rank: ranks, node, host, master address, MPI, backends")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="run `hpcsync COMMAND --help` for its arguments")
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+
+    info = command("info", "one line per rank: ranks, node, host, master address, MPI, backends")
     info.set_defaults(func=cmd_info)
-    merge = sub.add_parser("merge", help="join part files into TARGET in the order given (one process or mpirun)")
-    merge.add_argument("target")
-    merge.add_argument("parts", nargs="+")
+    merge = command("merge", "join part files into TARGET in the order given (one process or mpirun)")
+    merge.add_argument("target", help="the file to write (written beside it and renamed into place: a failed "
+                                      "merge leaves it as it was)")
+    merge.add_argument("parts", nargs="+", metavar="PART", help="the part files, in the order they are joined")
     merge.add_argument("--strip-header", action="store_true", help="drop the first line of every part but the first")
     merge.add_argument("--binary", action="store_true", help="byte-exact: add no newline after parts lacking one")
     merge.add_argument("--delete-parts", action="store_true", help="delete the parts after a durable merge")
     merge.add_argument("--allow-missing", action="store_true", help="treat a missing part as empty")
-    merge.add_argument("--method", default="auto", choices=["auto", "gather", "mpiio"])
-    merge.add_argument("--no-progress", action="store_true")
+    merge.add_argument("--method", default="auto", choices=MERGE_METHODS,
+                       help="copy: rank 0 reads the parts itself (it must see the very files); gather: the ranks "
+                            "send their parts to rank 0 over MPI; mpiio: every rank writes its own into the target "
+                            "(a shared filesystem); auto (default): copy where it can, else mpiio or gather")
+    merge.add_argument("--no-progress", action="store_true", help="no progress bar (one shows only on a terminal)")
     merge.set_defaults(func=cmd_merge)
-    stg = sub.add_parser("stage", help="copy SRC (a file or directory rank 0 can read) into DST on every node")
-    stg.add_argument("src")
+    stg = command("stage", "copy SRC (a file or directory rank 0 can read) into DST on every node")
+    stg.add_argument("src", help="a file or directory that rank 0 can read (read once)")
     stg.add_argument("dst", help="a node-local directory, the same path on every node")
-    stg.add_argument("--chunk-mib", type=int, default=16, help="bytes per broadcast round and pipeline buffer")
+    stg.add_argument("--chunk-mib", type=int, default=16, metavar="MIB",
+                     help="MiB per broadcast round and pipeline buffer (default 16)")
     stg.add_argument("--durable", action="store_true", help="sync the destination before recording files")
-    stg.add_argument("--no-progress", action="store_true")
+    stg.add_argument("--no-progress", action="store_true", help="no progress bar (one shows only on a terminal)")
     stg.set_defaults(func=cmd_stage)
-    doctor = sub.add_parser("doctor", help="check MPI, launcher, addresses, torch, GPUs, HDF5; non-zero exit on problems")
+    doctor = command("doctor", "check MPI, launcher, addresses, torch, GPUs, HDF5; non-zero exit on problems")
     doctor.add_argument("--no-connect", action="store_true", help="skip the TCP reachability test to rank 0")
     doctor.set_defaults(func=cmd_doctor)
     from .resilience import supervisor
 
     supervisor.add_parser(sub)
+    for p in sub.choices.values():  # every subcommand's help: plain text, options kept whole
+        p.formatter_class = HelpFormatter
+        p.description = plain(p.description)
     return parser
 
 

@@ -31,9 +31,10 @@ _OP_IDS = {name: k for k, name in enumerate((
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced", "gather",
     "scatter", "reduce_scatter", "reduce_scatter_coalesced", "all_to_all", "barrier"))}
 _OP_NAMES = {k: name for name, k in _OP_IDS.items()}
+_DTYPE = type(torch.float32)  # torch.dtype; spelt so, it is a class where the docs' build mocks torch (docs/conf.py)
 _DTYPE_IDS = {name: zlib.crc32(name.encode()) for name in sorted(
-    {str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, torch.dtype)})}
-DTYPE_NAMES = {v: str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    {str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, _DTYPE)})}
+DTYPE_NAMES = {v: str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, _DTYPE)}
 DTYPE_IDS = {v: _DTYPE_IDS[name] for v, name in DTYPE_NAMES.items()}  # by torch dtype: the hot path
 OP_IDS = _OP_IDS
 _REDOP_NAMES = {int(v): name for name, v in dist.ReduceOp.RedOpType.__members__.items()}

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Sequence, Type, TypeVar
 
+from .nodemap import ranges
+
 if TYPE_CHECKING:
     from .protocols import ObjectComm
 
 __all__ = [
-    "HpcsyncError", "MissingDependencyError", "LaunchError", "AddressError", "SyncError", "StageError",
+    "HpcsyncError", "MissingDependencyError", "LaunchError", "SetupError", "AddressError", "SyncError", "StageError",
     "CheckpointError", "CollectiveTimeout", "StageTimeout", "SyncTimeout", "raise_if_any",
     "raise_if_settings_differ", "ranks_by_value"
 ]
@@ -23,6 +25,47 @@ class MissingDependencyError(HpcsyncError, ImportError):
 
 class LaunchError(HpcsyncError):
     """The job was launched in a way that cannot work (e.g. silent singletons)."""
+
+
+class SetupError(HpcsyncError, ValueError):
+    """:func:`hpcsync.init` cannot start as asked: a malformed ``HPCSYNC_*`` setting, a bad
+    argument, a second call that asks for something else than the first. A plain error of the
+    program or of the job script (not a fault of the job): uncaught, it is said in a few lines,
+    without a traceback (``HPCSYNC_DEBUG=1`` shows it). A ``ValueError`` too.
+
+    ``agreed``: every rank of the job raised this same error, having exchanged what each found
+    (``init`` does that under MPI before anything else), so each rank may simply exit: no rank
+    is left waiting. ``problems``: each problem's line and the ranks that had it."""
+
+    def __init__(self, message: str, problems: Optional[Dict[str, List[int]]] = None, size: int = 1,
+                 agreed: bool = False) -> None:
+        super().__init__(message)
+        self.problems: Dict[str, List[int]] = dict(problems or {})
+        self.size = size
+        self.agreed = agreed
+
+    @classmethod
+    def found(cls, problems: Dict[str, List[int]], size: int, where: Optional[str] = None,
+              agreed: bool = False) -> "SetupError":
+        """The error for ``problems`` (``{line: ranks}``) among ``size`` ranks: a header naming
+        the ranks, a line per problem (marked with its ranks where only some had it), and what
+        to change: the job's environment for a setting, the call at ``where`` for an argument."""
+        ranks = sorted({r for rs in problems.values() for r in rs})
+        who = ("" if size == 1 else f", on all {size} ranks" if len(ranks) == size
+               else f", on rank{'s' * (len(ranks) > 1)} {ranges(ranks)} of {size}")
+        lines = [f"hpcsync.init() cannot start as asked{who}:"]
+        for text, rs in problems.items():
+            lines.append(f"  {text}" + ("" if sorted(rs) == ranks else f" [rank{'s' * (len(rs) > 1)} {ranges(rs)}]"))
+        fix = []
+        names = [text.split("=", 1)[0] for text in problems if text.startswith("HPCSYNC_")]
+        if names:
+            each, it = ("each", "them") if len(names) > 1 else ("it", "it")
+            fix.append(f"set {', '.join(names)} to a value {each} expects, or unset {it} (the default), where the "
+                       "job's environment is made (the job script, mpirun -x, srun --export)")
+        if len(names) < len(problems):
+            fix.append("change the hpcsync.init() call" + (f" at {where}" if where else ""))
+        lines.append("fix: " + "; ".join(fix))
+        return cls("\n".join(lines), problems, size, agreed)
 
 
 class AddressError(HpcsyncError):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 __all__ = [
-    "Setting", "SETTINGS", "validate", "votes", "text", "flag", "number", "describe", "TAG_REPORT_ASK",
+    "Setting", "SETTINGS", "validate", "problems", "debug", "votes", "text", "flag", "number", "describe", "TAG_REPORT_ASK",
     "TAG_REPORT_STATE", "TAG_REPORT_DONE", "TAG_STORE_REQUEST", "TAG_STORE_REPLY", "TAG_BARRIER_FIRST",
     "TAG_BARRIER_COUNT", "TAG_LOG", "TAG_COPY_HEAD", "TAG_COPY_DATA", "TAG_COPY_ASK", "TAG_COPY_RANGE"
 ]
@@ -54,7 +54,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("HPCSYNC_DESYNC_CHECK", "1", "0: no fingerprint beside each collective (mismatches may then hang); "
             "the same on every rank", "flag"),
     Setting("HPCSYNC_DEBUG", "0", "1: compare every collective's description before starting it; the same on "
-            "every rank", "flag"),
+            "every rank. Also: a set-up error (a malformed setting, a bad init() argument) shows its traceback",
+            "flag"),
     Setting("HPCSYNC_PARTS_DIR", "", "where sync_file's per-rank parts live; default: beside the target"),
     Setting("HPCSYNC_CHECKPOINT_MBPS", "50", "the slowest writing speed a checkpoint's deadlines allow for, MB/s: "
             "the ranks waiting for a save's writes wait the timeout plus its bytes at this speed", "rate"),
@@ -78,32 +79,46 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
 def validate() -> None:
     """Raise ``ValueError`` naming every ``HPCSYNC_*`` variable whose value is malformed (a flag
     that is no yes/no word, a number of seconds that is not positive, a word not among its
-    choices): ``hpcsync.init`` calls it first, so a typo fails at once instead of deep in a job."""
+    choices): :func:`problems`, in one message. ``hpcsync.init`` checks them first, on every rank
+    together, so a typo fails at once instead of deep in a job."""
+    bad = problems()
+    if bad:
+        raise ValueError("hpcsync: malformed settings: " + "; ".join(bad))
+
+
+def problems() -> List[str]:
+    """One line for each ``HPCSYNC_*`` variable that is set to a malformed value: its name and
+    value, what it expects, and its default (``HPCSYNC_TIMEOUT='5s': expected a positive number
+    of seconds (default 1800)``). An empty variable is unset: its default holds."""
     bad = []
     for s in SETTINGS.values():
         value = os.environ.get(s.name)
         if value is None or value.strip() == "":
             continue
         v = value.strip().lower()
+        expected = None
         if s.kind == "flag" and v not in _FLAG_WORDS:
-            bad.append(f"{s.name}={value!r} (expected one of {', '.join(_FLAG_WORDS)})")
-        elif s.kind in ("seconds", "rate"):
-            try:
-                ok = float(v) > 0 and float(v) != float("inf")
-            except ValueError:
-                ok = False
-            if not ok:
-                bad.append(f"{s.name}={value!r} (expected a positive number{' of seconds' * (s.kind == 'seconds')})")
+            expected = f"one of {', '.join(_FLAG_WORDS)}"
+        elif s.kind in ("seconds", "rate") and not 0 < _float(v) < float("inf"):
+            expected = f"a positive number{' of seconds' * (s.kind == 'seconds')}"
         elif s.kind == "count" and not v.isdigit():
-            bad.append(f"{s.name}={value!r} (expected a whole number, 0 or more)")
+            expected = "a whole number, 0 or more"
         elif s.kind == "factor" and not 1 < _float(v) < float("inf"):
-            bad.append(f"{s.name}={value!r} (expected a number above 1)")
+            expected = "a number above 1"
         elif s.kind == "m/n" and votes(v) is None:
-            bad.append(f"{s.name}={value!r} (expected M/N, two whole numbers with 1 <= M <= N, such as 3/5)")
+            expected = "M/N, two whole numbers with 1 <= M <= N, such as 3/5"
         elif "|" in s.kind and v not in s.kind.split("|"):
-            bad.append(f"{s.name}={value!r} (expected one of {s.kind.replace('|', ', ')})")
-    if bad:
-        raise ValueError("hpcsync: malformed settings: " + "; ".join(bad))
+            expected = f"one of {s.kind.replace('|', ', ')}"
+        if expected is not None:
+            bad.append(f"{s.name}={value!r}: expected {expected} (default {s.default})")
+    return bad
+
+
+def debug() -> bool:
+    """``HPCSYNC_DEBUG`` is on: set to a yes word (1, true, yes, on). Unlike :func:`flag`, a
+    malformed value is off: this decides whether a set-up error, which may be that very value,
+    shows its traceback."""
+    return (os.environ.get("HPCSYNC_DEBUG") or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _float(v: str) -> float:

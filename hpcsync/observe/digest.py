@@ -30,7 +30,8 @@ import sys
 import traceback
 from typing import Any, Dict, List, Optional
 
-from ..core import mpi, nodemap
+from ..core import mpi, nodemap, settings
+from ..core.errors import SetupError
 from . import failure, flight, logs, relay, responder, watchdog
 
 __all__ = [
@@ -69,7 +70,8 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
         return None
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     line = f"{exc_type.__name__}: {exc}".splitlines()[0] if str(exc) else exc_type.__name__
-    failure.note_raised(line, _where(tb), _frames(tb), text)
+    failure.note_raised(line, _where(tb), _frames(tb), text,
+                        plain=f"{exc_type.__name__}: {exc}" if isinstance(exc, SetupError) else None)
     logs.to_file(logging.ERROR, f"uncaught exception on this rank:\n{text}")
     if watchdog.hang_reported():  # a hang report of this job's stands for this error
         return False
@@ -166,6 +168,7 @@ def build(me: int, states: Dict[int, Dict[str, Any]], size: int) -> Dict[str, An
     silent = sorted(set(range(size)) - set(states))
     return {"kind": "hpcsync failure report", "rank": head, "node": _host(head), "reported_by": me, "step": first["step"],
             "error": first["error"], "where": first["where"], "time": first["time"], "traceback": first["traceback"],
+            "plain": first.get("plain"),
             "others": groups, "silent": silent,
             "tracebacks": {str(r): s["traceback"] for r, s in states.items() if s["failed"] and r != head}}
 
@@ -179,12 +182,17 @@ def format_block(rep: Dict[str, Any], text: str) -> str:
     """The block for people: a header naming the first failure, its traceback, a line per group."""
     step = f", at step {rep['step']}" if rep["step"] is not None else ""
     head = f"[hpcsync] ===== uncaught exception on rank {rep['rank']} ({rep['node']}), the first to fail{step} ====="
-    lines = [head, (rep.get("traceback") or text).rstrip("\n")]
+    body = rep.get("traceback") or text
+    if rep.get("plain") and not settings.debug():  # a plain user error: its words say what to change
+        body = f"{rep['plain']}\n  at {rep['where']} (HPCSYNC_DEBUG=1 shows the traceback)"
+    lines = [head, body.rstrip("\n")]
     if rep["others"] or rep["silent"]:
         lines.append("[hpcsync] the other ranks, when it was reported:")
     for g in rep["others"][:MAX_LINES]:
         who = _ranks(g["ranks"])
-        if g["state"] == "failed":
+        if g["state"] == "failed" and g["error"] == rep["error"]:
+            lines.append(f"  {who}: raised the same, {g['after_s']:+.1f} s ({g['where']})")
+        elif g["state"] == "failed":
             lines.append(f"  {who}: raised too, {g['after_s']:+.1f} s: {g['error'][:200]} ({g['where']})")
         else:
             lines.append(f"  {who}: still running, at {_at(g['frames'][-1]) if g['frames'] else '?'}")

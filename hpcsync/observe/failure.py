@@ -75,10 +75,11 @@ def current_step() -> Optional[int]:
 _raised: Dict[str, Any] = {}  # this rank's uncaught exception, once it raised
 
 
-def note_raised(error: str, where: str, frames: List[str], text: str) -> None:
+def note_raised(error: str, where: str, frames: List[str], text: str, plain: Optional[str] = None) -> None:
     """This rank raised (the abort hook): its error line, the program's line and innermost frames,
-    and the whole traceback."""
-    _raised.update(time=time.time(), error=error, where=where, frames=frames, traceback=text)
+    and the whole traceback; ``plain``: the words of a plain user error (a
+    :class:`~hpcsync.core.errors.SetupError`), which the report shows instead of the traceback."""
+    _raised.update(time=time.time(), error=error, where=where, frames=frames, traceback=text, plain=plain)
 
 
 def raised() -> Dict[str, Any]:

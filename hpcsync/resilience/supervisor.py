@@ -553,16 +553,16 @@ def main(args: Any) -> int:
 def add_parser(sub: Any) -> None:
     run = sub.add_parser("run", help="run a job step, relaunched without a failed node (Slurm, or mpirun over hosts)",
                          description=__doc__.split("\n\n")[0])
-    run.add_argument("--spare-nodes", type=int, default=0, help="nodes held back to replace failed ones")
-    run.add_argument("--max-restarts", type=int, default=3, help="relaunches and requeues, in all (default 3)")
+    run.add_argument("--spare-nodes", type=int, default=0, metavar="N", help="nodes held back to replace failed ones")
+    run.add_argument("--max-restarts", type=int, default=3, metavar="N", help="relaunches and requeues, in all (default 3)")
     run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception or crash too (on the same nodes)")
-    run.add_argument("--ntasks-per-node", type=int, help="ranks per node (Slurm: the allocation's, SLURM_TASKS_PER_NODE; "
+    run.add_argument("--ntasks-per-node", type=int, metavar="N", help="ranks per node (Slurm: the allocation's, SLURM_TASKS_PER_NODE; "
                      "mpirun: the first host's slots)")
     run.add_argument("--hosts", help="mpirun mode: hosts and slots, e.g. n0:2,n1:2,n2:2")
-    run.add_argument("--hostfile", help="mpirun mode: a hostfile (host slots=N, or host:N, a line each)")
-    run.add_argument("--mpirun", help="mpirun mode: the launcher (default: mpirun on PATH)")
-    run.add_argument("--launcher-args", help="more arguments for srun / mpirun, one string (e.g. '--mpi=pmix')")
-    run.add_argument("--state-dir", help="attempts, failure records and bad nodes (shared by every node; default "
+    run.add_argument("--hostfile", metavar="FILE", help="mpirun mode: a hostfile (host slots=N, or host:N, a line each)")
+    run.add_argument("--mpirun", metavar="PATH", help="mpirun mode: the launcher (default: mpirun on PATH)")
+    run.add_argument("--launcher-args", metavar="ARGS", help="more arguments for srun / mpirun, one string (e.g. '--mpi=pmix')")
+    run.add_argument("--state-dir", metavar="DIR", help="attempts, failure records and bad nodes (shared by every node; default "
                      "hpcsync-run/<Slurm job id>)")
     run.add_argument("program", nargs="...", help="-- PROGRAM ARGS...")
     run.set_defaults(func=main)

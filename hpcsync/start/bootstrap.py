@@ -18,7 +18,8 @@ from typing import Any, List, Optional, Union
 
 from ..core import mpi, bounded, jobend, settings
 from ..observe import digest, failure, flight, responder, watchdog
-from ..core.errors import AddressError, HpcsyncError, MissingDependencyError
+from ..core.errors import AddressError, HpcsyncError, MissingDependencyError, SetupError
+from . import precheck
 from .network import (Acceptor, MasterChoice, NodeInterfaces, choose_master, describe_nodes, kernel_route_source,
                       local_interfaces, master_candidates, open_listener, try_connect)
 from ..core.topology import Topology, topology
@@ -137,8 +138,6 @@ def _pick_backend(backend: str, topo: Topology) -> str:
     import torch
     import torch.distributed as dist
 
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "hpcsync" and not topo.uses_mpi and topo.world_size > 1:
         raise HpcsyncError("backend 'hpcsync' moves tensors with MPI, but this job runs without MPI "
                            f"(launcher {topo.launcher}); launch with mpirun/srun --mpi=..., or use backend='gloo'")
@@ -194,9 +193,12 @@ def init(
     :class:`hpcsync.start.store.MPIStore` (MPI messages to rank 0, no listening port for the store).
     log_dir: a file per rank there, rank 0 and every rank's warnings on the console
     (:func:`hpcsync.setup_logging`; ``HPCSYNC_LOG_DIR`` does the same without code).
+    A malformed ``HPCSYNC_*`` setting or a bad argument raises :class:`SetupError` (a
+    ``ValueError``) on every rank, the same one under MPI (the ranks exchange what each found
+    first); uncaught, it is said once and every rank exits (:mod:`hpcsync.start.precheck`).
     Calling it again returns the same topology; a second call that asks for something else than
-    the first set up (``init()`` then ``init(backend="gloo")``) raises ``ValueError`` (each rank
-    checks its own call): :func:`shutdown` first. :func:`shutdown` undoes it.
+    the first set up (``init()`` then ``init(backend="gloo")``) raises :class:`SetupError` (each
+    rank checks its own call): :func:`shutdown` first. :func:`shutdown` undoes it.
     """
     asked = InitOptions(backend, init_method, timeout, master_port, set_device, abort_on_exception, store, log_dir)
     with _lock:
@@ -208,14 +210,11 @@ def init(
         jobend.set_abort_on_error(abort_on_exception)
         if jobend.abort_on_error():
             install_abort_hook()
-        settings.validate()
+        topo = precheck.check(precheck.argument_problems(backend, BACKENDS, store, timeout, master_port), timeout)
+        jobend.stacks_on_crash()  # after MPI_Init: its handler for SIGSEGV runs after ours
         store_kind = (store or settings.text("HPCSYNC_STORE") or "tcp").lower()
-        if store_kind not in ("tcp", "mpi"):
-            raise ValueError(f"store must be 'tcp' or 'mpi', got {store_kind!r}")
         dist = _torch_distributed()
         _our_backend_available()  # registers "hpcsync" with torch, so new_group(backend="hpcsync") works
-        topo = topology()
-        jobend.stacks_on_crash()  # after MPI_Init: its handler for SIGSEGV runs after ours
         from ..observe import logs
 
         if log_dir or settings.text("HPCSYNC_LOG_DIR"):
@@ -288,8 +287,8 @@ def _again(asked: InitOptions) -> Topology:
         now, then = getattr(asked, name), getattr(first, name)
         if now != getattr(default, name) and now != then:
             clashes.append(f"{name}={now!r} (the first gave {then!r})")
-    if clashes:
-        raise ValueError("hpcsync.init: already initialised, and this call asks for something else: "
+    if clashes:  # each rank's own: uncaught, the failure report says it once (hpcsync.observe.digest)
+        raise SetupError("hpcsync.init: already initialised, and this call asks for something else: "
                          + ", ".join(clashes) + "; call hpcsync.shutdown() first to start again")
     return _state["topology"]
 
@@ -485,7 +484,9 @@ _hook: Any = None
 def install_abort_hook() -> None:
     """On an uncaught exception print the traceback with the rank, then ``MPI_Abort`` the job.
 
-    Without it the other ranks wait forever in their next collective. :func:`init` installs it
+    Without it the other ranks wait forever in their next collective. A :class:`SetupError` that
+    every rank raised (a malformed setting, a bad argument of init) is said once, by rank 0,
+    without a traceback, and each rank exits non-zero without an abort. :func:`init` installs it
     first thing (an error inside init ends the job too) and again after ``init_process_group``:
     torch wraps the hook that is current at init time and holds back stderr until it returns,
     which would swallow the traceback before the abort, so ours must be outermost.
@@ -498,14 +499,20 @@ def install_abort_hook() -> None:
     _prev_hook = sys.excepthook
 
     def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
-        rank = os.environ.get("RANK", "?")
+        rank = precheck.rank_label()
         interrupted = issubclass(exc_type, KeyboardInterrupt)
+        if isinstance(exc, SetupError) and exc.agreed:  # every rank raised it: said once, each rank exits
+            precheck.end_agreed(exc, tb)
+            return
         try:
             printed = None if interrupted else digest.report(exc_type, exc, tb)  # one report for the job
         except Exception as err:  # the report failing must not keep the job from ending
             sys.stderr.write(f"[hpcsync] rank {rank}: the failure report failed ({err!r})\n")
             printed = None
-        if printed is None:  # no report of the job's: this rank's own traceback
+        if printed is None and isinstance(exc, SetupError):  # a plain user error: said, without a traceback
+            sys.stderr.write(precheck.block(exc, tb, f"rank {rank}: "))
+            sys.stderr.flush()
+        elif printed is None:  # no report of the job's: this rank's own traceback
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             sys.stderr.write(f"[hpcsync] uncaught exception on rank {rank}:\n{text}")
             sys.stderr.flush()

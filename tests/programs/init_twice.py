@@ -1,9 +1,12 @@
 """A second hpcsync.init(): the same topology when it asks for nothing else (the defaults, or the
 backend the first one started), a ValueError naming what differs when it does.
 
-    init_twice.py
+    init_twice.py [uncaught]
+
+``uncaught``: the second init asks for another backend and its error escapes.
 """
 import datetime
+import sys
 
 import torch.distributed as dist
 
@@ -12,6 +15,8 @@ from _report import report
 
 topo = hpcsync.init(timeout=60)
 started = dist.get_backend()
+if sys.argv[1:] == ["uncaught"]:
+    hpcsync.init(backend="gloo" if started != "gloo" else "hpcsync")
 out = {"rank": topo.rank, "world_size": topo.world_size, "started": started, "same": hpcsync.init() is topo,
        "same_backend_named": hpcsync.init(backend=started, timeout=60) is topo,
        "same_spelled_otherwise": hpcsync.init(timeout=datetime.timedelta(seconds=60)) is topo, "errors": {}}
