@@ -186,3 +186,14 @@ def test_hpcsyncs_warnings_reach_the_console_by_default_once(tmp_path, mode, set
         assert re.search(r"\[rank 1[^\]]*\] WARNING hpcsync.resilience.checkpoint: only rank one", err), err
     else:  # the program's own handler: every rank's, as the program asked, once each
         assert alike == 3 and own == 1 and err.count("USER WARNING hpcsync.resilience.checkpoint") == 4, err
+
+
+def test_an_exception_the_program_catches_outside_the_block_is_a_sync_error_at_once(tmp_path):
+    """Found by a review: the failing rank that skipped the block's agreement left the others
+    waiting out the default timeout when the program caught the exception and went on. Its flag
+    is posted without waiting: the others raise SyncError in seconds, the job goes on."""
+    res = run(openmpi(), 3, "caught.py", str(tmp_path), tmp_path=tmp_path, timeout=60)
+    outs = [d["out"] for d in res.ranks]
+    assert outs == ["SyncError", "ValueError", "SyncError"] and all(d["s"] < 15 and d["sum"] == 3 for d in res.ranks), \
+        res.ranks
+    assert not (tmp_path / "m.csv").exists() and len(list((tmp_path / ".m.csv.parts").iterdir())) == 3

@@ -212,12 +212,14 @@ def test_a_checkpoint_root_owner_that_has_ended_or_is_ending_holds_nothing():
         return {"slurm_job": None, "host": __import__("socket").gethostname(), "pid": pid,
                 "start": root_owner.start_ticks(pid)}
 
-    zombie = subprocess.Popen(["true"])
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    job = record(zombie.pid)  # while it runs
+    assert job["start"] is not None
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and open(f"/proc/{zombie.pid}/stat").read().split(") ")[1][0] != "Z":
         time.sleep(0.01)
     try:
-        assert root_owner.job_running(record(zombie.pid)) is False
+        assert root_owner.job_running(job) is False
     finally:
         zombie.wait()
     ending = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

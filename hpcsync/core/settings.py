@@ -61,7 +61,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "the ranks waiting for a save's writes wait the timeout plus its bytes at this speed", "rate"),
     Setting("HPCSYNC_WARNINGS", "1", "0: hpcsync's own warnings do not reach the console unless the program "
             "sets up logging (by default they do, folded across ranks)", "flag"),
-    Setting("HPCSYNC_PROGRESS", "1", "0: no progress bars (they show only on a terminal anyway)", "flag"),
+    Setting("HPCSYNC_PROGRESS", "1", "0: no progress (a bar on a terminal; a line every 10 s where stderr is a pipe)", "flag"),
     Setting("HPCSYNC_HUGEPAGES", "1", "0: do not ask torch for transparent huge pages", "flag"),
     Setting("HPCSYNC_LOG_DIR", "", "a folder: hpcsync.init turns on rank-aware logging (a file per rank there, "
             "rank 0 and every rank's warnings on the console); empty: logging is left to the program"),

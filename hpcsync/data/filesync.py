@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shlex
 import socket
 import time
 import uuid
@@ -77,6 +78,8 @@ class SyncOptions:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.timeout is not None and not float(self.timeout) > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.append and self.root != 0:  # rank 0 reads the file first: it must be the root's very file
+            raise ValueError("append=True needs root=0 (the file's rows come first, read where it is written)")
 
     def limit(self) -> float:
         """Seconds each exchange waits: ``timeout``, else ``HPCSYNC_TIMEOUT`` (read now)."""
@@ -401,6 +404,50 @@ def _sync(path: PathLike, part: Optional[PathLike], parts_dir: Optional[PathLike
 
 
 _open_parts: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the parts SyncedFile.open() gave, while open
+_flush_registered = False
+_posted: List[Tuple[Any, ...]] = []  # failure flags posted without waiting: (request, buffers, communicator)
+
+
+def _flag_comm(target: str, options: SyncOptions) -> Any:
+    """Where an exception ends the job (hpcsync's hook, the policy on, several ranks under MPI):
+    a private communicator, made now (collective, bounded), on which a failing rank can post its
+    flag at the block's end without waiting; None otherwise."""
+    if not jobend.exception_ends_job(Exception):
+        return None
+    from ..core import mpi
+
+    flags = bounded.own(mpi.MPI().COMM_WORLD, f"SyncedFile({target}): the ranks' failure flags", options.limit())
+    try:
+        flags.raw()  # the duplicate, made by every rank together
+    except CollectiveTimeout as exc:
+        raise SyncTimeout(f"SyncedFile({target}): not every rank made it: {exc}") from None
+    return flags
+
+
+def _post_failed(flags: Any) -> None:
+    """This rank's flag, posted and left in flight: the others complete it at the block's end
+    (every one raises SyncError in seconds if the program catches this rank's exception), or the
+    job ends on the exception first. Still in flight at exit: abandoned (the job ends with MPI_Abort)."""
+    import numpy as np
+
+    from ..core import mpi
+
+    MPI = mpi.MPI()
+    raw = flags.raw()
+    send = np.zeros(flags.Get_size(), dtype=np.int8)
+    send[flags.Get_rank()] = 1
+    recv = np.zeros_like(send)
+    req = raw.Iallreduce([send, MPI.INT8_T], [recv, MPI.INT8_T], op=MPI.MAX)
+    if not _posted:
+        jobend.at_exit("torch", _abandon_posted)
+    _posted.append((req, send, recv, raw))
+
+
+def _abandon_posted() -> None:
+    for req, *keep in _posted:
+        if not req.Test():
+            bounded.abandon("SyncedFile: a failed rank's flag was never matched by the other ranks", req, keep)
+    _posted.clear()
 
 
 def _flush(files: Any) -> None:
@@ -459,7 +506,8 @@ class SyncedFile:
                             f"{exc.strerror or exc} (a folder this rank can write: parts_dir= or "
                             "HPCSYNC_PARTS_DIR)") from exc
         self.result: Optional[SyncResult] = None
-        self._files: List[Any] = []  # what open() gave: flushed when the job ends on an error
+        self._files: "weakref.WeakSet[Any]" = weakref.WeakSet()  # what open() gave: flushed on an error
+        self._flags = _flag_comm(self.target, self.options)
 
     def open(self, mode: str = "w", **kwargs: Any):
         """``open()`` this rank's part (``open(synced.path, ...)``), line-buffered in text mode
@@ -468,14 +516,41 @@ class SyncedFile:
         if "b" not in mode:
             kwargs.setdefault("buffering", 1)
         f = open(self.path, mode, **kwargs)
-        self._files.append(f)
-        if not _open_parts:
+        self._files.add(f)
+        global _flush_registered
+        if not _flush_registered:
+            _flush_registered = True
             jobend.before_abort(_flush_open_parts)
         _open_parts.add(f)
         return f
 
     def _flush(self) -> None:
         _flush(self._files)
+
+    def _check_flags(self, failed: bool) -> bool:
+        """Every rank's flag (bounded): a rank that left the block with an exception posted its own
+        without waiting; then every rank here raises SyncError (this one its own exception)."""
+        import numpy as np
+
+        from ..core import mpi
+
+        MPI = mpi.MPI()
+        flags, self._flags = self._flags, None
+        send = np.zeros(flags.Get_size(), dtype=np.int8)
+        send[flags.Get_rank()] = int(failed)
+        recv = np.zeros_like(send)
+        try:
+            flags.Allreduce([send, MPI.INT8_T], [recv, MPI.INT8_T], op=MPI.MAX)
+        except CollectiveTimeout as exc:
+            if failed:
+                return True
+            raise SyncTimeout(f"SyncedFile({self.target}): nothing merged or deleted: {exc}") from None
+        flags.free()
+        bad = [int(r) for r in np.flatnonzero(recv)]
+        if bad and not failed:
+            raise SyncError(f"SyncedFile({self.target}) failed, nothing deleted: rank(s) {bad} left the block with "
+                            "an exception (its traceback says which); every part is kept")
+        return bool(bad)
 
     def sync(self) -> SyncResult:
         """Join all parts into the target now (collective)."""
@@ -488,14 +563,22 @@ class SyncedFile:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         comm = _world()
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
-        if exc_type is not None and (comm.Get_size() == 1 or jobend.exception_ends_job(exc_type)):
+        if exc_type is not None and (comm.Get_size() == 1 or (self._flags is not None
+                                                               and jobend.exception_ends_job(exc_type))):
             self._flush()
-            if isinstance(exc, BaseException):
+            if self._flags is not None:
+                _post_failed(self._flags)
+            if isinstance(exc, BaseException) and not self.options.append:
                 folder = os.path.dirname(self.path)
                 exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in {folder}: "
-                             f"hpcsync merge {self.target} {folder}/* "
+                             f"hpcsync merge {shlex.quote(self.target)} {shlex.quote(folder)}/* "
                              f"{'--strip-header' if self.options.strip_header else ''}".rstrip())
+            elif isinstance(exc, BaseException):
+                exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in "
+                             f"{os.path.dirname(self.path)} (append=True: join them after the file's rows)")
             return False
+        if self._flags is not None and self._check_flags(exc_type is not None):
+            return False  # (this rank's own exception; the others raised SyncError)
         try:
             with bounded.owned(comm, f"SyncedFile({self.target}): agreeing that every rank is done with its part",
                                self.options.limit()) as agree:

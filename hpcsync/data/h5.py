@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core import jobend, mpi
+from ..core import mpi
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else None
 from ..core.errors import MissingDependencyError, raise_if_any
 
@@ -344,8 +344,6 @@ class CollectiveWriter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if jobend.exception_ends_job(exc[0]):  # closing is collective: the job is ending instead
-            return
         self.close()
 
 

@@ -490,8 +490,11 @@ class StepMonitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if jobend.exception_ends_job(exc[0]):  # the exchange is left as it is: the job is ending
-            return
+        if jobend.exception_ends_job(exc[0]):  # the job is ending: post the closing flag, wait for nobody
+            x = self._x
+            if x is not None and not x.broken and x.reqs is None and not x.ended and not self._closed:
+                self._end_window(closing=True)  # (the others complete it at their next window, or close)
+            return  # close() at exit completes what is in flight, bounded
         self.close()
 
 

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..core import bounded, comm, jobend
+from ..core import bounded, comm
 from ..core.worker import result
 from ..observe import failure
 from ..core.errors import CheckpointError, raise_if_any, raise_if_settings_differ
@@ -410,8 +410,6 @@ class Checkpoints:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if jobend.exception_ends_job(exc[0]):  # a save in the background is left to finish or die with the job
-            return
         self.close()
 
     def load(self, step: Optional[int] = None, sharded: Any = None) -> Optional[Checkpoint]:

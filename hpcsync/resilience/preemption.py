@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
-from ..core import jobend, serial, settings
+from ..core import serial, settings
 from ..core.errors import CollectiveTimeout
 
 __all__ = [
@@ -289,9 +289,6 @@ class PreemptionGuard:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if jobend.exception_ends_job(exc[0]):  # the handlers back, nothing collective: the job is ending
-            self._give_back_handlers()
-            return
         self.close()
 
 
