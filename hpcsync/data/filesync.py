@@ -274,10 +274,10 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], options: SyncOp
     paths = [os.path.abspath(os.fspath(p)) for p in my_parts]
     if options.append:  # what the target holds comes first: rank 0's first part
         there = comm.bcast(os.path.isfile(target) if me == root else None, root=root)
+        if target in paths:
+            err = f"append: the target {target} is also one of rank {me}'s parts"
         if there and me == 0:
             paths.insert(0, target)
-        if target in paths[1 if there and me == 0 else 0:]:
-            err = f"append: the target {target} is also one of rank {me}'s parts"
     for p in paths:
         part, perr = _inspect(p, options.allow_missing and p != target, options.strip_header)
         err = err or perr
@@ -404,14 +404,14 @@ def _sync(path: PathLike, part: Optional[PathLike], parts_dir: Optional[PathLike
 
 
 _open_parts: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the parts SyncedFile.open() gave, while open
-_flush_registered = False
 _posted: List[Tuple[Any, ...]] = []  # failure flags posted without waiting: (request, buffers, communicator)
 
 
 def _flag_comm(target: str, options: SyncOptions) -> Any:
     """Where an exception ends the job (hpcsync's hook, the policy on, several ranks under MPI):
     a private communicator, made now (collective, bounded), on which a failing rank can post its
-    flag at the block's end without waiting; None otherwise."""
+    flag at the block's end without waiting; None otherwise. Its cost per block: one Idup here and
+    one Comm_free at the end (O(log N) rounds each) besides the flags' Allreduce of N bytes."""
     if not jobend.exception_ends_job(Exception):
         return None
     from ..core import mpi
@@ -424,20 +424,28 @@ def _flag_comm(target: str, options: SyncOptions) -> Any:
     return flags
 
 
-def _post_failed(flags: Any) -> None:
-    """This rank's flag, posted and left in flight: the others complete it at the block's end
-    (every one raises SyncError in seconds if the program catches this rank's exception), or the
-    job ends on the exception first. Still in flight at exit: abandoned (the job ends with MPI_Abort)."""
+def _flag_vectors(flags: Any, failed: bool) -> Tuple[Any, Any]:
+    """The MAX-reduced flags, one byte per rank (N bytes at N ranks: one Iallreduce, O(log N)
+    rounds, the same on every rank): this rank's send buffer and the receive buffer, as mpi4py
+    buffer specifications."""
     import numpy as np
 
     from ..core import mpi
 
-    MPI = mpi.MPI()
-    raw = flags.raw()
     send = np.zeros(flags.Get_size(), dtype=np.int8)
-    send[flags.Get_rank()] = 1
-    recv = np.zeros_like(send)
-    req = raw.Iallreduce([send, MPI.INT8_T], [recv, MPI.INT8_T], op=MPI.MAX)
+    send[flags.Get_rank()] = int(failed)
+    return [send, mpi.MPI().INT8_T], [np.zeros_like(send), mpi.MPI().INT8_T]
+
+
+def _post_failed(flags: Any) -> None:
+    """This rank's flag, posted and left in flight: the others complete it at the block's end
+    (every one raises SyncError in seconds if the program catches this rank's exception), or the
+    job ends on the exception first. Still in flight at exit: abandoned (the job ends with MPI_Abort)."""
+    from ..core import mpi
+
+    raw = flags.raw()
+    send, recv = _flag_vectors(flags, True)
+    req = raw.Iallreduce(send, recv, op=mpi.MPI().MAX)
     if not _posted:
         jobend.at_exit("torch", _abandon_posted)
     _posted.append((req, send, recv, raw))
@@ -450,8 +458,10 @@ def _abandon_posted() -> None:
     _posted.clear()
 
 
-def _flush(files: Any) -> None:
-    for f in list(files):
+def _flush_open_parts() -> None:
+    """Before this rank aborts, or another rank asks it to, and when a block is left with an
+    exception: what the program wrote to its parts."""
+    for f in list(_open_parts):
         if not f.closed:
             try:
                 f.flush()
@@ -459,9 +469,7 @@ def _flush(files: Any) -> None:
                 pass
 
 
-def _flush_open_parts() -> None:
-    """Before this rank aborts, or another rank asks it to: what the program wrote to its parts."""
-    _flush(_open_parts)
+jobend.before_abort(_flush_open_parts)
 
 
 class SyncedFile:
@@ -506,7 +514,6 @@ class SyncedFile:
                             f"{exc.strerror or exc} (a folder this rank can write: parts_dir= or "
                             "HPCSYNC_PARTS_DIR)") from exc
         self.result: Optional[SyncResult] = None
-        self._files: "weakref.WeakSet[Any]" = weakref.WeakSet()  # what open() gave: flushed on an error
         self._flags = _flag_comm(self.target, self.options)
 
     def open(self, mode: str = "w", **kwargs: Any):
@@ -516,16 +523,8 @@ class SyncedFile:
         if "b" not in mode:
             kwargs.setdefault("buffering", 1)
         f = open(self.path, mode, **kwargs)
-        self._files.add(f)
-        global _flush_registered
-        if not _flush_registered:
-            _flush_registered = True
-            jobend.before_abort(_flush_open_parts)
         _open_parts.add(f)
         return f
-
-    def _flush(self) -> None:
-        _flush(self._files)
 
     def _check_flags(self, failed: bool) -> bool:
         """Every rank's flag (bounded): a rank that left the block with an exception posted its own
@@ -534,19 +533,16 @@ class SyncedFile:
 
         from ..core import mpi
 
-        MPI = mpi.MPI()
         flags, self._flags = self._flags, None
-        send = np.zeros(flags.Get_size(), dtype=np.int8)
-        send[flags.Get_rank()] = int(failed)
-        recv = np.zeros_like(send)
+        send, recv = _flag_vectors(flags, failed)
         try:
-            flags.Allreduce([send, MPI.INT8_T], [recv, MPI.INT8_T], op=MPI.MAX)
+            flags.Allreduce(send, recv, op=mpi.MPI().MAX)
         except CollectiveTimeout as exc:
             if failed:
                 return True
             raise SyncTimeout(f"SyncedFile({self.target}): nothing merged or deleted: {exc}") from None
         flags.free()
-        bad = [int(r) for r in np.flatnonzero(recv)]
+        bad = [int(r) for r in np.flatnonzero(recv[0])]
         if bad and not failed:
             raise SyncError(f"SyncedFile({self.target}) failed, nothing deleted: rank(s) {bad} left the block with "
                             "an exception (its traceback says which); every part is kept")
@@ -565,17 +561,15 @@ class SyncedFile:
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
         if exc_type is not None and (comm.Get_size() == 1 or (self._flags is not None
                                                                and jobend.exception_ends_job(exc_type))):
-            self._flush()
+            _flush_open_parts()
             if self._flags is not None:
                 _post_failed(self._flags)
-            if isinstance(exc, BaseException) and not self.options.append:
+            if isinstance(exc, BaseException):
                 folder = os.path.dirname(self.path)
-                exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in {folder}: "
-                             f"hpcsync merge {shlex.quote(self.target)} {shlex.quote(folder)}/* "
-                             f"{'--strip-header' if self.options.strip_header else ''}".rstrip())
-            elif isinstance(exc, BaseException):
-                exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in "
-                             f"{os.path.dirname(self.path)} (append=True: join them after the file's rows)")
+                how = ("append=True: join them after the file's rows" if self.options.append else
+                       f"hpcsync merge {shlex.quote(self.target)} {shlex.quote(folder)}/*"
+                       + (" --strip-header" if self.options.strip_header else ""))
+                exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in {folder}: {how}")
             return False
         if self._flags is not None and self._check_flags(exc_type is not None):
             return False  # (this rank's own exception; the others raised SyncError)
