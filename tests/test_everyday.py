@@ -158,15 +158,36 @@ def test_a_resumed_run_continues_the_joined_csv(tmp_path, lib, n, stops):
     assert all(len(set(p)) == 1 for p in ([r["stopped"] for r in ranks] for ranks in runs)), runs  # one agreed step
 
 
-def test_reports_go_to_the_log_folder_when_no_report_folder_is_set(tmp_path):
-    """HPCSYNC_LOG_DIR (the job's log folder) takes the reports and records when
-    HPCSYNC_REPORT_DIR is unset; the working directory stays clean."""
-    logs = tmp_path / "logs"
-    cfg, n = {"pattern": "comm", "fault": "skip", "rank": 1, "step": 1, "where": "before"}, 2
-    res, _ = job(tmp_path, "openmpi", n, cfg, {"HPCSYNC_TIMEOUT": str(TIMEOUT), "HPCSYNC_LOG_DIR": str(logs)})
-    assert res.returncode != 0, res
+KEEP = "set HPCSYNC_REPORT_DIR"  # the words that say where a folder would keep the reports
+WRITERS = {"hang": "hpcsync-*failure-*.json", "straggler": "hpcsync-straggler-*.json"}  # (a failure report's, or a hang's record)
+FOLDER_CASES = [(w, f) for w in WRITERS for f in ("", "HPCSYNC_REPORT_DIR", "HPCSYNC_LOG_DIR")]
+
+
+@pytest.mark.parametrize("writer,folder", FOLDER_CASES, ids=[f"{w}-{f or 'nofolder'}" for w, f in FOLDER_CASES])
+def test_report_files_go_only_where_a_folder_is_set(tmp_path, writer, folder):
+    """A hang (a rank leaves out a comm helper) and a straggler verdict: their files go to
+    HPCSYNC_REPORT_DIR, else HPCSYNC_LOG_DIR (the job's log folder); with neither, nowhere, and
+    the console says where to set a folder to keep them, once a process that left one unwritten.
+    Never the working directory."""
+    kept = tmp_path / "kept"
+    env = {folder: str(kept)} if folder else {}
+    if writer == "hang":
+        cfg = {"pattern": "comm", "fault": "skip", "rank": 1, "step": 1, "where": "before"}
+        res, _ = job(tmp_path, "openmpi", 2, cfg, {"HPCSYNC_TIMEOUT": str(TIMEOUT), **env})
+        assert res.returncode != 0, res
+    else:
+        res = run(openmpi(), 3, "warn_default.py", "none", str(tmp_path), tmp_path=tmp_path, env=env, timeout=120)
+        assert res.ranks[0]["stragglers"] == [2], res.ranks[0]
+    said = res.stderr + res.stdout
     assert not list(tmp_path.glob("hpcsync-*")), list(tmp_path.iterdir())
-    assert list(logs.glob("hpcsync-*failure-*.json")), list(logs.iterdir())  # (the failure report's, or a hang's record)
+    if folder:
+        assert list(kept.glob(WRITERS[writer])), list(kept.iterdir())
+        assert KEEP not in said, said[-4000:]
+    else:
+        assert not kept.exists(), list(kept.iterdir())
+        # once a process: the straggler's one rank 0; a hang's each rank that printed a report
+        # (here a failure report and a hang report, from the two ranks)
+        assert said.count(KEEP) == 1 if writer == "straggler" else 1 <= said.count(KEEP) <= 2, said[-4000:]
 
 
 # hpcsync's warnings, each source's words and on how many of 3 ranks it logs them

@@ -11,7 +11,8 @@ so the exchange never stalls training. Rank 0 divides each rank's median compute
 rank's: a rank at ``factor`` or more (``HPCSYNC_STRAGGLER_FACTOR``, default 1.2) in M of the last
 N windows (``HPCSYNC_STRAGGLER_WINDOWS``, default 3/5) is named, once, in a WARNING of the
 ``hpcsync.monitor`` logger ("straggler: rank 3 on node7 is 1.41x slower than the median rank
-..."), and a JSON record of the verdict goes to ``HPCSYNC_REPORT_DIR`` (:func:`read`).
+..."), and a JSON record of the verdict goes to the report folder (:func:`read`;
+:func:`hpcsync.observe.failure.report_dir`: none is written where no folder is set).
 
 Waiting time: on the ``hpcsync`` backend the backend counts it (the time callers spent blocked in
 its operations); on gloo and NCCL, the time in sections named ``comm``; where both exist, the
@@ -253,6 +254,9 @@ class Judge:
             log.info("%s", line)
         self.verdicts.append(record)
         record["path"] = write(record)
+        note = None if record["path"] else failure.unkept("the straggler records")
+        if note:
+            log.warning("hpcsync: %s", note)
         return record
 
 
