@@ -40,7 +40,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from ..core import settings
 
 __all__ = [
-    "PREFIX", "RESUMED", "STARTED", "report_dir", "unkept", "note_step", "current_step", "note_raised", "raised", "job_id",
+    "PREFIX", "RESUMED", "STARTED", "report_dir", "unkept", "note_step", "note_count", "noted_step",
+    "current_step", "note_raised", "raised", "job_id",
     "nodes_of", "write", "write_whole", "write_json", "peer_gone", "hardware_fault", "note_exception", "note_hang",
     "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
 ]
@@ -75,17 +76,33 @@ def unkept(what: str) -> Optional[str]:
             "or HPCSYNC_LOG_DIR, to a folder to keep them")
 
 
-_step: Optional[int] = None  # the program's step, when it says (StepMonitor.step, note_step)
+_step: Optional[int] = None  # the program's step, when it says (note_step, StepMonitor.step(step))
+_counted: Optional[int] = None  # else the step monitor's count of its step() calls
 
 
 def note_step(step: int) -> None:
-    """The program's current step, for the failure report ("raised first, at step 40")."""
+    """The program's current step, for the failure report ("raised first, at step 40") and the
+    step monitor's verdicts."""
     global _step
     _step = step
 
 
-def current_step() -> Optional[int]:
+def note_count(count: int) -> None:
+    """The step monitor's count of ``step()`` calls: the step reports name while the program
+    notes none of its own."""
+    global _counted
+    _counted = count
+
+
+def noted_step() -> Optional[int]:
+    """The step the program last noted (:func:`note_step`, ``mon.step(step)``); None when it
+    noted none."""
     return _step
+
+
+def current_step() -> Optional[int]:
+    """The step a report names: the program's (:func:`noted_step`), else the step monitor's count."""
+    return _step if _step is not None else _counted
 
 
 _raised: Dict[str, Any] = {}  # this rank's uncaught exception, once it raised
