@@ -158,34 +158,72 @@ def test_a_resumed_run_continues_the_joined_csv(tmp_path, lib, n, stops):
     assert all(len(set(p)) == 1 for p in ([r["stopped"] for r in ranks] for ranks in runs)), runs  # one agreed step
 
 
-def test_reports_go_to_the_log_folder_when_no_report_folder_is_set(tmp_path):
-    """HPCSYNC_LOG_DIR (the job's log folder) takes the reports and records when
-    HPCSYNC_REPORT_DIR is unset; the working directory stays clean."""
-    logs = tmp_path / "logs"
-    cfg, n = {"pattern": "comm", "fault": "skip", "rank": 1, "step": 1, "where": "before"}, 2
-    res, _ = job(tmp_path, "openmpi", n, cfg, {"HPCSYNC_TIMEOUT": str(TIMEOUT), "HPCSYNC_LOG_DIR": str(logs)})
-    assert res.returncode != 0, res
+KEEP = "set HPCSYNC_REPORT_DIR"  # the words that say where a folder would keep the reports
+WRITERS = {"hang": "hpcsync-*failure-*.json", "straggler": "hpcsync-straggler-*.json"}  # (a failure report's, or a hang's record)
+FOLDER_CASES = [(w, f) for w in WRITERS for f in ("", "HPCSYNC_REPORT_DIR", "HPCSYNC_LOG_DIR")]
+
+
+@pytest.mark.parametrize("writer,folder", FOLDER_CASES, ids=[f"{w}-{f or 'nofolder'}" for w, f in FOLDER_CASES])
+def test_report_files_go_only_where_a_folder_is_set(tmp_path, writer, folder):
+    """A hang (a rank leaves out a comm helper) and a straggler verdict: their files go to
+    HPCSYNC_REPORT_DIR, else HPCSYNC_LOG_DIR (the job's log folder); with neither, nowhere, and
+    the console says where to set a folder to keep them, once a process that left one unwritten.
+    Never the working directory."""
+    kept = tmp_path / "kept"
+    env = {folder: str(kept)} if folder else {}
+    if writer == "hang":
+        cfg = {"pattern": "comm", "fault": "skip", "rank": 1, "step": 1, "where": "before"}
+        res, _ = job(tmp_path, "openmpi", 2, cfg, {"HPCSYNC_TIMEOUT": str(TIMEOUT), **env})
+        assert res.returncode != 0, res
+    else:
+        res = run(openmpi(), 3, "warn_default.py", "none", str(tmp_path), tmp_path=tmp_path, env=env, timeout=120)
+        assert res.ranks[0]["stragglers"] == [2], res.ranks[0]
+    said = res.stderr + res.stdout
     assert not list(tmp_path.glob("hpcsync-*")), list(tmp_path.iterdir())
-    assert list(logs.glob("hpcsync-*failure-*.json")), list(logs.iterdir())  # (the failure report's, or a hang's record)
+    if folder:
+        assert list(kept.glob(WRITERS[writer])), list(kept.iterdir())
+        assert KEEP not in said, said[-4000:]
+    else:
+        assert not kept.exists(), list(kept.iterdir())
+        # once a process: the straggler's one rank 0; a hang's each rank that printed a report
+        # (here a failure report and a hang report, from the two ranks)
+        assert said.count(KEEP) == 1 if writer == "straggler" else 1 <= said.count(KEEP) <= 2, said[-4000:]
 
 
-@pytest.mark.parametrize("mode,setting", [("none", None), ("none", "0"), ("before", None), ("after", None)])
+# hpcsync's warnings, each source's words and on how many of 3 ranks it logs them
+SOURCES = {"alike": ("checkpoint step-7 skipped: incomplete", 3), "own": ("only rank one says this", 1),
+           "checkpoint": ("hpcsync.checkpoint: skipping ", 1), "straggler": ("hpcsync: straggler: rank 2 ", 1),
+           "requeue": ("stopped on SIGTERM, which ends a job", 1)}
+LOGGING = ("none", "before", "after", "ours", "errors")  # the program's logging (tests/programs/warn_default.py)
+WARN_CASES = [(mode, setting) for mode in LOGGING for setting in ("1", "0")]
+
+
+@pytest.mark.parametrize("mode,setting", WARN_CASES, ids=[f"{m}-warnings{s}" for m, s in WARN_CASES])
 def test_hpcsyncs_warnings_reach_the_console_by_default_once(tmp_path, mode, setting):
-    """With no logging set up, hpcsync's warnings print on the console, folded across ranks
-    (one line for what every rank said alike); HPCSYNC_WARNINGS=0 silences them; a program's own
-    logging, set up before or after init, prints them its way, never twice."""
-    env = {} if setting is None else {"HPCSYNC_WARNINGS": setting}
-    res = run(openmpi(), 3, "warn_default.py", mode, tmp_path=tmp_path, env=env, timeout=90)
+    """Warnings of several sources (the program's under ``hpcsync``, a checkpoint skipped as
+    incomplete, a straggler, a requeue), 3 ranks: with no logging of the program's that takes
+    them (none, or a handler at ERROR), each is one line, folded across ranks; a program's own
+    handler (on the root logger, before or after init, or on the ``hpcsync`` logger) prints them
+    its way, once a rank that logged it, never twice; HPCSYNC_WARNINGS=0 silences hpcsync's
+    console, nothing else."""
+    res = run(openmpi(), 3, "warn_default.py", mode, str(tmp_path), tmp_path=tmp_path,
+              env={"HPCSYNC_WARNINGS": setting}, timeout=120)
     err = res.stderr
-    alike, own = err.count("checkpoint step-7 skipped: incomplete"), err.count("only rank one says this")
-    if setting == "0":
-        assert alike == 0 and own == 0, err
-    elif mode == "none":
-        assert alike == 1 and own == 1, err
-        assert re.search(r"\[3 ranks 0-2[^\]]*\] WARNING hpcsync.resilience.checkpoint: checkpoint step-7", err), err
-        assert re.search(r"\[rank 1[^\]]*\] WARNING hpcsync.resilience.checkpoint: only rank one", err), err
-    else:  # the program's own handler: every rank's, as the program asked, once each
-        assert alike == 3 and own == 1 and err.count("USER WARNING hpcsync.resilience.checkpoint") == 4, err
+    assert res.ranks[0]["stragglers"] == [2], res.ranks[0]
+    lines = {k: [ln for ln in err.splitlines() if words in ln] for k, (words, _) in SOURCES.items()}
+    if mode in ("none", "errors"):  # nothing of the program's takes them: hpcsync's console or nothing
+        if setting == "0":
+            assert not any(lines.values()), err
+            return
+        assert all(len(v) == 1 for v in lines.values()), (lines, err)
+        assert "USER" not in err, err
+        assert re.match(r"\[3 ranks 0-2[^\]]*\] WARNING hpcsync.resilience.checkpoint: checkpoint step-7", lines["alike"][0])
+        assert re.match(r"\[rank 1[^\]]*\] WARNING hpcsync.resilience.checkpoint: only rank one", lines["own"][0])
+        assert re.match(r"\[rank 0[^\]]*\] WARNING hpcsync.observe.monitor: hpcsync: straggler", lines["straggler"][0])
+    else:  # the program's own handler: every rank's records, as the program asked, once each
+        assert {k: len(v) for k, v in lines.items()} == {k: n for k, (_, n) in SOURCES.items()}, (lines, err)
+        assert all(ln.startswith("USER WARNING hpcsync.") for v in lines.values() for ln in v), (lines, err)
+    assert not list(tmp_path.glob("hpcsync-*")), list(tmp_path.iterdir())  # (no report folder: no record)
 
 
 def test_an_exception_the_program_catches_outside_the_block_is_a_sync_error_at_once(tmp_path):

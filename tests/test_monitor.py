@@ -156,3 +156,24 @@ def test_one_process_times_its_steps_and_rejects_bad_settings(monkeypatch):
         hpcsync.monitor()
     with pytest.raises(ValueError, match="HPCSYNC_STRAGGLER_WINDOWS='3'"):
         hpcsync.core.settings.validate()
+
+
+@pytest.mark.parametrize("mode", ["given", "noted", "count"])
+def test_the_verdict_names_the_programs_step(tmp_path, mode):
+    """A run resumed at step 55: the verdict, its record and a failure report name the program's
+    step, given to ``mon.step(step)`` or noted with ``failure.note_step``; without either, the
+    count of ``mon.step()`` calls."""
+    reports = tmp_path / "reports"
+    res = run(LAUNCHERS["openmpi"](), 2, "monitor_step.py", mode, tmp_path=tmp_path, timeout=90,
+              env={"HPCSYNC_REPORT_DIR": str(reports)})
+    r0 = res.ranks[0]
+    steps = range(55, 75) if mode != "count" else range(1, 21)
+    named = [v for v in r0["verdicts"] if v["verdict"] == "straggler"]
+    assert named and named[0]["rank"] == 1 and r0["calls"] == 20, r0
+    at = named[0]["step"]
+    assert at in steps and at - steps[0] in (3, 7), named  # posted at the 4th (or 8th) call, the window's last
+    assert "straggler: rank 1 on" in res.stderr and f"named at step {at}\n" in res.stderr, res.stderr[-3000:]
+    from hpcsync.observe import monitor
+
+    assert [r["step"] for r in monitor.read(str(reports)) if r["verdict"] == "straggler"] == [at]
+    assert [r["failure_step"] for r in res.ranks] == [steps[-1]] * 2, res.ranks

@@ -2,8 +2,9 @@
 ``hpcsync run``, which relaunches without a failed node but never retries the program's own bug.
 
 A rank that sees the job end writes one record, ``hpcsync-failure-<job>-r<rank>-<cause>-<n>.json``,
-beside the hang report in ``HPCSYNC_REPORT_DIR`` (default: the working directory; an exception's
-record only where the variable is set, as ``hpcsync run`` does):
+beside the hang report in :func:`report_dir` (``HPCSYNC_REPORT_DIR``, else ``HPCSYNC_LOG_DIR``; with
+neither, no file: the console has the report; an exception's record only where
+``HPCSYNC_REPORT_DIR`` is set, as ``hpcsync run`` does):
 
 - ``cause``: ``exception`` (an uncaught exception), ``hang`` (a collective or a send/receive past
   its timeout with ranks that did not answer: the hang report's verdict), ``stall`` (the same, but
@@ -39,7 +40,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from ..core import settings
 
 __all__ = [
-    "PREFIX", "RESUMED", "STARTED", "report_dir", "note_step", "current_step", "note_raised", "raised", "job_id",
+    "PREFIX", "RESUMED", "STARTED", "report_dir", "unkept", "note_step", "note_count", "noted_step",
+    "current_step", "note_raised", "raised", "job_id",
     "nodes_of", "write", "write_whole", "write_json", "peer_gone", "hardware_fault", "note_exception", "note_hang",
     "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
 ]
@@ -59,17 +61,48 @@ def report_dir() -> Optional[str]:
     return settings.text("HPCSYNC_REPORT_DIR") or settings.text("HPCSYNC_LOG_DIR") or None
 
 
-_step: Optional[int] = None  # the program's step, when it says (StepMonitor.step, note_step)
+_unkept_said = False
+
+
+def unkept(what: str) -> Optional[str]:
+    """Where :func:`report_dir` is None, the first time this process leaves a report unwritten:
+    the words that say so and where to set a folder (``what``: "the hang report"); None after
+    that, and where a folder is set. Once: a job's console does not repeat it each report."""
+    global _unkept_said
+    if _unkept_said or report_dir() is not None:
+        return None
+    _unkept_said = True
+    return (f"no file kept of {what} (nor of later reports and records): set HPCSYNC_REPORT_DIR, "
+            "or HPCSYNC_LOG_DIR, to a folder to keep them")
+
+
+_step: Optional[int] = None  # the program's step, when it says (note_step, StepMonitor.step(step))
+_counted: Optional[int] = None  # else the step monitor's count of its step() calls
 
 
 def note_step(step: int) -> None:
-    """The program's current step, for the failure report ("raised first, at step 40")."""
+    """The program's current step, for the failure report ("raised first, at step 40") and the
+    step monitor's verdicts."""
     global _step
     _step = step
 
 
-def current_step() -> Optional[int]:
+def note_count(count: int) -> None:
+    """The step monitor's count of ``step()`` calls: the step reports name while the program
+    notes none of its own."""
+    global _counted
+    _counted = count
+
+
+def noted_step() -> Optional[int]:
+    """The step the program last noted (:func:`note_step`, ``mon.step(step)``); None when it
+    noted none."""
     return _step
+
+
+def current_step() -> Optional[int]:
+    """The step a report names: the program's (:func:`noted_step`), else the step monitor's count."""
+    return _step if _step is not None else _counted
 
 
 _raised: Dict[str, Any] = {}  # this rank's uncaught exception, once it raised

@@ -15,8 +15,9 @@ own handlers stay as they are, and hpcsync adds two handlers to the root logger:
 
 Without either, :func:`console_warnings` (``hpcsync.init`` calls it; ``HPCSYNC_WARNINGS=0``
 turns it off) puts hpcsync's own warnings on that console, folded the same way, as long as the
-program has no logging of its own: a handler the program adds to the root logger, before or after
-``init``, takes them instead, never both.
+program has no logging of its own that takes them: a handler the program adds to the root logger
+or the ``hpcsync`` loggers, before or after ``init``, takes them instead, never both
+(:func:`reaches_handler`; a handler whose level is above WARNING takes none).
 
 ``print`` output joins the files with ``capture_print=True`` (``HPCSYNC_LOG_PRINT=1``; it needs a
 log folder): rank 0's still reaches stdout, the other ranks' only their files. A record logged
@@ -31,13 +32,13 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from typing import Any, Dict, Iterable, List, Optional, TextIO, Tuple
 
 from ..core import mpi, jobend, nodemap, settings
 
 __all__ = [
     "FORMAT", "WINDOW_S", "HOLD_S", "POLL_S", "CLOSE_WAIT_S", "BYE", "CLOSED", "setup_logging", "console_warnings",
-    "to_file", "flush_console"
+    "reaches_handler", "to_file", "flush_console"
 ]
 
 FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(message)s"
@@ -336,11 +337,27 @@ def _new_console(rank: int, level: int, over_mpi: bool) -> "_Console":
     return _Console(rank, level, collector, sender)
 
 
+def reaches_handler(logger: logging.Logger, level: int = logging.WARNING,
+                    ignore: Iterable[logging.Handler] = ()) -> bool:
+    """Whether a record of ``level`` from ``logger`` reaches a handler that takes it: one on the
+    logger or on an ancestor it propagates to, other than a ``NullHandler`` (a library's, as
+    hpcsync's own) or those in ``ignore``, whose level lets the record through (the handlers'
+    filters are not asked)."""
+    skip = list(ignore)
+    current: Optional[logging.Logger] = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) and h not in skip and level >= h.level for h in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
 def _unclaimed(record: logging.LogRecord) -> bool:
-    """A record no handler of the program's takes: the root logger has none but hpcsync's (a
-    program that sets logging up after ``init`` prints hpcsync's warnings its own way)."""
-    ours = (_state.get("console"), _state.get("file_handler"))
-    return not any(h not in ours for h in logging.getLogger().handlers)
+    """A record no handler of the program's takes, on the ``hpcsync`` loggers or the root logger,
+    whenever the program set it up (before or after ``init``: then it prints hpcsync's warnings
+    its own way, and this console does not print them a second time)."""
+    ours = [h for h in (_state.get("console"), _state.get("file_handler")) if h is not None]
+    return not reaches_handler(logging.getLogger(record.name), record.levelno, ours)
 
 
 def console_warnings() -> None:

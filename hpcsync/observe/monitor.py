@@ -11,7 +11,8 @@ so the exchange never stalls training. Rank 0 divides each rank's median compute
 rank's: a rank at ``factor`` or more (``HPCSYNC_STRAGGLER_FACTOR``, default 1.2) in M of the last
 N windows (``HPCSYNC_STRAGGLER_WINDOWS``, default 3/5) is named, once, in a WARNING of the
 ``hpcsync.monitor`` logger ("straggler: rank 3 on node7 is 1.41x slower than the median rank
-..."), and a JSON record of the verdict goes to ``HPCSYNC_REPORT_DIR`` (:func:`read`).
+..."), and a JSON record of the verdict goes to the report folder (:func:`read`;
+:func:`hpcsync.observe.failure.report_dir`: none is written where no folder is set).
 
 Waiting time: on the ``hpcsync`` backend the backend counts it (the time callers spent blocked in
 its operations); on gloo and NCCL, the time in sections named ``comm``; where both exist, the
@@ -20,13 +21,13 @@ created, never when it started or ended), so it cannot stand in. Without either,
 whole step, the same on every rank, and nobody is named. ::
 
     mon = hpcsync.monitor()
-    for batch in loader:
+    for step, batch in enumerate(loader, start):
         with mon.section("data"):          # optional: sections are timed apart
             batch = to_device(batch)
         loss = model(batch); loss.backward()
         with mon.section("comm"):          # gloo/NCCL: the waiting the hpcsync backend counts itself
             average_gradients(model)
-        mon.step()
+        mon.step(step)                     # the reports name this step (without it: the count of calls)
     mon.close()                            # collective, bounded (also run at exit)
 """
 from __future__ import annotations
@@ -253,6 +254,9 @@ class Judge:
             log.info("%s", line)
         self.verdicts.append(record)
         record["path"] = write(record)
+        note = None if record["path"] else failure.unkept("the straggler records")
+        if note:
+            log.warning("hpcsync: %s", note)
         return record
 
 
@@ -311,7 +315,8 @@ class StepMonitor:
     On rank 0, :attr:`stragglers` maps the world rank of each rank named (and not recovered) to
     its verdict, and :attr:`verdicts` lists every verdict; on every rank, :attr:`window` holds this
     rank's figures of its latest window (seconds per step): ``steps``, ``compute_s``, ``step_s``,
-    ``wait_s``, ``sections``.
+    ``wait_s``, ``sections``. :attr:`steps` counts the calls of :meth:`step`; :attr:`at` is the
+    step the reports name: the program's (``step(step)``, ``failure.note_step``), else that count.
     """
 
     def __init__(self, steps: Optional[int] = None, factor: Optional[float] = None, windows: Any = None,
@@ -339,6 +344,7 @@ class StepMonitor:
         elif bad:
             raise ValueError("hpcsync.monitor: malformed settings: " + "; ".join(bad))
         self.steps = 0  #: step() calls so far
+        self.at = 0  #: the step the reports name: the program's (step(step), failure.note_step), else the count
         self.window: Dict[str, Any] = {}
         self.verdicts: List[Dict[str, Any]] = []
         self._sections: Dict[str, Section] = {}
@@ -348,7 +354,8 @@ class StepMonitor:
         self._counter: Optional[List[float]] = None  # the hpcsync backend's waiting total, once loaded
         self._counted = 0.0
         self._index = 0  # windows posted
-        self._posted_at = 0  # the step of the window in flight
+        self._posted_at = 0  # the step of the window in flight (as the reports name it)
+        self._posted_call = 0  # ... and the count of step() calls then
         self._overdue_said = False
         self._x: Optional[_Exchange] = None
         self._judge: Optional[Judge] = None
@@ -380,9 +387,12 @@ class StepMonitor:
                 self._slots.append(sec)
         return sec
 
-    def step(self) -> None:
+    def step(self, step: Optional[int] = None) -> None:
         """Call once per training step, on every rank (the same number of times, give or take
-        the last window): ends this step's timing and moves the window exchange on."""
+        the last window): ends this step's timing and moves the window exchange on. ``step``:
+        the program's number of the step that ended (``mon.step(step)``), which the verdicts,
+        their records and a failure report name; without it, the step the program noted
+        (:func:`hpcsync.observe.failure.note_step`), else the count of calls."""
         now = _clock()
         dt = now - self._last
         self._last = now
@@ -398,7 +408,12 @@ class StepMonitor:
         self._step_sum += dt
         self._wait_sum += wait
         self.steps += 1
-        failure.note_step(self.steps)  # the step a failure report names
+        if step is not None:
+            failure.note_step(int(step))  # the program's: a failure report names it too
+        else:
+            failure.note_count(self.steps)  # named only while the program notes no step of its own
+        noted = failure.noted_step()
+        self.at = noted if noted is not None else self.steps
         x = self._x
         if x is not None and x.reqs is not None:
             if not x.test():
@@ -432,7 +447,7 @@ class StepMonitor:
                 v[_HEAD + 2 * j + 1] = sec.total / n if n else 0.0
             x.post(closing)
             self._index += 1
-            self._posted_at = self.steps
+            self._posted_at, self._posted_call = self.at, self.steps
         if self._index == 1 and self.rank == 0 and n and not self._wait_sum and self._x is not None:
             log.warning("hpcsync.monitor: no waiting time measured in the first window (not the hpcsync backend, "
                         "and no %s section): every rank's compute is its whole step, so no straggler can be named",
@@ -454,7 +469,7 @@ class StepMonitor:
             self._overdue_said = True
             log.warning("hpcsync.monitor: rank %d: the window posted at step %d has not completed %d steps later: "
                         "every rank must call step() once per step", self.rank, self._posted_at,
-                        self.steps - self._posted_at)
+                        self.steps - self._posted_call)
 
     # -- the end ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -471,11 +486,11 @@ class StepMonitor:
             return
         try:
             if x.reqs is not None:
-                x.wait(f"close() at step {self.steps}")
+                x.wait(f"close() at step {self.at}")
                 self._completed()
             if not x.ended:
                 self._end_window(closing=True)
-                x.wait(f"close() at step {self.steps}")
+                x.wait(f"close() at step {self.at}")
                 self._completed()
         finally:
             x.free()

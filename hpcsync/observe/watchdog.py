@@ -10,7 +10,8 @@ more than a few dozen messages), groups ranks with equal digests into rank range
 asks one rank per group for its full stacks (like ``faulthandler``, but sent back over MPI), and
 prints one report -- which ranks never entered operation #N and what they did last, which are
 inside it, which did not answer and on which nodes -- to stderr, and as JSON to
-``$HPCSYNC_REPORT_DIR`` (default: the working directory). Its size grows with the number of
+the report folder (:func:`hpcsync.observe.failure.report_dir`: ``$HPCSYNC_REPORT_DIR``, else
+``$HPCSYNC_LOG_DIR``, else no file). Its size grows with the number of
 distinct groups, not with the number of ranks.
 """
 from __future__ import annotations
@@ -414,7 +415,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     failure.note_hang(rep, reached=states)
     try:
         path = write_report(rep)
-        text += f"\n[hpcsync] report written to {path}" if path else ""
+        text += f"\n[hpcsync] report written to {path}" if path else _unkept("the hang report")
     except OSError as exc:
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
@@ -457,12 +458,17 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
         path = write_report({"kind": "hpcsync p2p hang report", "group": group.name, "operation": asdict(rec),
                              "rank": me, "peer": peer, "timeout_s": timeout_s, "peer_state": answer,
                              "frames": mine["frames"]})
-        text += f"\n[hpcsync] report written to {path}" if path else ""
+        text += f"\n[hpcsync] report written to {path}" if path else _unkept("the hang report")
     except OSError as exc:
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     return text
+
+
+def _unkept(what: str) -> str:
+    note = failure.unkept(what)
+    return f"\n[hpcsync] {note}" if note else ""
 
 
 def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> Optional[int]:

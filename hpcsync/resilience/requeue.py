@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
 from ..core import settings
+from ..observe.logs import reaches_handler
 
 __all__ = [
     "EXIT_REQUEUED", "EXIT_REQUEUE_FAILED", "EXIT_NO_SCONTROL", "EXIT_RESTARTS_SPENT", "EXIT_ENDING_BASE",
@@ -162,16 +163,6 @@ def requeue_job(max_restarts: Optional[int] = None, ending: Optional[str] = None
     return _decide(cap, os.environ, shutil.which("scontrol"), ending)
 
 
-def _has_real_handler(logger: logging.Logger) -> bool:
-    """Whether a record from ``logger`` reaches a handler other than the library's NullHandler."""
-    current: Optional[logging.Logger] = logger
-    while current is not None:
-        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
-            return True
-        current = current.parent if current.propagate else None
-    return False
-
-
 def requeue(max_restarts: Optional[int] = None, group: Any = None, ending: Optional[str] = None,
             timeout: Optional[float] = None) -> Requeue:
     """Collective: rank 0 requeues the Slurm job (see the module's text); every rank returns the same
@@ -193,7 +184,9 @@ def requeue(max_restarts: Optional[int] = None, group: Any = None, ending: Optio
         if result.exit_code >= EXIT_ENDING_BASE:
             level = logging.WARNING
         log.log(level, "%s", result.message)
-        if level >= logging.WARNING and not _has_real_handler(log):  # never only in a log nobody configured
+        # never only in a log nobody configured (hpcsync.init puts warnings on the console; this
+        # is for a program without it), and never where HPCSYNC_WARNINGS=0 asks for no console
+        if level >= logging.WARNING and not reaches_handler(log, level) and settings.flag("HPCSYNC_WARNINGS"):
             sys.stderr.write(f"[hpcsync] {result.message}\n")
             sys.stderr.flush()
     return ctl.bcast(result, root=0)

@@ -1,20 +1,57 @@
-"""hpcsync's own warnings with no logging set up by the program (``none``), with
-``logging.basicConfig`` before ``hpcsync.init()`` (``before``) or after it (``after``): every
-rank logs one alike warning under ``hpcsync``, rank 1 one of its own."""
+"""hpcsync's own warnings from several sources, under the program's logging set up as MODE:
+
+    warn_default.py MODE FOLDER
+
+MODE: ``none`` (no logging), ``before`` / ``after`` (``logging.basicConfig`` before or after
+``hpcsync.init()``), ``ours`` (a handler of the program's own on the ``hpcsync`` logger),
+``errors`` (``basicConfig`` whose handler takes ERROR and above only: it takes no warning).
+The program's handlers print ``USER <level> <logger>: <message>``.
+
+The sources: every rank logs one alike warning under ``hpcsync`` and rank 1 one of its own; rank 0
+skips an incomplete checkpoint under FOLDER (``Checkpoints.load``); rank 2 of 3 is slow for a
+monitor of windows of 4 steps (a straggler verdict on rank 0); a requeue after SIGTERM outside
+Slurm (rank 0's warning)."""
 import logging
+import os
 import sys
+import time
 
 import hpcsync
+from hpcsync import comm
+from hpcsync.resilience.requeue import requeue
 from _report import report
 
-mode = sys.argv[1]
-if mode == "before":
-    logging.basicConfig(format="USER %(levelname)s %(name)s: %(message)s")
-topo = hpcsync.init()
+USER = "USER %(levelname)s %(name)s: %(message)s"
+mode, folder = sys.argv[1], sys.argv[2]
+if mode in ("before", "errors"):
+    logging.basicConfig(format=USER)
+if mode == "errors":
+    logging.getLogger().handlers[0].setLevel(logging.ERROR)
+if mode == "ours":
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(USER))
+    logging.getLogger("hpcsync").addHandler(handler)
+topo = hpcsync.init(timeout=60)
 if mode == "after":
-    logging.basicConfig(format="USER %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format=USER)
+rank = topo.rank
 log = logging.getLogger("hpcsync.resilience.checkpoint")
 log.warning("checkpoint step-7 skipped: incomplete")
-if topo.rank == 1:
+if rank == 1:
     log.warning("only rank one says this")
-report(topo.rank, {"rank": topo.rank, "world_size": topo.world_size})
+
+os.makedirs(os.path.join(folder, "ckpt", "step-00000007"), exist_ok=True)  # no marker: incomplete
+with hpcsync.Checkpoints(os.path.join(folder, "ckpt")) as ckpts:
+    assert ckpts.load() is None
+
+with hpcsync.monitor(steps=4, windows="1/1") as mon:
+    wait = mon.section("comm")
+    for _ in range(12):
+        time.sleep(0.03 if rank == topo.world_size - 1 else 0.003)
+        with wait:
+            comm.synchronize()
+        mon.step()
+stragglers = list(mon.stragglers)
+
+requeue(ending="SIGTERM")
+report(rank, {"rank": rank, "world_size": topo.world_size, "stragglers": stragglers})
