@@ -214,6 +214,28 @@ def test_one_process_refuses_each_overlap_and_touches_nothing(tmp_path, monkeypa
     assert state(src) == source
 
 
+def test_the_source_mounted_elsewhere_is_still_the_source(tmp_path):
+    """A bind mount shows the source under a second name that no link resolves (a cluster's
+    second mount of one export does the same): a destination in that view, that view itself, or
+    one holding the source through it, is refused; nothing changes."""
+    src = tmp_path / "data" / "set"
+    make_tree(src, files=6)
+    view = tmp_path / "view"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", str(src), str(view)], check=True)
+    try:
+        before = state(src)
+        for s, d, why in [(src, view / "inner", WHY["inside"]), (src, view, WHY["same"]),
+                          (view, src / "d1" / "x", WHY["inside"]), (src / "d0", view, WHY["holds"])]:
+            with pytest.raises(hpcsync.StageError, match=re.escape(why)):
+                hpcsync.stage(s, d)
+            assert state(src) == before and not (src / "inner").exists(), (s, d)
+        r = hpcsync.stage(view, tmp_path / "apart")
+        assert r.copied_files == r.files > 0
+    finally:
+        subprocess.run(["umount", "-l", str(view)])
+
+
 @pytest.mark.parametrize("how", ["inside", "holds"])
 def test_every_rank_refuses_the_same_overlap_at_once(tmp_path, how):
     """Open MPI, 3 ranks on one node: the destination inside the source (missing, spelled through
