@@ -239,3 +239,25 @@ def test_a_checkpoint_root_owner_that_has_ended_or_is_ending_holds_nothing():
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_what_runs_before_an_abort_is_bounded_and_one_stuck_flush_holds_back_no_other(monkeypatch):
+    """A flush to a disk that stopped answering must not keep a rank from aborting (nothing would
+    end the job), nor keep the held-back warnings from being printed."""
+    import threading
+    import time
+
+    from hpcsync.core import jobend
+
+    stuck, done = threading.Event(), threading.Event()
+    monkeypatch.setattr(jobend, "_before_abort", [])
+    jobend.before_abort(stuck.wait)  # never set: the hung disk
+    jobend.before_abort(done.set)
+    caller = threading.Thread(target=jobend.run_before_abort, args=(0.5,), daemon=True)
+    t0 = time.monotonic()
+    caller.start()
+    caller.join(10)
+    took = time.monotonic() - t0
+    stuck.set()
+    assert not caller.is_alive() and took < 3, f"run_before_abort still waiting after {took:.1f} s"
+    assert done.is_set(), "the second function was held back by the first"

@@ -17,12 +17,14 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, Callable, List, NoReturn, Optional, Tuple
 
 from . import mpi, settings
 
 __all__ = [
-    "LAUNCHERS", "before_abort", "run_before_abort", "EXIT_STAGES", "at_exit", "set_abort_on_error",
+    "LAUNCHERS", "before_abort", "BEFORE_ABORT_S", "run_before_abort", "EXIT_STAGES", "at_exit", "set_abort_on_error",
     "abort_on_error", "set_hook_installed", "exception_ends_job", "grace_s", "end_within", "stacks_on_crash", "launcher_pid", "watch_launcher", "abort"
 ]
 
@@ -44,12 +46,33 @@ def before_abort(fn: Callable[[], None]) -> None:
     _before_abort.append(fn)
 
 
-def run_before_abort() -> None:
-    for fn in _before_abort:
+BEFORE_ABORT_S = 2.0  # how long the functions of before_abort may take, together
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # the abort matters more
+        pass
+
+
+def run_before_abort(wait_s: float = BEFORE_ABORT_S) -> None:
+    """Run the functions of :func:`before_abort`, side by side, for at most ``wait_s`` seconds in
+    all: one still running then (a flush to a disk that stopped answering) is left behind, in a
+    daemon thread that ends with the process; the abort matters more, and one stuck flush does
+    not hold back the others (the held-back warnings, the other files)."""
+    threads = []
+    for fn in list(_before_abort):
+        t = threading.Thread(target=_quietly, args=(fn,), name="hpcsync-before-abort", daemon=True)
         try:
-            fn()
-        except Exception:  # the abort matters more
-            pass
+            t.start()
+        except RuntimeError:  # (no thread starts at interpreter shutdown: then inline)
+            _quietly(fn)
+            continue
+        threads.append(t)
+    deadline = time.monotonic() + wait_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 # The one ordered exit, before MPI_Finalize (mpi4py finalizes after every Python atexit handler):
 # torch's process group first (gloo threads must be joined while the interpreter is whole), then
