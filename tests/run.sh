@@ -5,7 +5,7 @@
 # tests marked `cluster` (namespace nodes, Slurm: one at a time) with the `heavy` ones, and
 # all the others. Then the tests marked `alone` (bounds of wall time: light jobs) in two streams
 # side by side, and last the `solo` ones (ratios, factors) with nothing beside them.
-# See tests/conftest.py.
+# Each run ends with its 12 slowest tests (the CI's 30 minutes are kept by them). See tests/conftest.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash jobs/setup_env.sh --full
@@ -29,7 +29,7 @@ trap 'stop; exit 130' INT
 trap 'stop; exit 143' TERM HUP
 # Both in sessions of their own, so that only the trap signals them; a background job ignores
 # SIGINT, --default-signal gives pytest back its KeyboardInterrupt.
-beside=(setsid env --default-signal=INT .venv/bin/python -m pytest tests -ra)   # ($! is then pytest's pid)
+beside=(setsid env --default-signal=INT .venv/bin/python -m pytest tests -ra --durations=12)   # ($! is then pytest's pid)
 "${beside[@]}" -p no:cacheprovider -m "(cluster or heavy) and not alone and not solo" "$@" >"$cluster_log" 2>&1 &
 pids+=($!)
 "${beside[@]}" -m "not cluster and not heavy and not alone and not solo" "$@" &
@@ -52,7 +52,7 @@ wait "${pids[0]}" || alone1=$?
 pids=()
 echo "---- beside them, the other half of the timed tests:"
 cat "$alone_log"
-.venv/bin/python -m pytest tests -ra -m "solo or (alone and cluster)" "$@" || solo=$?
+.venv/bin/python -m pytest tests -ra --durations=12 -m "solo or (alone and cluster)" "$@" || solo=$?
 [ "$rest$cluster$alone0$alone1$solo" = 55555 ] && exit 5   # the arguments selected no test at all
 for rc in "$rest" "$cluster" "$alone0" "$alone1" "$solo"; do
   [ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"   # 5: none of this run's tests was selected
