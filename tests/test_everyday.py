@@ -15,21 +15,23 @@ import json
 import os
 import random
 import re
+import shlex
+import subprocess
 import time
 
 import pytest
 
-from launch import mpich, openmpi, run
+from launch import PY, clean_env, mpich, openmpi, run
 
 pytestmark = pytest.mark.alone  # bounds of wall time
 
-PATTERNS = ("synced_file", "sync_file", "stage", "checkpoints", "preemption", "monitor", "comm")
+PATTERNS = ("synced_file", "sync_file", "stage", "checkpoints", "h5", "preemption", "monitor", "comm")
 FAULTS = ("raise", "kill", "exit", "skip")
 LIBRARIES = {"openmpi": openmpi, "mpich": mpich}
 STEPS = 3  # as in the program
 BOUND = 45.0
 TIMEOUT = 3  # HPCSYNC_TIMEOUT for the faults that leave ranks waiting (exit, skip)
-WRITES = {"synced_file", "sync_file", "stage", "checkpoints"}  # what leaves files to check and rerun
+WRITES = {"synced_file", "sync_file", "stage", "checkpoints", "h5"}  # what leaves files to check and rerun
 # a rank may leave out monitor.step() calls: ranks close after different numbers of steps by design
 TOLERATED = {("monitor", "skip")}
 
@@ -42,6 +44,8 @@ def draw(pattern, fault, library):
     if fault == "skip":  # the call left out: sync_file's is the join, after the steps
         cfg.update(where="before", step=STEPS if pattern == "sync_file" else cfg["step"])
     if fault == "exit" and cfg["step"] >= STEPS - 1:  # (an exit after the last call is the program's normal end)
+        cfg.update(where="before")
+    if pattern == "sync_file" and cfg["step"] == STEPS:  # (the join's point: before it, or it is the program's end)
         cfg.update(where="before")
     return cfg, n
 
@@ -69,6 +73,14 @@ def check_files(folder, pattern, n, complete):
             assert not cmp.left_only and not cmp.right_only and not cmp.diff_files, cmp.report()
             for sub in cmp.subdirs.values():
                 assert not sub.left_only and not sub.right_only and not sub.diff_files, sub.report()
+    elif pattern == "h5" and complete:  # (after a fault the file is as far as the job got: not checked)
+        import h5py
+        import numpy as np
+
+        with h5py.File(folder / "rows.h5", "r") as f:
+            got = f["x"][...]
+        want = np.concatenate([np.full((r + 1, 2), r * 100 + s) for s in range(STEPS) for r in range(n)])
+        assert got.tolist() == want.tolist(), got
     elif pattern == "checkpoints":  # the rerun loads the latest complete one (the program checks its contents)
         pass
 
@@ -106,6 +118,8 @@ def test_one_fault_ends_the_job_cause_first_and_loses_nothing(tmp_path, pattern,
     prepare(tmp_path, pattern)
     env = {"HPCSYNC_TIMEOUT": str(TIMEOUT)} if fault in ("exit", "skip") else {}
     res, took = job(tmp_path, lib, n, cfg, env)
+    started = {p.name: p.read_text() for p in tmp_path.glob(".started.*")}
+    assert started == {f".started.{r}": str(n) for r in range(n)}, f"not one world of {n} ranks: {started} {res}"
     if (pattern, fault) in TOLERATED:
         assert res.returncode == 0 and all(res.ranks), res
         return
@@ -121,7 +135,7 @@ def test_one_fault_ends_the_job_cause_first_and_loses_nothing(tmp_path, pattern,
     litter = [p.name for p in tmp_path.glob("hpcsync-*")]  # (the jobs' working directory)
     assert not litter, f"files left in the working directory unasked: {litter}"
     check_files(tmp_path, pattern, n, complete=False)
-    if pattern in ("synced_file",) and fault == "raise":  # every rank's part kept, with its rows so far
+    if pattern == "synced_file" and fault in ("raise", "kill"):  # every rank's part kept, with its rows so far
         parts = sorted((tmp_path / ".metrics.csv.parts").glob("rank*"))
         assert len(parts) == n and all(p.read_text().startswith("rank,step\n") for p in parts), parts
     if pattern in WRITES:  # the rerun, without the fault, on the same files

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core import mpi
+from ..core import bounded, jobend, mpi
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else None
 from ..core.errors import MissingDependencyError, raise_if_any
 
@@ -173,7 +173,10 @@ class CollectiveWriter:
         self.h5py = _h5py()
         from ..core.comm import group_comm
 
-        self.comm = group_comm(group)
+        self.base = group_comm(group)  # what HDF5 itself is given (driver="mpio")
+        # hpcsync's own exchanges, each bounded by HPCSYNC_TIMEOUT on a private duplicate (HDF5's
+        # collectives inside a write are not: every rank has passed a bounded exchange just before)
+        self.comm = bounded.over(self.base, f"hpcsync.h5.CollectiveWriter({path})", bounded.default_timeout())
         self.root = root
         self.round_bytes = round_bytes  # fallback: bytes per gather round (bounds the root's memory)
         self.rank = self.comm.Get_rank()
@@ -191,7 +194,7 @@ class CollectiveWriter:
         err = None
         try:
             if self.parallel:
-                self.file = self.h5py.File(self.path, mode, driver="mpio", comm=self.comm)
+                self.file = self.h5py.File(self.path, mode, driver="mpio", comm=self.base)
             elif self.rank == root:
                 self.file = self.h5py.File(self.path, mode)
         except Exception as exc:  # agree, so no rank waits for a file another could not open
@@ -339,11 +342,16 @@ class CollectiveWriter:
             self.file.close()
             self.file = None
         self.comm.Barrier()  # the file is complete for every rank once close returns
+        if self.comm is not self.base:
+            self.comm.free()
+            self.comm = self.base
 
     def __enter__(self) -> "CollectiveWriter":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and jobend.exception_ends_job(exc_type):
+            return  # no collective on this rank alone: the others are in the program's next one; the job ends
         self.close()
 
 

@@ -26,6 +26,8 @@ pattern, fault, bad, at, where, folder = (cfg["pattern"], cfg["fault"], cfg["ran
 STEPS = 3
 topo = hpcsync.init()
 rank, size = topo.rank, topo.world_size
+with open(os.path.join(folder, f".started.{rank}"), "w") as f:  # (the test checks the launch: n ranks, one world)
+    f.write(str(size))
 done = []
 
 
@@ -87,6 +89,12 @@ elif pattern == "checkpoints":
         first = 0 if saved is None else saved.step + 1
         steps(lambda step: ckpts.save(first + step, shared={"w": torch.full((8,), float(first + step))},
                                       local={"rank": rank}))
+elif pattern == "h5":  # collective rows, one dataset, each step's rows appended
+    import numpy as np
+    from hpcsync import h5
+
+    with h5.CollectiveWriter(os.path.join(folder, "rows.h5")) as w:
+        steps(lambda step: w.write("x", np.full((rank + 1, 2), rank * 100 + step, dtype=np.int64)))
 elif pattern == "preemption":
     with hpcsync.preemption() as guard:
         steps(lambda step: guard.should_stop())
