@@ -82,7 +82,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     mine = args.parts[lo: lo + per + (1 if rank < extra else 0)]
     result = merge_parts(args.target, mine, strip_header=args.strip_header, text=not args.binary,
                          keep_parts=not args.delete_parts, method=args.method, allow_missing=args.allow_missing,
-                         progress=None if not args.no_progress else False)
+                         progress=None if not args.no_progress else False, append=args.append)
     if rank == 0:
         print(f"merged {len(args.parts)} part(s) from {size} rank(s) into {result.path}: "
               f"{result.bytes} bytes in {result.seconds:.2f}s ({result.method})")
@@ -128,13 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("parts", nargs="+", metavar="PART", help="the part files, in the order they are joined")
     merge.add_argument("--strip-header", action="store_true", help="drop the first line of every part but the first")
     merge.add_argument("--binary", action="store_true", help="byte-exact: add no newline after parts lacking one")
+    merge.add_argument("--append", action="store_true", help="keep what TARGET holds and add the parts after it "
+                                                             "(one header with --strip-header)")
     merge.add_argument("--delete-parts", action="store_true", help="delete the parts after a durable merge")
     merge.add_argument("--allow-missing", action="store_true", help="treat a missing part as empty")
     merge.add_argument("--method", default="auto", choices=MERGE_METHODS,
                        help="copy: rank 0 reads the parts itself (it must see the very files); gather: the ranks "
                             "send their parts to rank 0 over MPI; mpiio: every rank writes its own into the target "
                             "(a shared filesystem); auto (default): copy where it can, else mpiio or gather")
-    merge.add_argument("--no-progress", action="store_true", help="no progress bar (one shows only on a terminal)")
+    merge.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal a bar, else a line every 10 s)")
     merge.set_defaults(func=cmd_merge)
     stg = command("stage", "copy SRC (a file or directory rank 0 can read) into DST on every node")
     stg.add_argument("src", help="a file or directory that rank 0 can read (read once)")
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     stg.add_argument("--chunk-mib", type=int, default=16, metavar="MIB",
                      help="MiB per broadcast round and pipeline buffer (default 16)")
     stg.add_argument("--durable", action="store_true", help="sync the destination before recording files")
-    stg.add_argument("--no-progress", action="store_true", help="no progress bar (one shows only on a terminal)")
+    stg.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal a bar, else a line every 10 s)")
     stg.set_defaults(func=cmd_stage)
     doctor = command("doctor", "check MPI, launcher, addresses, torch, GPUs, HDF5; non-zero exit on problems")
     doctor.add_argument("--no-connect", action="store_true", help="skip the TCP reachability test to rank 0")

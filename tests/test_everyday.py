@@ -144,16 +144,18 @@ def test_one_fault_ends_the_job_cause_first_and_loses_nothing(tmp_path, pattern,
         check_files(tmp_path, pattern, n, complete=True)
 
 
-@pytest.mark.parametrize("lib,n,stops", [("openmpi", 3, 2), ("mpich", 2, 1)])
-def test_a_resumed_run_continues_the_joined_csv(tmp_path, lib, n, stops):
+@pytest.mark.parametrize("lib,n,stops,how", [("openmpi", 3, 2, "break"), ("mpich", 2, 1, "break"),
+                                             ("openmpi", 2, 1, "exit"), ("mpich", 3, 2, "exit")])
+def test_a_resumed_run_continues_the_joined_csv(tmp_path, lib, n, stops, how):
     """Stopped by SIGUSR1 on a drawn rank at a drawn step (a real signal, the guard's agreed stop,
     a checkpoint), run again from the checkpoint ``stops`` times: ``SyncedFile(append=True)``
     keeps every row the earlier runs joined, adds each run's own after them, one header, each
-    (rank, step) exactly once, and the file between two runs is what the first left."""
+    (rank, step) exactly once, and the file between two runs is what the first left. The stop
+    leaves the block by ``break``, or by the README's ``raise SystemExit(...)`` inside it."""
     rng = random.Random(f"resume-{lib}-{n}-{stops}")
     steps, runs, joined = 12, [], []
     for k in range(stops + 1):
-        stop = [str(rng.randrange(n)), str(rng.randrange(4 * k + 1, 4 * k + 4))] if k < stops else []
+        stop = [str(rng.randrange(n)), str(rng.randrange(4 * k + 1, 4 * k + 4)), how] if k < stops else []
         res = run(LIBRARIES[lib](), n, "resume_rows.py", str(tmp_path), str(steps), *stop, tmp_path=tmp_path,
                   timeout=120, expect_ok=False)
         assert all(res.ranks) and {r["world_size"] for r in res.ranks} == {n}, res
@@ -170,6 +172,48 @@ def test_a_resumed_run_continues_the_joined_csv(tmp_path, lib, n, stops):
     starts = [ranks[0]["start"] for ranks in runs]
     assert starts[0] == 0 and all(b == ranks[0]["stopped"] + 1 for b, ranks in zip(starts[1:], runs)), runs
     assert all(len(set(p)) == 1 for p in ([r["stopped"] for r in ranks] for ranks in runs)), runs  # one agreed step
+
+
+@pytest.mark.parametrize("lib", ["openmpi", "mpich"])
+def test_append_after_a_crash_refuses_to_erase_the_unjoined_rows_and_says_how_to_keep_them(tmp_path, lib):
+    """A run joins its rows at a stop; the next crashes inside the block (its rows only in the
+    parts). The rerun with ``append=True`` must not start its parts anew over them: the same
+    SyncError on every rank, the parts byte for byte as they were, the message's ``hpcsync merge
+    --append`` command adds them after the file's rows (one header), and the run after it works."""
+    n, steps = 2, 10
+    run(LIBRARIES[lib](), n, "resume_rows.py", str(tmp_path), str(steps), "1", "3", "break",
+        tmp_path=tmp_path, timeout=120)
+    first = (tmp_path / "metrics.csv").read_text()
+    crash = run(LIBRARIES[lib](), n, "resume_rows.py", str(tmp_path), str(steps), "0", "6", "crash",
+                tmp_path=tmp_path, timeout=120, expect_ok=False)
+    assert crash.returncode != 0 and (tmp_path / "metrics.csv").read_text() == first, crash
+    parts = tmp_path / ".metrics.csv.parts"
+    kept = {p.name: p.read_bytes() for p in parts.iterdir()}
+    assert len(kept) == n and all(kept.values()), kept
+    again = run(LIBRARIES[lib](), n, "resume_rows.py", str(tmp_path), str(steps), tmp_path=tmp_path,
+                timeout=120, expect_ok=False)
+    text = again.stderr + again.stdout
+    assert again.returncode != 0 and not any(again.ranks), again
+    assert {p.name: p.read_bytes() for p in parts.iterdir()} == kept, "the unjoined parts were touched"
+    assert (tmp_path / "metrics.csv").read_text() == first
+    command = re.search(r"Keep them: (hpcsync merge --append .*?); or drop them", text)
+    assert command and "SyncError" in text, text[-4000:]
+    merged = subprocess.run(command.group(1).replace("hpcsync merge", f"{shlex.quote(PY)} -m hpcsync merge", 1),
+                            shell=True, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=clean_env())
+    assert merged.returncode == 0, merged
+    rows = (tmp_path / "metrics.csv").read_text()
+    want = first + "".join(b.decode().split("\n", 1)[1] for _, b in sorted(kept.items()))
+    assert rows == want, rows
+    last = run(LIBRARIES[lib](), n, "resume_rows.py", str(tmp_path), str(steps), tmp_path=tmp_path, timeout=120)
+    assert all(last.ranks) and (tmp_path / "metrics.csv").read_text().startswith(rows)
+
+
+def test_a_synced_file_made_on_one_rank_is_local(tmp_path):
+    """Made, not entered: nothing collective, so the job goes on (it waited for the others and
+    timed out, with the world's control communicator broken for good)."""
+    res = run(openmpi(), 2, "synced_local.py", str(tmp_path), tmp_path=tmp_path, timeout=120,
+              env={"HPCSYNC_TIMEOUT": "5"}, expect_ok=False)
+    assert res.returncode == 0 and all(res.ranks) and {r["world_size"] for r in res.ranks} == {2}, res
 
 
 KEEP = "set HPCSYNC_REPORT_DIR"  # the words that say where a folder would keep the reports

@@ -341,3 +341,21 @@ def test_synced_file_where_no_part_can_be_made_is_a_sync_error(tmp_path, where):
     finally:
         if where != "under a file":
             subprocess.run(["umount", str(tmp_path / "ro")], check=True)
+
+
+def test_append_names_what_differs_and_refuses_to_join_kept_parts_twice(tmp_path):
+    """One process: the joined file's header against a part's that differs is said as it is (it
+    read "rank(s) [0] have b'x,y' but rank 0 has b'x,y'"); ``keep_parts=True`` with ``append=True``
+    in a block would join the rows a mid-run ``sync()`` kept a second time: refused up front."""
+    from hpcsync import SyncError, SyncedFile, sync_file
+
+    target = tmp_path / "m.csv"
+    target.write_text("x,y\n1,2\n")
+    part = tmp_path / "p.csv"
+    part.write_text("a,b\n3,4\n")
+    with pytest.raises(SyncError) as err:
+        sync_file(str(target), part=str(part), strip_header=True, append=True)
+    assert "the joined file starts b'x,y\\n'" in str(err.value) and "start b'a,b\\n'" in str(err.value), err.value
+    assert target.read_text() == "x,y\n1,2\n"
+    with pytest.raises(ValueError, match="twice"):
+        SyncedFile(str(target), append=True, keep_parts=True)

@@ -154,25 +154,26 @@ def _agree(comm: Any, error: Optional[str], what: str) -> None:
     raise_if_any(comm, error, SyncError, f"{what} failed, nothing deleted: ")
 
 
-def _plan(comm: Any, my_parts: List[Part], strip_header: bool, check_headers: bool, text: bool) -> None:
-    """Decide header stripping and inserted newlines from every rank's part summaries."""
-    summary = [(p.size, p.header, p.ends_newline) for p in my_parts]
+def _plan(comm: Any, my_parts: List[Part], strip_header: bool, check_headers: bool, text: bool,
+          target: Optional[str] = None) -> None:
+    """Decide header stripping and inserted newlines from every rank's part summaries (``target``:
+    the joined file, when it is one of the parts: ``append=True``)."""
+    summary = [(p.size, p.header, p.ends_newline, p.path == target) for p in my_parts]
     every = comm.allgather(summary)
     flat = [(r, i, s) for r, parts in enumerate(every) for i, s in enumerate(parts)]
     nonempty = [(r, i, s) for r, i, s in flat if s[0] > 0]
     if strip_header and nonempty:
         first = nonempty[0][2][1]
-        if check_headers:
-            differ = sorted({r for r, _, s in nonempty if s[1] != first})
-            if differ:
-                shown = nonempty[[r for r, _, _ in nonempty].index(differ[0])][2][1]
-                raise SyncError(
-                    f"headers differ: rank(s) {differ} have {shown[:200]!r} but rank {nonempty[0][0]} has "
-                    f"{first[:200]!r} (pass check_headers=False to merge anyway); nothing deleted")
+        differ = [(r, s) for r, _, s in nonempty if s[1] != first]
+        if check_headers and differ:
+            by = "the joined file" if nonempty[0][2][3] else f"rank {nonempty[0][0]}'s part"
+            raise SyncError(
+                f"headers differ: {by} starts {first[:200]!r}, the parts of rank(s) {sorted({r for r, _ in differ})} "
+                f"start {differ[0][1][1][:200]!r} (pass check_headers=False to merge anyway); nothing deleted")
     # effective content per part after stripping, to place newlines only between content
     keep_header_at = (nonempty[0][0], nonempty[0][1]) if nonempty else None
     effective = []
-    for r, i, (size, header, ends) in flat:
+    for r, i, (size, header, ends, _) in flat:
         skip = len(header) if strip_header and (r, i) != keep_header_at and size else 0
         effective.append((r, i, size - skip, ends, skip))
     last_content = max((k for k, e in enumerate(effective) if e[2] > 0), default=-1)
@@ -284,7 +285,7 @@ def _merge(comm: Any, target: str, my_parts: Sequence[PathLike], options: SyncOp
         if part is not None:
             src.parts.append(part)
     _agree(comm, err, f"sync of {target}")
-    _plan(comm, src.parts, options.strip_header, options.check_headers, options.text)
+    _plan(comm, src.parts, options.strip_header, options.check_headers, options.text, target)
     mine = src.size
     sizes = bigmpi.allgather_sizes(comm, mine)
     total = sum(sizes)
@@ -476,17 +477,20 @@ class SyncedFile:
     """A file every rank writes its own part of during training, joined on exit.
 
     >>> with SyncedFile("metrics.csv", strip_header=True) as part:
-    ...     with open(part.path, "w") as f:
+    ...     with part.open("w") as f:
     ...         f.write("step,loss\\n")
 
-    Each rank's part is created (empty) up front, so every rank has one. A rank that leaves the
+    Each rank's part is created (empty) up front, so every rank has one; creating one is local
+    (with ``append=True`` collective: the ranks check for parts a crash left), entering the block
+    is collective. A rank that leaves the
     block with an exception merges nothing and waits for nobody: under :func:`hpcsync.init` the
     exception ends the job in seconds, its traceback first (the other ranks are in the program's
     next collective, not here), every rank's part kept on disk for ``hpcsync merge`` (the
     traceback's last line says the command). Where the job goes on instead
-    (``HPCSYNC_ABORT_ON_EXCEPTION=0``, no ``init``, ``SystemExit``), the ranks agree at the end
-    of the block: no rank merges, every rank raises :class:`SyncError` (the failing rank its own
-    exception), the parts are kept.
+    (``HPCSYNC_ABORT_ON_EXCEPTION=0``, no ``init``), the ranks agree at the end of the block: no
+    rank merges, every rank raises :class:`SyncError` (the failing rank its own exception), the
+    parts are kept. A ``SystemExit`` (the preemption guard's stop) is an end like any other: the
+    parts are joined, then the exit goes on.
     """
 
     def __init__(self, path: PathLike, *, parts_dir: Optional[PathLike] = None, mode: str = "w",
@@ -499,12 +503,16 @@ class SyncedFile:
         run before this one (a resumed run: the rows it had joined are kept, this run's follow)."""
         if mode not in ("w", "a"):
             raise ValueError("mode must be 'w' (start a new part) or 'a' (append to an existing one)")
+        if append and keep_parts:  # the block's join would add the parts a sync() kept a second time
+            raise ValueError("SyncedFile: append=True with keep_parts=True would join the kept parts' rows twice")
         self.target = os.path.abspath(os.fspath(path))
         self.options = SyncOptions(root=root, strip_header=strip_header, check_headers=check_headers, text=text,
                                    allow_missing=allow_missing, keep_parts=keep_parts, method=method,
                                    round_bytes=round_bytes, progress=progress, timeout=timeout, append=append)
         self.parts_dir = parts_dir
         self.path = part_path(self.target, None, parts_dir)
+        if append and mode == "w":
+            self._refuse_unjoined()
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "ab" if mode == "a" else "wb"):
@@ -514,7 +522,34 @@ class SyncedFile:
                             f"{exc.strerror or exc} (a folder this rank can write: parts_dir= or "
                             "HPCSYNC_PARTS_DIR)") from exc
         self.result: Optional[SyncResult] = None
-        self._flags = _flag_comm(self.target, self.options)
+        self._flags: Any = None  # made on entering the block (collective)
+
+    def _refuse_unjoined(self) -> None:
+        """``append=True`` continues the joined file: parts a run before this one left unjoined (a
+        crash) hold rows that ``mode="w"`` would erase; the same SyncError on every rank instead."""
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            size = 0
+        folder = os.path.dirname(self.path)
+        what = (f"SyncedFile({self.target}, append=True): parts a run before this one never joined (it ended "
+                "before its block's end) hold rows that starting anew would erase: ")
+        advice = (f". Keep them: hpcsync merge --append --delete-parts {shlex.quote(self.target)} "
+                  f"{shlex.quote(folder)}/*" + (" --strip-header" if self.options.strip_header else "")
+                  + f"; or drop them: rm -r {shlex.quote(folder)}")
+        err = f"{size} bytes in {self.path}" if size else None
+        comm = _world()
+        try:
+            if comm.Get_size() == 1:
+                if err:
+                    raise SyncError(what + err)
+                return
+            with bounded.owned(comm, f"SyncedFile({self.target}): parts left unjoined", self.options.limit()) as c:
+                raise_if_any(c, err, SyncError, what)
+        except SyncError as exc:
+            raise SyncError(f"{exc}{advice}") from None
+        except CollectiveTimeout as exc:
+            raise SyncTimeout(f"SyncedFile({self.target}): not every rank made it: {exc}") from None
 
     def open(self, mode: str = "w", **kwargs: Any):
         """``open()`` this rank's part (``open(synced.path, ...)``), line-buffered in text mode
@@ -554,10 +589,14 @@ class SyncedFile:
         return self.result
 
     def __enter__(self) -> "SyncedFile":
+        """Collective (every rank enters the block): the ranks' failure flags are set up."""
+        self._flags = _flag_comm(self.target, self.options)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         comm = _world()
+        if exc_type is not None and issubclass(exc_type, SystemExit):  # a stop (the preemption guard's): joined
+            exc_type = None
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
         if exc_type is not None and (comm.Get_size() == 1 or (self._flags is not None
                                                                and jobend.exception_ends_job(exc_type))):
@@ -566,10 +605,10 @@ class SyncedFile:
                 _post_failed(self._flags)
             if isinstance(exc, BaseException):
                 folder = os.path.dirname(self.path)
-                how = ("append=True: join them after the file's rows" if self.options.append else
-                       f"hpcsync merge {shlex.quote(self.target)} {shlex.quote(folder)}/*"
-                       + (" --strip-header" if self.options.strip_header else ""))
-                exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in {folder}: {how}")
+                how = (f"hpcsync merge{' --append' if self.options.append else ''} {shlex.quote(self.target)} "
+                       f"{shlex.quote(folder)}/*" + (" --strip-header" if self.options.strip_header else ""))
+                exc.add_note(f"hpcsync: {self.target} was not joined; every rank's part is kept in {folder}. "
+                             f"To keep their rows, before a rerun: {how}")
             return False
         if self._flags is not None and self._check_flags(exc_type is not None):
             return False  # (this rank's own exception; the others raised SyncError)
