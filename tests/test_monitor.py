@@ -177,3 +177,6 @@ def test_the_verdict_names_the_programs_step(tmp_path, mode):
 
     assert [r["step"] for r in monitor.read(str(reports)) if r["verdict"] == "straggler"] == [at]
     assert [r["failure_step"] for r in res.ranks] == [steps[-1]] * 2, res.ranks
+    # a failure in the step after the monitor's last: "after" it (it said "at step 74" of step 75)
+    words = f"{'at' if mode == 'noted' else 'after'} step {steps[-1]}"
+    assert [r["failure_words"] for r in res.ranks] == [words] * 2, res.ranks

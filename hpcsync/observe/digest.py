@@ -169,7 +169,7 @@ def build(me: int, states: Dict[int, Dict[str, Any]], size: int) -> Dict[str, An
         groups.append(g)
     silent = sorted(set(range(size)) - set(states))
     return {"kind": "hpcsync failure report", "rank": head, "node": _host(head), "reported_by": me, "step": first["step"],
-            "error": first["error"], "where": first["where"], "time": first["time"], "traceback": first["traceback"],
+            "step_words": first.get("step_words", ""), "error": first["error"], "where": first["where"], "time": first["time"], "traceback": first["traceback"],
             "plain": first.get("plain"),
             "others": groups, "silent": silent,
             "tracebacks": {str(r): s["traceback"] for r, s in states.items() if s["failed"] and r != head}}
@@ -182,7 +182,8 @@ def _host(rank: int) -> str:
 
 def format_block(rep: Dict[str, Any], text: str) -> str:
     """The block for people: a header naming the first failure, its traceback, a line per group."""
-    step = f", at step {rep['step']}" if rep["step"] is not None else ""
+    words = rep.get("step_words") or (f"at step {rep['step']}" if rep["step"] is not None else "")
+    step = f", {words}" if words else ""
     head = f"[hpcsync] ===== uncaught exception on rank {rep['rank']} ({rep['node']}), the first to fail{step} ====="
     body = rep.get("traceback") or text
     if rep.get("plain") and not settings.debug():  # a plain user error: its words say what to change

@@ -40,7 +40,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from ..core import settings
 
 __all__ = [
-    "PREFIX", "RESUMED", "STARTED", "report_dir", "unkept", "note_step", "note_count", "noted_step",
+    "PREFIX", "RESUMED", "STARTED", "report_dir", "unkept", "note_step", "note_count", "noted_step", "step_words",
     "current_step", "note_raised", "raised", "job_id",
     "nodes_of", "write", "write_whole", "write_json", "peer_gone", "hardware_fault", "note_exception", "note_hang",
     "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
@@ -80,11 +80,14 @@ _step: Optional[int] = None  # the program's step, when it says (note_step, Step
 _counted: Optional[int] = None  # else the step monitor's count of its step() calls
 
 
-def note_step(step: int) -> None:
+_ended = False  # whether the step noted has ended (the step monitor's: mon.step(step) ends it)
+
+
+def note_step(step: int, ended: bool = False) -> None:
     """The program's current step, for the failure report ("raised first, at step 40") and the
-    step monitor's verdicts."""
-    global _step
-    _step = step
+    step monitor's verdicts; ``ended``: that step is over (a report then says "after step 39")."""
+    global _step, _ended
+    _step, _ended = step, ended
 
 
 def note_count(count: int) -> None:
@@ -103,6 +106,14 @@ def noted_step() -> Optional[int]:
 def current_step() -> Optional[int]:
     """The step a report names: the program's (:func:`noted_step`), else the step monitor's count."""
     return _step if _step is not None else _counted
+
+
+def step_words() -> str:
+    """How a report names :func:`current_step`: "at step 40", "after step 39" (a step the monitor
+    was told had ended, or a count of ended steps), or "" when nothing was noted."""
+    if _step is None and _counted is None:
+        return ""
+    return f"{'after' if _ended or _step is None else 'at'} step {current_step()}"
 
 
 _raised: Dict[str, Any] = {}  # this rank's uncaught exception, once it raised

@@ -409,7 +409,7 @@ class StepMonitor:
         self._wait_sum += wait
         self.steps += 1
         if step is not None:
-            failure.note_step(int(step))  # the program's: a failure report names it too
+            failure.note_step(int(step), ended=True)  # the program's: a failure report names it too
         else:
             failure.note_count(self.steps)  # named only while the program notes no step of its own
         noted = failure.noted_step()

@@ -211,7 +211,7 @@ def failure_state() -> Dict[str, Any]:
     """This rank's uncaught exception, or where its main thread is: what a failure report asks."""
     mine = failure.raised()
     return {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "failed": bool(mine), "step": failure.current_step(),
-            "frames": main_frames(keep=1), **mine}
+            "step_words": failure.step_words(), "frames": main_frames(keep=1), **mine}
 
 
 # What a responder answers for the reports: question kind -> function(asking rank, *arguments)

@@ -34,4 +34,4 @@ with hpcsync.monitor(steps=4, windows="1/1") as mon:
         else:
             mon.step()
 report(rank, {"rank": rank, "world_size": topo.world_size, "calls": mon.steps, "verdicts": mon.verdicts,
-              "failure_step": failure.current_step()})
+              "failure_step": failure.current_step(), "failure_words": failure.step_words()})
