@@ -29,7 +29,20 @@ MALFORMED = {
     "factor": _COMMON + ["1", "0.5", "inf", "1,5"],
     "m/n": _COMMON + ["5/3", "0/5", "3", "3/", "a/b", "3/5/7"],
     "choice": _COMMON + ["maybe", "tcp mpi"],
+    "epoch": ["tomorrow", "-1", "0", "nan", "inf", "5s", "2026-12-07"],
+    "folder": ["/dev/null", "/dev/null/logs", "/etc/hostname/x", "/proc/self/fd/0/x"],  # (not folders)
 }
+
+
+def _typo(rng, name):
+    """``name`` one letter off (dropped, doubled or two swapped), not a setting itself."""
+    while True:
+        i = rng.randrange(len("HPCSYNC_"), len(name) - 1)
+        how = rng.randrange(3)
+        t = (name[:i] + name[i + 1:] if how == 0 else name[:i] + name[i] + name[i:] if how == 1 else
+             name[:i] + name[i + 1] + name[i] + name[i + 2:])
+        if t not in settings.SETTINGS and t != name:
+            return t
 
 
 def _kind(s: settings.Setting) -> str:
@@ -52,6 +65,7 @@ def _cases():
         cases += [(launcher, n, "auto", [f"{name}={value}"]) for name, value in mine]
         name, value = drawn[order[k]]  # one rank alone with a malformed value, beside a bad backend
         cases.append((launcher, n, "bogus", [f"{name}={value}@last"]))
+        cases.append((launcher, n, "auto", [f"{_typo(rng, rng.choice(sorted(settings.SETTINGS)))}=1"]))
     return cases
 
 

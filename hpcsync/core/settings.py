@@ -5,6 +5,7 @@ Variables are read when used, not at import: a program may set them after ``impo
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -22,7 +23,8 @@ class Setting:
     default: str  # "" = unset
     doc: str
     # flag, seconds or rate (a positive number), count (an integer >= 0), factor (a number above 1), m/n (two
-    # integers, 1 <= m <= n), text, or "a|b|c" (one of these words)
+    # integers, 1 <= m <= n), epoch (a time, seconds since 1970), folder (one this rank can write or make),
+    # text, or "a|b|c" (one of these words)
     kind: str = "text"
 
 
@@ -38,7 +40,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("HPCSYNC_CONNECT_TIMEOUT", "3", "seconds each node leader tries a candidate master address, and each "
             "other node's address (gloo/nccl)", "seconds"),
     Setting("HPCSYNC_JOB_END", "", "the job's end, epoch seconds (default: Slurm's SLURM_JOB_END_TIME): "
-            "hpcsync.preemption stops in time for a checkpoint"),
+            "hpcsync.preemption stops in time for a checkpoint", "epoch"),
     Setting("HPCSYNC_MAX_RESTARTS", "8", "hpcsync.requeue requeues a Slurm job while its SLURM_RESTART_COUNT is "
             "below this (0: never)", "count"),
     Setting("HPCSYNC_STORE", "tcp", "tcp (torch's TCPStore) or mpi (a store over MPI: no listening socket)",
@@ -48,7 +50,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "and an aborting rank that is still alive ends itself", "seconds"),
     Setting("HPCSYNC_REPORT_DIR", "", "folder of hang reports, failure records and straggler records (JSON); "
             "unset: HPCSYNC_LOG_DIR, else none are written (the console has the reports, and says once where to "
-            "set a folder; `hpcsync run` sets it to each attempt's folder)"),
+            "set a folder; `hpcsync run` sets it to each attempt's folder)", "folder"),
     Setting("HPCSYNC_RUN_ATTEMPT", "", "set by hpcsync run for the step it launches: the attempt's number "
             "(failure records carry it; Checkpoints.load notes the checkpoint it resumed from)"),
     Setting("HPCSYNC_DESYNC_CHECK", "1", "0: no fingerprint beside each collective (mismatches may then hang); "
@@ -56,7 +58,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("HPCSYNC_DEBUG", "0", "1: compare every collective's description before starting it; the same on "
             "every rank. Also: a set-up error (a malformed setting, a bad init() argument) shows its traceback",
             "flag"),
-    Setting("HPCSYNC_PARTS_DIR", "", "where sync_file's per-rank parts live; default: beside the target"),
+    Setting("HPCSYNC_PARTS_DIR", "", "where sync_file's per-rank parts live; default: beside the target", "folder"),
     Setting("HPCSYNC_CHECKPOINT_MBPS", "50", "the slowest writing speed a checkpoint's deadlines allow for, MB/s: "
             "the ranks waiting for a save's writes wait the timeout plus its bytes at this speed", "rate"),
     Setting("HPCSYNC_WARNINGS", "1", "0: hpcsync's own warnings do not reach the console unless the program "
@@ -64,7 +66,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("HPCSYNC_PROGRESS", "1", "0: no progress (a bar on a terminal; a line every 10 s where stderr is a pipe)", "flag"),
     Setting("HPCSYNC_HUGEPAGES", "1", "0: do not ask torch for transparent huge pages", "flag"),
     Setting("HPCSYNC_LOG_DIR", "", "a folder: hpcsync.init turns on rank-aware logging (a file per rank there, "
-            "rank 0 and every rank's warnings on the console); empty: logging is left to the program"),
+            "rank 0 and every rank's warnings on the console); empty: logging is left to the program", "folder"),
     Setting("HPCSYNC_LOG_PRINT", "0", "1: print output joins each rank's log file (rank 0's still reaches "
             "stdout, the others' only their files)", "flag"),
     Setting("HPCSYNC_MONITOR_STEPS", "50", "hpcsync.monitor: steps per window, the ranks' statistics exchanged "
@@ -107,11 +109,38 @@ def problems() -> List[str]:
             expected = "a number above 1"
         elif s.kind == "m/n" and votes(v) is None:
             expected = "M/N, two whole numbers with 1 <= M <= N, such as 3/5"
+        elif s.kind == "epoch" and not 0 < _float(v) < float("inf"):
+            expected = "a time in seconds since 1970 (date -d '+4 hours' +%s)"
+        elif s.kind == "folder" and _unwritable(value.strip()):
+            expected = f"a folder this rank can write or create ({_unwritable(value.strip())})"
         elif "|" in s.kind and v not in s.kind.split("|"):
             expected = f"one of {s.kind.replace('|', ', ')}"
         if expected is not None:
-            bad.append(f"{s.name}={value!r}: expected {expected} (default {s.default})")
+            bad.append(f"{s.name}={value!r}: expected {expected} (default {s.default or 'unset'})")
+    for name, value in os.environ.items():  # a name one letter off a setting's: a typo that would be ignored
+        if name.startswith("HPCSYNC_") and name not in SETTINGS:
+            near = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.85)
+            if near:
+                bad.append(f"{name}={value!r}: not a setting (did you mean {near[0]}?)")
     return bad
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why this process could not write files in the folder ``path`` (or create it), or None;
+    nothing is created."""
+    at = os.path.abspath(os.path.expanduser(path))
+    while not os.path.lexists(at):
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        return f"{at} is not a folder"
+    if not os.access(at, os.W_OK | os.X_OK):
+        return f"{at} is not writable here"
+    try:
+        if os.statvfs(at).f_flag & os.ST_RDONLY:
+            return f"{at} is on a read-only file system"
+    except OSError:
+        pass
+    return None
 
 
 def debug() -> bool:
