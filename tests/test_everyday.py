@@ -1,5 +1,5 @@
 """The everyday path, pattern by pattern: every pattern the README and the docs show
-(``tests/programs/everyday.py``), with one fault on one rank of 2-3 (an exception out of the
+(``tests/programs/everyday.py``), with one fault on one rank of 2-4 (an exception out of the
 program's own code, a SIGKILL, a clean exit mid-run, a rank that leaves out one call), on both MPI
 libraries. Where, when and on which rank each fault strikes is drawn (seeded by the case's name,
 so a failure reruns as it failed).
@@ -38,7 +38,7 @@ TOLERATED = {("monitor", "skip")}
 
 def draw(pattern, fault, library):
     rng = random.Random(f"{pattern}-{fault}-{library}")
-    n = rng.choice((2, 3))
+    n = rng.choice((2, 3, 4))
     cfg = {"pattern": pattern, "fault": fault, "rank": rng.randrange(n),
            "step": rng.randrange(STEPS + (pattern == "sync_file")), "where": rng.choice(("before", "after"))}
     if fault == "skip":  # the call left out: sync_file's is the join, after the steps
