@@ -9,7 +9,10 @@ big-count-safe rounds under MPI, so any size works (past 2 GiB too). Under MPI, 
 and this node's group, every collective here waits at most ``HPCSYNC_TIMEOUT`` (default 1,800 s;
 :mod:`hpcsync.core.bounded`): a rank that never arrives is a ``CollectiveTimeout`` naming the
 helper on the ranks that wait, never a hang (raise ``HPCSYNC_TIMEOUT`` for a longer wait, such as
-a rank-0-only evaluation the others wait for).
+a rank-0-only evaluation the others wait for). Every helper's first collective is the same header
+Allgather, carrying which helper it is (:class:`Helper`) and its root: ranks in different helpers,
+or with different roots, or a root that is not a rank, raise the same ``ValueError`` on every rank
+there, never a pairing of one helper's messages with another's.
 
 ``group`` may be an mpi4py communicator or a torch ``ProcessGroup`` (``dist.new_group``); under
 MPI a torch group maps to the MPI sub-communicator of its ranks. Ranks (``dst``, ``src``) are
@@ -19,6 +22,7 @@ ranks *within* the group. Differences from detectron2, on purpose: ``get_local_r
 """
 from __future__ import annotations
 
+import enum
 import functools
 import pickle
 import sys
@@ -163,11 +167,43 @@ def _bounded(group: Any, what: str) -> Any:  # an MPI communicator, or an Object
     return base
 
 
+class Helper(enum.IntEnum):
+    """Which helper a rank is in. Every helper's first collective is the same one, a header
+    Allgather carrying this (:func:`hpcsync.core.bigmpi.allgather_sizes`): ranks in different
+    helpers, or in the same one with different roots, or with a root that is not a rank, find it
+    there and raise the same ``ValueError`` on every rank -- before, the helpers' collectives
+    paired up across ranks (one rank's all_gather returned another's reduce_dict keys)."""
+
+    SYNCHRONIZE = 1
+    ALL_GATHER = 2
+    GATHER = 3
+    BROADCAST_OBJECT = 4
+    SHARED_RANDOM_SEED = 5
+    REDUCE_DICT = 6
+
+    def __str__(self) -> str:
+        return f"hpcsync.comm.{self.name.lower()}"
+
+
+def _header(comm: Any, call: Helper, root: Optional[int] = None) -> None:
+    """The header alone, for what moves no bytes through :mod:`hpcsync.core.bigmpi`
+    (synchronize, and every helper over torch.distributed without MPI)."""
+    bigmpi.allgather_sizes(comm, 0, root=root, call=call)
+
+
+def _one_rank_root(root: int, call: Helper) -> None:
+    """In one process there is no header to carry the root: checked here."""
+    if root != 0:
+        raise ValueError(f"root {root} is not a rank of the communicator (1 rank: 0) in {call}")
+
+
 def synchronize(group: Any = None) -> None:
-    """Barrier among all ranks (no-op in one process)."""
+    """Barrier among all ranks (no-op in one process): the helpers' header, an Allgather (no rank
+    leaves before every rank has sent its part), so a rank in another helper is an error, not a
+    barrier that passes."""
     comm = _bounded(group, "synchronize")
     if comm.Get_size() > 1:
-        comm.Barrier()
+        _header(comm, Helper.SYNCHRONIZE)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -184,45 +220,56 @@ def _loads_all(parts: List[bytearray]) -> List[Any]:
 
 def all_gather(data: Any, group: Any = None) -> List[Any]:
     """Gather any picklable object from every rank of ``group``; each gets the list in rank order."""
-    return _all_gather(data, group, "all_gather")
+    return _all_gather(data, _bounded(group, "all_gather"), Helper.ALL_GATHER)
 
 
-def _all_gather(data: Any, group: Any, what: str) -> List[Any]:
-    comm = _bounded(group, what)
+def _all_gather(data: Any, comm: Any, call: Helper) -> List[Any]:
     if comm.Get_size() == 1:
         return [data]
     if _is_mpi_comm(comm):
-        return _loads_all(bigmpi.allgatherv_bytes(comm, _dumps(data)))
+        return _loads_all(bigmpi.allgatherv_bytes(comm, _dumps(data), call=call))
+    _header(comm, call)
     out: List[Any] = comm.allgather(data)
     return out
 
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
-    """Gather any picklable object to rank ``dst`` of ``group``; it gets the list, the others ``[]``."""
+    """Gather any picklable object to rank ``dst`` of ``group``; it gets the list, the others ``[]``.
+    A ``dst`` that is not a rank of the group is a ``ValueError`` on every rank."""
     comm = _bounded(group, "gather")
     if comm.Get_size() == 1:
+        _one_rank_root(dst, Helper.GATHER)
         return [data]
     if _is_mpi_comm(comm):
-        parts = bigmpi.gatherv_bytes(comm, _dumps(data), root=dst)
+        parts = bigmpi.gatherv_bytes(comm, _dumps(data), root=dst, call=Helper.GATHER)
         return [] if parts is None else _loads_all(parts)
+    _header(comm, Helper.GATHER, root=dst)
     out = comm.gather(data, root=dst)
     return out if out is not None else []
 
 
 def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
-    """Return rank ``src``'s ``obj`` on every rank of ``group`` (any size)."""
-    comm = _bounded(group, "broadcast_object")
+    """Return rank ``src``'s ``obj`` on every rank of ``group`` (any size). A ``src`` that is not
+    a rank of the group is a ``ValueError`` on every rank."""
+    return _broadcast(obj, src, _bounded(group, "broadcast_object"), Helper.BROADCAST_OBJECT)
+
+
+def _broadcast(obj: Any, src: int, comm: Any, call: Helper) -> Any:
     if comm.Get_size() == 1:
+        _one_rank_root(src, call)
         return obj
     if _is_mpi_comm(comm):
         is_src = comm.Get_rank() == src
-        return pickle.loads(bigmpi.bcast_bytes(comm, _dumps(obj) if is_src else None, root=src))
+        return pickle.loads(bigmpi.bcast_bytes(comm, _dumps(obj) if is_src else None, root=src, call=call))
+    _header(comm, call, root=src)
     return comm.bcast(obj, root=src)
 
 
 def shared_random_seed() -> int:
     """A random int in [0, 2**31) that is the same on every rank (drawn on rank 0)."""
-    return int(broadcast_object(int(np.random.randint(2**31)) if get_rank() == 0 else None))
+    comm = _bounded(None, "shared_random_seed")
+    seed = int(np.random.randint(2**31)) if comm.Get_rank() == 0 else None
+    return int(_broadcast(seed, 0, comm, Helper.SHARED_RANDOM_SEED))
 
 
 def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str, Any]:
@@ -237,7 +284,7 @@ def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str
     size = comm.Get_size()
     if size == 1:
         return dict(input_dict)
-    every = _all_gather(keys, None, "reduce_dict")
+    every = _all_gather(keys, comm, Helper.REDUCE_DICT)
     if any(k != keys for k in every):
         diff = [r for r, k in enumerate(every) if k != every[0]]
         raise ValueError(f"reduce_dict: keys differ between ranks (ranks {diff} differ from rank 0: "
