@@ -132,3 +132,97 @@ def test_bounded_scatter_in_rounds(tmp_path, round_bytes):
     a C int however much is scattered in all)."""
     res = run(openmpi(), 4, "scatter_rounds.py", str(round_bytes), tmp_path=tmp_path, timeout=120)
     assert [d["ok"] for d in res.ranks] == [True] * 4, res.ranks
+
+
+def _desync_groups(calls):
+    """``{helper: [ranks]}`` in first-seen order, as the error names them."""
+    out = {}
+    for r, (h, _) in enumerate(calls):
+        out.setdefault(h, []).append(r)
+    return out
+
+
+@pytest.mark.parametrize("launcher,n,seed", [("openmpi", 3, 1), ("mpich", 2, 2), ("torchrun", 2, 3)])
+def test_ranks_in_different_helpers_raise_the_same_error_everywhere(launcher, n, seed, tmp_path):
+    """60 drawn cases, each rank a helper call (synchronize, all_gather, gather, broadcast_object,
+    shared_random_seed, reduce_dict; roots drawn, sometimes out of range): the same helper and root on every rank
+    gives the right result; different helpers the same ValueError on every rank naming which
+    ranks are in which helper; the same helper with different roots, or a root that is not a
+    rank, a ValueError too -- at once (HPCSYNC_TIMEOUT is 20 s: a rank that waited for a peer
+    that is elsewhere would be a timeout). Every case after an error works again: each helper's
+    first collective is the same header, so a mismatch is found there and nothing is left in
+    flight. Before, the helpers paired up across ranks (rank 1's all_gather returned rank 0's
+    reduce_dict keys; synchronize passed a rank in all_gather) and a root past the world was
+    MPI's own error."""
+    res = run(LAUNCHERS[launcher](), n, "comm_pairs.py", str(seed), "60",
+              *(["torch"] if launcher == "torchrun" else []), tmp_path=tmp_path, env={"HPCSYNC_TIMEOUT": "20"},
+              timeout=240, expect_ok=False)
+    assert all(d is not None for d in res.ranks), str(res)  # the cases first, then how the job ended
+    kinds = set()
+    for case, first in enumerate(res.ranks[0]["cases"]):
+        calls = first["calls"]
+        outcomes = [d["cases"][case]["outcome"] for d in res.ranks]
+        helpers = _desync_groups(calls)
+        roots = {root for _, root in calls}
+        where = f"case {case}: {calls} -> {outcomes}"
+        assert all(d["cases"][case]["took"] < 10 for d in res.ranks), where
+        if len(helpers) > 1:
+            kinds.add("desync")
+            assert outcomes == [outcomes[0]] * n, where
+            assert outcomes[0].startswith("ValueError: ranks are in different calls (desync): "), where
+            for h, ranks in helpers.items():
+                assert f"rank(s) {ranks} in hpcsync.comm.{h}" in outcomes[0], where
+        elif len(roots) > 1:
+            kinds.add("roots")
+            assert outcomes == [outcomes[0]] * n, where
+            assert outcomes[0].startswith("ValueError: ranks disagree on the root"), where
+        elif not (None in roots or 0 <= calls[0][1] < n):
+            kinds.add("range")
+            assert outcomes == [outcomes[0]] * n, where
+            assert outcomes[0].startswith(f"ValueError: root {calls[0][1]} is not a rank of the communicator"), where
+            assert f"({n} ranks" in outcomes[0], where
+        else:
+            kinds.add("ok")
+            assert outcomes == ["ok"] * n, where
+            assert len({d["cases"][case]["seed"] for d in res.ranks}) == 1, where
+    assert kinds == {"desync", "roots", "range", "ok"}, kinds  # the draw covers every kind of case
+    assert res.returncode == 0, str(res)
+
+
+@pytest.mark.parametrize("launcher,n,seed", [("openmpi", 2, 11), ("mpich", 3, 12), ("torchrun", 2, 13)])
+def test_reduce_dict_against_a_numpy_ground_truth(launcher, n, seed, tmp_path):
+    """40 drawn cases of reduce_dict (tests/programs/reduce_cases.py: python, numpy and torch
+    values, integer, float and bool, some shapes different on some ranks, sums and means) against
+    the truth every rank computes from the same draws: integer sums exact and integers, a mean of
+    integers the true mean in floating point, shapes that differ between ranks the same
+    ValueError on every rank naming the key, the ranks and the shapes. Before, a mean of int
+    tensors 2 and 3 was tensor(2), and values of shapes (1,) and (2,), or (2, 1) and (1, 2),
+    were reduced anyway (wrong numbers, or MPI's own error on some ranks)."""
+    res = run(LAUNCHERS[launcher](), n, "reduce_cases.py", str(seed), "40",
+              *(["torch"] if launcher == "torchrun" else []), tmp_path=tmp_path, env={"HPCSYNC_TIMEOUT": "20"},
+              timeout=240, expect_ok=False)
+    assert all(d is not None for d in res.ranks), str(res)  # the cases first, then how the job ended
+    errors, wrong = 0, []  # every case's findings at once (what is wrong, not only the first)
+    for case, first in enumerate(res.ranks[0]["cases"]):
+        where = f"case {case} (average={first['average']}): {first['keys']}"
+        wrong += [f"{where}: rank {d['rank']}: {p}" for d in res.ranks for p in d["cases"][case]["problems"]]
+        err = [d["cases"][case]["error"] for d in res.ranks]
+        mismatched = {k: per for k, per in first["keys"].items() if len({tuple(s) for s, _ in per}) > 1}
+        if not mismatched:
+            if err != [None] * n:
+                wrong.append(f"{where}: {err}")
+            continue
+        errors += 1
+        if err != [err[0]] * n or not str(err[0]).startswith("ValueError: reduce_dict: "):
+            wrong.append(f"{where}: not the same ValueError on every rank: {err}")
+            continue
+        for k, per in mismatched.items():
+            shapes = {}
+            for r, (s, _) in enumerate(per):
+                shapes.setdefault(tuple(s), []).append(r)
+            if f"{k!r}: " not in err[0] or any(f"rank(s) {ranks} have shape {s}" not in err[0]
+                                               for s, ranks in shapes.items()):
+                wrong.append(f"{where}: {k!r} {shapes} not named: {err[0]}")
+    assert not wrong, f"{len(wrong)} findings:\n" + "\n".join(w[:400] for w in wrong[:12])
+    assert 0 < errors < len(res.ranks[0]["cases"]), errors  # the draw has both
+    assert res.returncode == 0, str(res)

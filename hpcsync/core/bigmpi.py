@@ -8,6 +8,7 @@ largest rank. The receiving side holds at most one round (plus whatever it keeps
 """
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -62,28 +63,61 @@ def _displs(counts: Sequence[int]) -> List[int]:
     return out
 
 
-def allgather_sizes(comm: BufferComm, nbytes: int, root: Optional[int] = None) -> List[int]:
-    """Every rank's byte count. With ``root``, also check that every rank names the same root
-    (ranks that disagree would each think they are the root: silent wrong data): a ValueError
-    on every rank otherwise, at no extra cost (it travels with the sizes)."""
-    mine = [int(nbytes), -1 if root is None else int(root)]
+NO_ROOT = -(2**62)  # what a header says for a collective without a root (any int a caller may give is checked)
+NO_CALL = -1  # what a header says for an exchange that names no call
+
+
+def allgather_sizes(comm: BufferComm, nbytes: int, root: Optional[int] = None,
+                    call: Optional[enum.IntEnum] = None) -> List[int]:
+    """Every rank's byte count, from one Allgather of a header ``[nbytes, root, call]`` per rank.
+
+    With ``root``, also check that every rank names the same root (ranks that disagree would each
+    think they are the root: silent wrong data) and that it is a rank of ``comm``. With ``call``
+    (which of the caller's operations this rank is in: :class:`hpcsync.core.comm.Helper`), also
+    check that every rank is in the same one: a caller whose every operation starts with this
+    header finds ranks in different operations here, before anything pairs up wrongly. Each check
+    is a ValueError on every rank (they all see every header), at no extra cost."""
+    mine = [int(nbytes), NO_ROOT if root is None else int(root), NO_CALL if call is None else int(call)]
+    size = comm.Get_size()
     if not hasattr(comm, "Allgather"):  # TorchComm: no buffer collectives
-        pairs = [tuple(p) for p in comm.allgather(mine)]
+        heads = [tuple(int(x) for x in p) for p in comm.allgather(mine)]
     else:
         from mpi4py import MPI
 
-        flat = np.zeros(2 * comm.Get_size(), dtype=np.int64)
+        flat = np.zeros(3 * size, dtype=np.int64)
         comm.Allgather([np.array(mine, dtype=np.int64), MPI.INT64_T], [flat, MPI.INT64_T])
-        pairs = [(int(flat[2 * r]), int(flat[2 * r + 1])) for r in range(comm.Get_size())]
-    _same_root([r for _, r in pairs])
-    return [n for n, _ in pairs]
+        heads = [(int(flat[3 * r]), int(flat[3 * r + 1]), int(flat[3 * r + 2])) for r in range(size)]
+    _same_call([c for _, _, c in heads], call)
+    where = f" in {call}" if call is not None else ""
+    _same_root([r for _, r, _ in heads], where)
+    if root is not None and not 0 <= root < size:
+        raise ValueError(f"root {root} is not a rank of the communicator ({size} ranks: 0 to {size - 1}){where}: "
+                         "every rank named it")
+    return [n for n, _, _ in heads]
 
 
-def _same_root(roots: Sequence[int]) -> None:
+def _call_name(call: Optional[enum.IntEnum], value: int) -> str:
+    if value == NO_CALL:
+        return "an exchange that names no call"
+    try:
+        return str(type(call)(value)) if call is not None else f"call {value}"
+    except ValueError:
+        return f"call {value}"
+
+
+def _same_call(calls: Sequence[int], call: Optional[enum.IntEnum]) -> None:
+    by = ranks_by_value(calls)
+    if len(by) > 1:
+        raise ValueError("ranks are in different calls (desync): "
+                         + "; ".join(f"rank(s) {ranks} in {_call_name(call, c)}" for c, ranks in by.items()))
+
+
+def _same_root(roots: Sequence[int], where: str = "") -> None:
     by = ranks_by_value(roots)
     if len(by) > 1:
-        raise ValueError("ranks disagree on the root of a collective (desync): "
-                         + "; ".join(f"rank(s) {ranks} say root {r}" for r, ranks in by.items()))
+        raise ValueError(f"ranks disagree on the root of a collective (desync){where}: "
+                         + "; ".join(f"rank(s) {ranks} say " + ("no root" if r == NO_ROOT else f"root {r}")
+                                     for r, ranks in by.items()))
 
 
 def agree_root(comm: BufferComm, root: int) -> None:
@@ -232,22 +266,26 @@ def _object_rounds(comm: BufferComm, sizes: Sequence[int], fill: Fill, root: int
             sent[r] += c
 
 
-def gatherv_bytes(comm: BufferComm, data: ReadableBuffer, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES) -> Optional[List[bytearray]]:
-    """Gather one bytes-like object per rank to ``root``; returns the list there, None elsewhere."""
+def gatherv_bytes(comm: BufferComm, data: ReadableBuffer, root: int = 0, round_bytes: int = DEFAULT_ROUND_BYTES,
+                  call: Optional[enum.IntEnum] = None) -> Optional[List[bytearray]]:
+    """Gather one bytes-like object per rank to ``root``; returns the list there, None elsewhere.
+    ``call``: as for :func:`allgather_sizes`, whose header is the first collective."""
     n, fill = _from_buffer(data)
-    sizes = allgather_sizes(comm, n, root=root)
+    sizes = allgather_sizes(comm, n, root=root, call=call)
     out = [bytearray(s) for s in sizes] if comm.Get_rank() == root else None
     for r, off, chunk in iter_gatherv(comm, sizes, fill, root, round_bytes, direct=memoryview(data).cast("B")):
         out[r][off: off + len(chunk)] = chunk  # type: ignore[index]
     return out
 
 
-def allgatherv_bytes(comm: BufferComm, data: ReadableBuffer, round_bytes: int = DEFAULT_ROUND_BYTES) -> List[bytearray]:
-    """Every rank gets every rank's bytes-like object, in rank order."""
+def allgatherv_bytes(comm: BufferComm, data: ReadableBuffer, round_bytes: int = DEFAULT_ROUND_BYTES,
+                     call: Optional[enum.IntEnum] = None) -> List[bytearray]:
+    """Every rank gets every rank's bytes-like object, in rank order. ``call``: as for
+    :func:`allgather_sizes`, whose header is the first collective."""
     from mpi4py import MPI
 
     mv = memoryview(data).cast("B")
-    sizes = allgather_sizes(comm, len(mv))
+    sizes = allgather_sizes(comm, len(mv), call=call)
     out = [bytearray(s) for s in sizes]
     me = comm.Get_rank()
     sent = [0] * len(sizes)
@@ -266,15 +304,24 @@ def allgatherv_bytes(comm: BufferComm, data: ReadableBuffer, round_bytes: int = 
     return out
 
 
-def bcast_bytes(comm: BufferComm, data: Any = None, root: int = 0, round_bytes: int = 1 << 30) -> memoryview:
-    """Broadcast a bytes-like object of any size from ``root``."""
+def bcast_bytes(comm: BufferComm, data: Any = None, root: int = 0, round_bytes: int = 1 << 30,
+                call: Optional[enum.IntEnum] = None) -> memoryview:
+    """Broadcast a bytes-like object of any size from ``root``.
+
+    Without ``call``, the root is checked with :func:`agree_root` and its size broadcast. With
+    it, the first collective is :func:`allgather_sizes`'s header instead (the same Allgather as
+    every other call that names one, so ranks in different calls are found; the root's size
+    travels in it)."""
     from mpi4py import MPI
 
-    agree_root(comm, root)
     is_root = comm.Get_rank() == root
-    n = np.array([len(memoryview(data).cast("B")) if is_root else 0], dtype=np.int64)
-    comm.Bcast([n, MPI.INT64_T], root=root)
-    size = int(n[0])
+    if call is None:
+        agree_root(comm, root)
+        n = np.array([len(memoryview(data).cast("B")) if is_root else 0], dtype=np.int64)
+        comm.Bcast([n, MPI.INT64_T], root=root)
+        size = int(n[0])
+    else:
+        size = allgather_sizes(comm, len(memoryview(data).cast("B")) if is_root else 0, root=root, call=call)[root]
     mv = memoryview(data).cast("B") if is_root else memoryview(bytearray(size))
     step = max(1, min(round_bytes, INT_MAX))
     for off in range(0, size, step):

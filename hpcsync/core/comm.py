@@ -9,7 +9,10 @@ big-count-safe rounds under MPI, so any size works (past 2 GiB too). Under MPI, 
 and this node's group, every collective here waits at most ``HPCSYNC_TIMEOUT`` (default 1,800 s;
 :mod:`hpcsync.core.bounded`): a rank that never arrives is a ``CollectiveTimeout`` naming the
 helper on the ranks that wait, never a hang (raise ``HPCSYNC_TIMEOUT`` for a longer wait, such as
-a rank-0-only evaluation the others wait for).
+a rank-0-only evaluation the others wait for). Every helper's first collective is the same header
+Allgather, carrying which helper it is (:class:`Helper`) and its root: ranks in different helpers,
+or with different roots, or a root that is not a rank, raise the same ``ValueError`` on every rank
+there, never a pairing of one helper's messages with another's.
 
 ``group`` may be an mpi4py communicator or a torch ``ProcessGroup`` (``dist.new_group``); under
 MPI a torch group maps to the MPI sub-communicator of its ranks. Ranks (``dst``, ``src``) are
@@ -19,6 +22,7 @@ ranks *within* the group. Differences from detectron2, on purpose: ``get_local_r
 """
 from __future__ import annotations
 
+import enum
 import functools
 import pickle
 import sys
@@ -27,6 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from . import bigmpi, mpi, serial, settings
+from .errors import ranks_by_value
 from .torchcomm import SELF, TorchComm, transport, world
 from .topology import local_comm, topology
 
@@ -163,11 +168,43 @@ def _bounded(group: Any, what: str) -> Any:  # an MPI communicator, or an Object
     return base
 
 
+class Helper(enum.IntEnum):
+    """Which helper a rank is in. Every helper's first collective is the same one, a header
+    Allgather carrying this (:func:`hpcsync.core.bigmpi.allgather_sizes`): ranks in different
+    helpers, or in the same one with different roots, or with a root that is not a rank, find it
+    there and raise the same ``ValueError`` on every rank -- before, the helpers' collectives
+    paired up across ranks (one rank's all_gather returned another's reduce_dict keys)."""
+
+    SYNCHRONIZE = 1
+    ALL_GATHER = 2
+    GATHER = 3
+    BROADCAST_OBJECT = 4
+    SHARED_RANDOM_SEED = 5
+    REDUCE_DICT = 6
+
+    def __str__(self) -> str:
+        return f"hpcsync.comm.{self.name.lower()}"
+
+
+def _header(comm: Any, call: Helper, root: Optional[int] = None) -> None:
+    """The header alone, for what moves no bytes through :mod:`hpcsync.core.bigmpi`
+    (synchronize, and every helper over torch.distributed without MPI)."""
+    bigmpi.allgather_sizes(comm, 0, root=root, call=call)
+
+
+def _one_rank_root(root: int, call: Helper) -> None:
+    """In one process there is no header to carry the root: checked here."""
+    if root != 0:
+        raise ValueError(f"root {root} is not a rank of the communicator (1 rank: 0) in {call}")
+
+
 def synchronize(group: Any = None) -> None:
-    """Barrier among all ranks (no-op in one process)."""
+    """Barrier among all ranks (no-op in one process): the helpers' header, an Allgather (no rank
+    leaves before every rank has sent its part), so a rank in another helper is an error, not a
+    barrier that passes."""
     comm = _bounded(group, "synchronize")
     if comm.Get_size() > 1:
-        comm.Barrier()
+        _header(comm, Helper.SYNCHRONIZE)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -184,102 +221,164 @@ def _loads_all(parts: List[bytearray]) -> List[Any]:
 
 def all_gather(data: Any, group: Any = None) -> List[Any]:
     """Gather any picklable object from every rank of ``group``; each gets the list in rank order."""
-    return _all_gather(data, group, "all_gather")
+    return _all_gather(data, _bounded(group, "all_gather"), Helper.ALL_GATHER)
 
 
-def _all_gather(data: Any, group: Any, what: str) -> List[Any]:
-    comm = _bounded(group, what)
+def _all_gather(data: Any, comm: Any, call: Helper) -> List[Any]:
     if comm.Get_size() == 1:
         return [data]
     if _is_mpi_comm(comm):
-        return _loads_all(bigmpi.allgatherv_bytes(comm, _dumps(data)))
+        return _loads_all(bigmpi.allgatherv_bytes(comm, _dumps(data), call=call))
+    _header(comm, call)
     out: List[Any] = comm.allgather(data)
     return out
 
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
-    """Gather any picklable object to rank ``dst`` of ``group``; it gets the list, the others ``[]``."""
+    """Gather any picklable object to rank ``dst`` of ``group``; it gets the list, the others ``[]``.
+    A ``dst`` that is not a rank of the group is a ``ValueError`` on every rank."""
     comm = _bounded(group, "gather")
     if comm.Get_size() == 1:
+        _one_rank_root(dst, Helper.GATHER)
         return [data]
     if _is_mpi_comm(comm):
-        parts = bigmpi.gatherv_bytes(comm, _dumps(data), root=dst)
+        parts = bigmpi.gatherv_bytes(comm, _dumps(data), root=dst, call=Helper.GATHER)
         return [] if parts is None else _loads_all(parts)
+    _header(comm, Helper.GATHER, root=dst)
     out = comm.gather(data, root=dst)
     return out if out is not None else []
 
 
 def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
-    """Return rank ``src``'s ``obj`` on every rank of ``group`` (any size)."""
-    comm = _bounded(group, "broadcast_object")
+    """Return rank ``src``'s ``obj`` on every rank of ``group`` (any size). A ``src`` that is not
+    a rank of the group is a ``ValueError`` on every rank."""
+    return _broadcast(obj, src, _bounded(group, "broadcast_object"), Helper.BROADCAST_OBJECT)
+
+
+def _broadcast(obj: Any, src: int, comm: Any, call: Helper) -> Any:
     if comm.Get_size() == 1:
+        _one_rank_root(src, call)
         return obj
     if _is_mpi_comm(comm):
         is_src = comm.Get_rank() == src
-        return pickle.loads(bigmpi.bcast_bytes(comm, _dumps(obj) if is_src else None, root=src))
+        return pickle.loads(bigmpi.bcast_bytes(comm, _dumps(obj) if is_src else None, root=src, call=call))
+    _header(comm, call, root=src)
     return comm.bcast(obj, root=src)
 
 
 def shared_random_seed() -> int:
     """A random int in [0, 2**31) that is the same on every rank (drawn on rank 0)."""
-    return int(broadcast_object(int(np.random.randint(2**31)) if get_rank() == 0 else None))
+    comm = _bounded(None, "shared_random_seed")
+    seed = int(np.random.randint(2**31)) if comm.Get_rank() == 0 else None
+    return int(_broadcast(seed, 0, comm, Helper.SHARED_RANDOM_SEED))
 
 
 def reduce_dict(input_dict: Mapping[str, Any], average: bool = True) -> Dict[str, Any]:
     """Sum (or average) a dict of scalars/tensors over all ranks.
 
     Like detectron2 the main process gets the reduced values; unlike it, every rank does (an
-    allreduce costs the same for a few scalars). Keys must match on every rank: a mismatch is a
-    ``ValueError`` on every rank. Tensors come back as tensors on their device and dtype.
+    allreduce costs the same for a few scalars). Keys, and each value's shape, must match on every
+    rank: a mismatch is a ``ValueError`` on every rank naming the keys, the ranks and the shapes
+    (found in the first exchange, before anything is reduced). Values are python numbers, numpy
+    arrays or scalars, or tensors (ints, floats, bools), and come back as the same kind of value,
+    tensors on their device:
+
+    - a sum (``average=False``) of integers (int or bool on every rank) is exact: an ``int``, or
+      an int64 array or tensor (like ``torch.sum`` and ``numpy.sum``: the sum of int32 or bool
+      values may not fit their own dtype);
+    - a mean of integers is the true mean in floating point: a python ``float``, a float64 numpy
+      value, a tensor of torch's default float dtype (``torch.get_default_dtype()``) -- not the
+      mean rounded to an integer;
+    - a float on any rank makes the key's reduction floating point: floats keep their dtype,
+      integer values on the other ranks come back as floats as above.
+
+    In one process the values go through the same conversions (so the types do not depend on
+    the world size).
     """
     keys = sorted(input_dict.keys())
     comm = _bounded(None, "reduce_dict")
     size = comm.Get_size()
-    if size == 1:
-        return dict(input_dict)
-    every = _all_gather(keys, None, "reduce_dict")
-    if any(k != keys for k in every):
-        diff = [r for r, k in enumerate(every) if k != every[0]]
-        raise ValueError(f"reduce_dict: keys differ between ranks (ranks {diff} differ from rank 0: "
-                         f"{every[0]} vs {every[diff[0]]})")
     values = [_to_numpy(input_dict[k]) for k in keys]
-    flat = np.concatenate([v.astype(np.float64).ravel() for v in values]) if values else np.zeros(0)
+    mine = [(k, tuple(v.shape), bool(v.dtype == np.int64)) for k, v in zip(keys, values)]
+    every = _all_gather(mine, comm, Helper.REDUCE_DICT)
+    _same_keys_and_shapes(every)
+    exact = [all(rank[i][2] for rank in every) for i in range(len(keys))]  # integers on every rank
+    totals: List[np.ndarray] = [np.zeros(0)] * len(keys)
+    for integers in (True, False):  # one allreduce per kind (the same on every rank: they agree on it)
+        idx = [i for i in range(len(keys)) if exact[i] == integers]
+        if not idx:
+            continue
+        flat = np.concatenate([values[i].astype(np.int64 if integers else np.float64).ravel() for i in idx])
+        total = _allreduce(comm, flat) if size > 1 else flat
+        pos = 0
+        for i in idx:
+            totals[i] = total[pos: pos + values[i].size].reshape(values[i].shape)
+            pos += values[i].size
+    out: Dict[str, Any] = {}
+    for i, k in enumerate(keys):
+        total = totals[i] / size if average else totals[i]
+        out[k] = _like(input_dict[k], total, exact[i] and not average)
+    return out
+
+
+def _same_keys_and_shapes(every: List[List[Any]]) -> None:
+    """Every rank's ``[(key, shape, integral), ...]``: a ValueError (on every rank: they all see
+    all of it) if the keys or any shape differ between ranks."""
+    keys = [[k for k, _, _ in rank] for rank in every]
+    if any(k != keys[0] for k in keys):
+        diff = [r for r, k in enumerate(keys) if k != keys[0]]
+        raise ValueError(f"reduce_dict: keys differ between ranks (ranks {diff} differ from rank 0: "
+                         f"{keys[0]} vs {keys[diff[0]]})")
+    bad = []
+    for i, k in enumerate(keys[0]):
+        by = ranks_by_value([rank[i][1] for rank in every])
+        if len(by) > 1:
+            bad.append(f"{k!r}: " + ", ".join(f"rank(s) {ranks} have shape {shape}" for shape, ranks in by.items()))
+    if bad:
+        raise ValueError("reduce_dict: values differ in shape between ranks: " + "; ".join(bad))
+
+
+def _allreduce(comm: Any, flat: np.ndarray) -> np.ndarray:
     if _is_mpi_comm(comm):
         total = np.empty_like(flat)
         comm.Allreduce(flat, total, op=mpi.MPI().SUM)
-    else:
-        import torch
-        import torch.distributed as dist
+        return total
+    import torch
+    import torch.distributed as dist
 
-        t = torch.from_numpy(flat)
-        dist.all_reduce(t)
-        total = t.numpy()
-    if average:
-        total /= size
-    out: Dict[str, Any] = {}
-    pos = 0
-    for k, v in zip(keys, values):
-        chunk = total[pos: pos + v.size].reshape(v.shape)
-        pos += v.size
-        out[k] = _like(input_dict[k], chunk)
+    t = torch.from_numpy(flat)
+    dist.all_reduce(t, group=getattr(comm, "group", None))
+    out: np.ndarray = t.numpy()
     return out
 
 
 def _to_numpy(v: Any) -> np.ndarray:
+    """``v`` as int64 (integers and bools) or float64 (anything else)."""
     if hasattr(v, "detach"):
-        out: np.ndarray = v.detach().cpu().double().numpy()
+        t = v.detach().cpu()
+        out: np.ndarray = (t.double() if t.is_floating_point() or t.is_complex() else t.long()).numpy()
         return out
-    return np.asarray(v, dtype=np.float64)
+    arr = np.asarray(v)
+    return arr.astype(np.int64 if arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.integer) else np.float64)
 
 
-def _like(orig: Any, values: np.ndarray) -> Any:
+def _like(orig: Any, values: np.ndarray, exact: bool) -> Any:
+    """``values`` (int64 when ``exact``: a sum of integers; else float64) as the kind of ``orig``."""
     if hasattr(orig, "detach"):
         import torch
 
-        return torch.from_numpy(values.copy()).to(device=orig.device, dtype=orig.dtype)
-    if isinstance(orig, np.ndarray):
-        return values.astype(orig.dtype)
-    return type(orig)(values.item()) if values.size == 1 and isinstance(orig, (int, float)) else values
+        if exact:
+            dtype = torch.int64
+        else:
+            dtype = orig.dtype if orig.is_floating_point() or orig.is_complex() else torch.get_default_dtype()
+        return torch.from_numpy(np.array(values)).to(device=orig.device, dtype=dtype)
+    if isinstance(orig, (np.ndarray, np.generic)):
+        dt: Any = np.int64 if exact else orig.dtype if np.issubdtype(orig.dtype, np.inexact) else np.float64
+        arr = np.asarray(values).astype(dt)
+        return arr if isinstance(orig, np.ndarray) else arr[()]
+    if isinstance(orig, (int, float)) and values.size == 1:  # (bool is an int)
+        return int(values.item()) if exact else float(values.item())
+    return values
 
 
 _MB_TAG = settings.TAG_BARRIER_FIRST  # one tag per monitored_barrier call, cycling
