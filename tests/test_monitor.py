@@ -20,6 +20,15 @@ pytestmark = pytest.mark.solo  # factors of measured step times
 WINDOW = 50
 
 
+def test_a_section_that_holds_a_collective_times_this_ranks_own_work(tmp_path):
+    """The all_reduce inside ``compute``: the section's factor is still the slowed rank's (it was
+    1.00x: the fast ranks' section waited for the slow one in the collective)."""
+    res = run(LAUNCHERS["openmpi"](), 4, "straggler.py", "hpcsync", "inside", "300", "700", "3", "1.6",
+              tmp_path=tmp_path, timeout=150, env={"HPCSYNC_TIMEOUT": "60"})
+    named = [v for v in res.ranks[0]["verdicts"] if v["verdict"] == "straggler"]
+    assert named and named[0]["rank"] == 3 and named[0]["sections"]["compute"] >= 1.3, named
+
+
 @pytest.mark.parametrize("launcher,backend,slow_from", [("openmpi", "hpcsync", 2000), ("mpich", "gloo", 600)])
 def test_a_slowed_rank_is_named_and_jitter_names_nobody(launcher, backend, slow_from, tmp_path):
     """gloo's clean run is shorter (600 steps): its all_reduce of 4 ranks on 2 cores costs 5-8 ms

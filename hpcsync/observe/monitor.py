@@ -63,26 +63,34 @@ _clock = time.perf_counter
 
 
 class Section:
-    """``with mon.section(name):`` adds the time of its body to ``name`` (not re-entrant). A
-    section among the monitor's ``waits`` also counts as waiting in the step it ends in."""
+    """``with mon.section(name):`` adds the time of its body to ``name`` (not re-entrant), less
+    the hpcsync backend's waiting in collectives inside it (a DDP backward in a ``compute``
+    section waits for the slowest rank: counted, every rank's section would be as long as the
+    slowest's). A section among the monitor's ``waits`` counts whole, as waiting in its step."""
 
-    __slots__ = ("_mon", "name", "crc", "total", "_t0", "_wait")
+    __slots__ = ("_mon", "name", "crc", "total", "_t0", "_w0", "_wait")
 
     def __init__(self, mon: "StepMonitor", name: str, wait: bool) -> None:
         self._mon, self.name, self._wait = mon, name, wait
         self.crc = zlib.crc32(name.encode())
         self.total = 0.0  # seconds in this window
-        self._t0 = 0.0
+        self._t0 = self._w0 = 0.0
 
     def __enter__(self) -> "Section":
         self._t0 = _clock()
+        counter = self._mon._counter
+        self._w0 = counter[0] if counter is not None and not self._wait else 0.0
         return self
 
     def __exit__(self, *exc: Any) -> None:
         d = _clock() - self._t0
-        self.total += d
         if self._wait:
             self._mon._comm_s += d
+        else:
+            counter = self._mon._counter
+            if counter is not None:
+                d = max(0.0, d - (counter[0] - self._w0))
+        self.total += d
 
 
 class _Exchange:

@@ -7,6 +7,7 @@
 Each step: a sleep of SLEEP_MS (2) times a random ±10 % (and rank 1 10 % longer throughout: ordinary
 differences between ranks), timed as the section ``compute``, then MODE ``allreduce``: a 16-float
 all_reduce, on gloo inside a ``comm`` section (the hpcsync backend counts its waiting itself);
+MODE ``inside``: the all_reduce inside the ``compute`` section (hpcsync backend);
 MODE ``ddp``: the sleep inside the forward pass of a small DDP model, whose gradients DDP
 all-reduces during the backward pass, then a blocking all_reduce of the loss. From step
 SLOW_FROM on, rank SLOW_RANK's sleep is FACTOR times longer. After the loop each rank runs 7 * rank more steps
@@ -103,6 +104,10 @@ for step in range(steps):
         loss = model(x).square().mean()
         loss.backward()
         dist.all_reduce(loss.detach())
+    elif mode == "inside":  # the program's collective inside the timed section
+        with compute:
+            time.sleep(sleep_s)
+            dist.all_reduce(t)
     elif backend == "gloo":
         with compute:
             time.sleep(sleep_s)
