@@ -261,3 +261,25 @@ def test_what_runs_before_an_abort_is_bounded_and_one_stuck_flush_holds_back_no_
     stuck.set()
     assert not caller.is_alive() and took < 3, f"run_before_abort still waiting after {took:.1f} s"
     assert done.is_set(), "the second function was held back by the first"
+
+
+def test_the_programs_line_is_not_a_library_frame_nor_pythons_own():
+    """An error raised in hpcsync's code below a ``contextlib`` context manager: the report's line
+    is the program's, not ``contextlib.py`` (a stage said ``contextlib.py:81``)."""
+    import os
+    import sys
+
+    from hpcsync.observe import digest, watchdog
+
+    library = os.path.join(watchdog.LIBRARY_DIRS[0], "_fake_stage.py")
+    code = compile("import contextlib\n@contextlib.contextmanager\ndef held():\n    yield\n"
+                   "    raise RuntimeError('stage failed')\n", library, "exec")
+    space: dict = {}
+    exec(code, space)
+    try:
+        with space["held"]():
+            pass
+    except RuntimeError:
+        tb = sys.exc_info()[2]
+    where = digest._where(tb)
+    assert where.startswith(__file__ + ":"), where

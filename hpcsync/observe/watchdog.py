@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -338,7 +339,9 @@ def format_report(rep: Dict[str, Any]) -> str:
 
 # hpcsync's own package (all of it: the backend's frames are where a waiting rank is, not where
 # its program is) and torch's
-LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, f"{os.sep}torch{os.sep}")
+# hpcsync's, torch's and Python's own (contextlib's __exit__ is no program's line)
+LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, f"{os.sep}torch{os.sep}",
+                os.path.join(sysconfig.get_paths()["stdlib"], ""))
 
 
 AT_EXIT = "(the program has returned: hpcsync's exit waits here for the other ranks)"
