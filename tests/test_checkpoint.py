@@ -2,6 +2,7 @@
 decision (which id, the cap, a missing or refusing scontrol). The requeue itself, on a real
 Slurm, is in test_requeue.py."""
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -308,3 +309,33 @@ def test_a_complete_checkpoint_under_a_name_load_cannot_read_is_skipped_with_a_w
     assert len(said) == 2 and "not step-<N>" in said[0], said  # once per Checkpoints, two of them
     assert not [r for r in caplog.records if "step-notes" in r.getMessage()]
 
+
+PENDING_BOUND = 45.0  # seconds: an exception, not a hang (the default HPCSYNC_TIMEOUT is 1,800 s)
+WAITS = re.compile(r"did not arrive|timed out|hang|stall|silent", re.IGNORECASE)
+
+
+@pytest.mark.alone  # bounds of wall time
+@pytest.mark.parametrize("launcher,n,bad", [("openmpi", 2, 1), ("mpich", 3, 0), ("mpich", 2, 1)])
+def test_an_exception_out_of_the_block_with_a_save_in_flight_ends_the_job_at_once(tmp_path, launcher, n, bad):
+    """Found by a review: rank ``bad`` raised inside ``with Checkpoints(...)`` while a background
+    save was in flight; its ``__exit__`` waited for that save in a broadcast from rank 0 while the
+    others were in the training's all_reduce, so the job hung for HPCSYNC_TIMEOUT (1,800 s by
+    default) and the hang report blamed the failing rank before its own traceback. Under the
+    default settings the job now ends within PENDING_BOUND, the exception first; the save left
+    in flight is never loaded: a rerun loads the previous complete checkpoint, whole."""
+    root = tmp_path / "ckpt"
+    t0 = time.monotonic()
+    res = run(LAUNCHERS[launcher](), n, "ckpt_pending_fault.py", str(root), str(bad), tmp_path=tmp_path,
+              timeout=PENDING_BOUND + 15, expect_ok=False)
+    took = time.monotonic() - t0
+    text = res.stderr + res.stdout
+    assert res.returncode != 0 and not any(res.ranks), res  # (no rank ended its block)
+    assert took < PENDING_BOUND, f"took {took:.1f} s: {res}"
+    said = text.find(f"injected fault on rank {bad} while the background save of step 1 is in flight")
+    waits = [m.start() for m in WAITS.finditer(text)]
+    assert 0 <= said < min(waits, default=len(text)), f"the exception is not the first thing said:\n{text[-6000:]}"
+    assert "the background save of step 1 was not waited for" in text, text[-6000:]  # (the traceback's note)
+    assert not (root / "step-00000001").exists(), sorted(os.listdir(root))  # (the write on rank 0 stalled)
+    again = run(LAUNCHERS[launcher](), n, "ckpt_pending_fault.py", str(root), "-1", tmp_path=tmp_path, timeout=120)
+    assert [d["loaded"] for d in again.ranks] == [0] * n, again  # the previous complete one, its contents checked
+    assert "step-00000000" in again.ranks[0]["listing"], again.ranks[0]

@@ -23,13 +23,14 @@ from launch import mpich, openmpi, run
 
 pytestmark = pytest.mark.alone  # bounds of wall time
 
-PATTERNS = ("synced_file", "sync_file", "stage", "checkpoints", "preemption", "monitor", "comm")
+PATTERNS = ("synced_file", "sync_file", "stage", "checkpoints", "checkpoints_background", "preemption", "monitor",
+            "comm")
 FAULTS = ("raise", "kill", "exit", "skip")
 LIBRARIES = {"openmpi": openmpi, "mpich": mpich}
 STEPS = 3  # as in the program
 BOUND = 45.0
 TIMEOUT = 3  # HPCSYNC_TIMEOUT for the faults that leave ranks waiting (exit, skip)
-WRITES = {"synced_file", "sync_file", "stage", "checkpoints"}  # what leaves files to check and rerun
+WRITES = {"synced_file", "sync_file", "stage", "checkpoints", "checkpoints_background"}  # what leaves files to check and rerun
 # a rank may leave out monitor.step() calls: ranks close after different numbers of steps by design
 TOLERATED = {("monitor", "skip")}
 
@@ -69,7 +70,7 @@ def check_files(folder, pattern, n, complete):
             assert not cmp.left_only and not cmp.right_only and not cmp.diff_files, cmp.report()
             for sub in cmp.subdirs.values():
                 assert not sub.left_only and not sub.right_only and not sub.diff_files, sub.report()
-    elif pattern == "checkpoints":  # the rerun loads the latest complete one (the program checks its contents)
+    elif pattern.startswith("checkpoints"):  # the rerun loads the latest complete one (the program checks its contents)
         pass
 
 

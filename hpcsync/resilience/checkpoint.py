@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..core import bounded, comm
+from ..core import bounded, comm, jobend
 from ..core.worker import result
 from ..observe import failure
 from ..core.errors import (CheckpointError, raise_if_any, raise_if_any_of, raise_if_differ, raise_if_settings_differ,
@@ -482,7 +482,17 @@ class Checkpoints:
     def __enter__(self) -> "Checkpoints":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """:meth:`close`; but when the exception leaving the block ends the job
+        (:func:`hpcsync.core.jobend.exception_ends_job`), no collective: the other ranks are in
+        the program's next collective, and waiting for a save in the background would hold this
+        rank's traceback back for the timeout. That save is left as it is: it is marked complete
+        only once fully written (the previous complete checkpoint stays the latest until then)."""
+        if jobend.exception_ends_job(exc_type):
+            if self._pending is not None and isinstance(exc, BaseException):
+                exc.add_note(f"hpcsync: the background save of step {self._pending} was not waited for (the job "
+                             "ends): unless it completed, the previous complete checkpoint is the latest")
+            return
         self.close()
 
     def load(self, step: Optional[int] = None, sharded: Any = None) -> Optional[Checkpoint]:
