@@ -2,6 +2,7 @@
 decision (which id, the cap, a missing or refusing scontrol). The requeue itself, on a real
 Slurm, is in test_requeue.py."""
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -240,3 +241,101 @@ def test_a_saves_deadline_grows_with_its_bytes(tmp_path, mbps, ok):
         assert 3.5 < other["seconds"] < 2 + 5, other
     else:
         assert other["error"].startswith("CollectiveTimeout: ") and other["seconds"] < 2 + 1.5, other
+
+
+BAD_STEPS = {"negative": "-3 (int)", "text": "'five' (str)", "bool": "True (bool)", "float": "2.0 (float)",
+             "numpy_bool": "True_ (bool)", "negative_sharded": "-2 (int)"}  # (numpy's bool: np.True_)
+
+
+@pytest.mark.parametrize("launcher,n", [("openmpi", 2), ("mpich", 3)])
+def test_a_step_that_is_no_step_or_differs_between_ranks_is_one_error_before_anything_is_written(
+        tmp_path, launcher, n):
+    """Found by a review: save(-3) wrote step--0000003, which load() then skipped without a word
+    (the checkpoint lost); save("five") failed on a format code; ranks that gave different steps
+    were all saved under rank 0's. Each now raises one CheckpointError, the same text on every
+    rank, that says which rank gave what, and the root is as the last good save left it (the
+    rank-0 form, in the background and sharded; so are ranks that do not all pass sharded=);
+    numpy's and torch's integer scalars save as their int (save(np.int64(4)) failed on its
+    marker, save(True) wrote step 1)."""
+    root = tmp_path / "ckpt"
+    res = run(LAUNCHERS[launcher](), n, "ckpt_steps.py", str(root), tmp_path=tmp_path, timeout=180,
+              env={"HPCSYNC_TIMEOUT": "30"})
+    cases = [d["cases"] for d in res.ranks]
+    before = ["OWNER", "step-00000001"]
+    for name, case in cases[0].items():
+        if name in ("numpy", "torch"):
+            continue
+        said = [c[name]["said"] for c in cases]
+        assert all(s == said[0] for s in said), (name, said)  # one error, the same on every rank
+        kind, text = said[0]
+        assert kind == "CheckpointError" and text.startswith("hpcsync.checkpoint: save() refused on every rank, "
+                                                             "nothing written: "), (name, said[0])
+        assert case["listing"] == before, (name, case["listing"])  # nothing written, nothing pending
+        if name in BAD_STEPS:
+            assert "a step is a non-negative integer" in text and f"ranks 0-{n - 1}: " in text, (name, text)
+            assert text.endswith(BAD_STEPS[name]), (name, text)  # every rank gave it, once said
+    text = cases[0]["one_text"]["said"][1]
+    assert f"rank {n - 1}: 'x' (str)" in text and "rank 0" not in text, text  # the rank that gave it, alone
+    assert "rank 0: -1 (int)" in cases[0]["one_negative_rank0"]["said"][1]
+    for name, first in (("differ", 5), ("differ_background", 9), ("differ_sharded", 11)):
+        text = cases[0][name]["said"][1]
+        assert "the ranks gave different steps" in text, (name, text)
+        assert all(f"rank {r}: {first + r}" in text for r in range(n)), (name, text)
+    assert f"sharded= given on rank 0, not on rank{'s' * (n > 2)} 1" in cases[0]["sharded_on_rank0"]["said"][1]
+    assert [c["numpy"]["said"] for c in cases] == [["ok", "step-00000004"]] * n
+    assert [c["torch"]["said"] for c in cases] == [["ok", "step-00000006"]] * n
+    assert [d["loaded"] for d in res.ranks] == [[6, "int", "torch", r] for r in range(n)]
+    assert all(d["latest"] == 6 for d in res.ranks)
+    assert res.ranks[0]["final_listing"] == before + ["step-00000004", "step-00000006"]
+
+
+def test_a_complete_checkpoint_under_a_name_load_cannot_read_is_skipped_with_a_warning(tmp_path, caplog):
+    """An older hpcsync saved step -3 as ``step--0000003``, complete: load() skipped it without a
+    word. It is still not loaded (no step is negative), but the skip is said, once, with the folder."""
+    import json
+
+    import hpcsync
+
+    root = tmp_path / "ckpt"
+    assert ckpt_op(tmp_path, "save", root, 2, "1=one").returncode == 0
+    shutil.copytree(root / "step-00000001", root / "step--0000003")
+    marker = json.loads((root / "step--0000003" / "COMPLETE").read_text())
+    (root / "step--0000003" / "COMPLETE").write_text(json.dumps({**marker, "step": -3, "seq": 5}))
+    (root / "step-notes").mkdir()  # a folder of the user's, no checkpoint: no warning
+    ckpts = hpcsync.Checkpoints(str(root))
+    with caplog.at_level("WARNING", logger="hpcsync"):
+        assert load_here(root) == (1, "one") and ckpts.latest() == 1 and ckpts.latest() == 1
+    said = [r.getMessage() for r in caplog.records if "step--0000003" in r.getMessage()]
+    assert len(said) == 2 and "not step-<N>" in said[0], said  # once per Checkpoints, two of them
+    assert not [r for r in caplog.records if "step-notes" in r.getMessage()]
+
+
+PENDING_BOUND = 45.0  # seconds: an exception, not a hang (the default HPCSYNC_TIMEOUT is 1,800 s)
+WAITS = re.compile(r"did not arrive|timed out|hang|stall|silent", re.IGNORECASE)
+
+
+@pytest.mark.alone  # bounds of wall time
+@pytest.mark.parametrize("launcher,n,bad", [("openmpi", 2, 1), ("mpich", 3, 0), ("mpich", 2, 1)])
+def test_an_exception_out_of_the_block_with_a_save_in_flight_ends_the_job_at_once(tmp_path, launcher, n, bad):
+    """Found by a review: rank ``bad`` raised inside ``with Checkpoints(...)`` while a background
+    save was in flight; its ``__exit__`` waited for that save in a broadcast from rank 0 while the
+    others were in the training's all_reduce, so the job hung for HPCSYNC_TIMEOUT (1,800 s by
+    default) and the hang report blamed the failing rank before its own traceback. Under the
+    default settings the job now ends within PENDING_BOUND, the exception first; the save left
+    in flight is never loaded: a rerun loads the previous complete checkpoint, whole."""
+    root = tmp_path / "ckpt"
+    t0 = time.monotonic()
+    res = run(LAUNCHERS[launcher](), n, "ckpt_pending_fault.py", str(root), str(bad), tmp_path=tmp_path,
+              timeout=PENDING_BOUND + 15, expect_ok=False)
+    took = time.monotonic() - t0
+    text = res.stderr + res.stdout
+    assert res.returncode != 0 and not any(res.ranks), res  # (no rank ended its block)
+    assert took < PENDING_BOUND, f"took {took:.1f} s: {res}"
+    said = text.find(f"injected fault on rank {bad} while the background save of step 1 is in flight")
+    waits = [m.start() for m in WAITS.finditer(text)]
+    assert 0 <= said < min(waits, default=len(text)), f"the exception is not the first thing said:\n{text[-6000:]}"
+    assert "the background save of step 1 was not waited for" in text, text[-6000:]  # (the traceback's note)
+    assert not (root / "step-00000001").exists(), sorted(os.listdir(root))  # (the write on rank 0 stalled)
+    again = run(LAUNCHERS[launcher](), n, "ckpt_pending_fault.py", str(root), "-1", tmp_path=tmp_path, timeout=120)
+    assert [d["loaded"] for d in again.ranks] == [0] * n, again  # the previous complete one, its contents checked
+    assert "step-00000000" in again.ranks[0]["listing"], again.ranks[0]

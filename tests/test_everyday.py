@@ -25,13 +25,14 @@ from launch import PY, clean_env, mpich, openmpi, run
 
 pytestmark = pytest.mark.alone  # bounds of wall time
 
-PATTERNS = ("synced_file", "sync_file", "stage", "checkpoints", "h5", "preemption", "monitor", "comm")
+PATTERNS = ("synced_file", "sync_file", "stage", "checkpoints", "checkpoints_background", "h5", "preemption",
+            "monitor", "comm")
 FAULTS = ("raise", "kill", "exit", "skip")
 LIBRARIES = {"openmpi": openmpi, "mpich": mpich}
 STEPS = 3  # as in the program
 BOUND = 45.0
 TIMEOUT = 3  # HPCSYNC_TIMEOUT for the faults that leave ranks waiting (exit, skip)
-WRITES = {"synced_file", "sync_file", "stage", "checkpoints", "h5"}  # what leaves files to check and rerun
+WRITES = {"synced_file", "sync_file", "stage", "checkpoints", "checkpoints_background", "h5"}  # what leaves files to check and rerun
 # a rank may leave out monitor.step() calls: ranks close after different numbers of steps by design
 TOLERATED = {("monitor", "skip")}
 
@@ -81,7 +82,7 @@ def check_files(folder, pattern, n, complete):
             got = f["x"][...]
         want = np.concatenate([np.full((r + 1, 2), r * 100 + s) for s in range(STEPS) for r in range(n)])
         assert got.tolist() == want.tolist(), got
-    elif pattern == "checkpoints":  # the rerun loads the latest complete one (the program checks its contents)
+    elif pattern.startswith("checkpoints"):  # the rerun loads the latest complete one (the program checks its contents)
         pass
 
 

@@ -10,8 +10,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HpcsyncError", "MissingDependencyError", "LaunchError", "SetupError", "AddressError", "SyncError", "StageError",
-    "CheckpointError", "CollectiveTimeout", "StageTimeout", "SyncTimeout", "raise_if_any",
-    "raise_if_settings_differ", "ranks_by_value"
+    "CheckpointError", "CollectiveTimeout", "StageTimeout", "SyncTimeout", "raise_if_any", "raise_if_any_of",
+    "raise_if_settings_differ", "raise_if_differ", "ranks_by_value"
 ]
 
 
@@ -104,7 +104,11 @@ def raise_if_any(comm: ObjectComm, error: Optional[str], exc_type: Type[Exceptio
 
     The message names each failing rank, so the cause is visible wherever the job is read.
     """
-    errors = comm.allgather(error)
+    raise_if_any_of(comm.allgather(error), exc_type, what)
+
+
+def raise_if_any_of(errors: Sequence[Optional[str]], exc_type: Type[Exception], what: str) -> None:
+    """:func:`raise_if_any` once every rank's error is known (gathered with more, in one exchange)."""
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         lines = "; ".join(f"rank {r}: {e}" for r, e in bad[:8]) + (f"; ... {len(bad) - 8} more" if len(bad) > 8 else "")
@@ -117,7 +121,12 @@ def raise_if_settings_differ(comm: ObjectComm, settings: Dict[str, Any], exc_typ
     (a rank that diverges is an error on all, never silently outvoted)."""
     if comm.Get_size() == 1:
         return
-    every = comm.allgather(settings)
+    raise_if_differ(comm.allgather(settings), exc_type, what)
+
+
+def raise_if_differ(every: Sequence[Dict[str, Any]], exc_type: Type[Exception], what: str) -> None:
+    """:func:`raise_if_settings_differ` once every rank's settings are known (gathered with more)."""
+    settings = every[0]
     differ = {k: by for k in settings if len(by := ranks_by_value([repr(s[k]) for s in every])) > 1}
     if differ:
         raise exc_type(what + "; ".join(f"{k}: " + ", ".join(f"rank(s) {ranks} {v}" for v, ranks in by.items())

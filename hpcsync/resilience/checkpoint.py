@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import re
 import shutil
@@ -47,10 +48,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..core import bounded, comm
+from ..core import bounded, comm, jobend
 from ..core.worker import result
 from ..observe import failure
-from ..core.errors import CheckpointError, raise_if_any, raise_if_settings_differ
+from ..core.errors import (CheckpointError, raise_if_any, raise_if_any_of, raise_if_differ, raise_if_settings_differ,
+                           ranks_by_value)
+from ..core.nodemap import ranges
 from ..data.filesync import fsync_dir
 from . import checkpoint_io
 from . import node_copies as _node_copies
@@ -58,12 +61,36 @@ from . import sharded as _sharded
 from .checkpoint_io import dumps, from_rank0, loads
 from .root_owner import claim, this_job
 
-__all__ = ["MARKER", "read_marker", "next_seq", "Checkpoint", "Checkpoints"]
+__all__ = ["MARKER", "STEP_RULE", "as_step", "read_marker", "next_seq", "Checkpoint", "Checkpoints"]
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
+STEP_RULE = "a step is a non-negative integer (an int, or an integer scalar of numpy or torch; not a bool)"
+
+
+def as_step(step: Any) -> Optional[int]:
+    """``step`` as the int a checkpoint is saved under, or None when it is no step: a step is a
+    non-negative integer -- an int, or anything ``operator.index`` takes (numpy's and torch's
+    integer scalars) -- but never a bool (``True`` is no step 1)."""
+    if isinstance(step, bool) or "bool" in str(getattr(step, "dtype", "")):
+        return None
+    try:
+        number = operator.index(step)
+    except TypeError:
+        return None
+    return number if number >= 0 else None
+
+
+def _said(step: Any) -> str:
+    """How an error names a step that is none: its repr (cut short) and its type."""
+    text = repr(step)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(step).__name__})"
+
+
+def _who(ranks: List[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {ranges(ranks)}"
 
 
 def read_marker(folder: str, warned: Set[str]) -> Optional[dict]:
@@ -95,6 +122,9 @@ def next_seq(root: str) -> int:
             except (OSError, ValueError, TypeError, AttributeError):
                 continue
     return max(seqs) + 1
+
+
+_DIFFER = "hpcsync.checkpoint: the ranks' Checkpoints differ: "
 
 
 @dataclass(frozen=True)
@@ -152,8 +182,12 @@ class Checkpoints:
         return bounded.control(f"hpcsync.checkpoint: {what}", self._group, self.timeout)
 
     def path(self, step: int) -> str:
-        """Where ``step`` is written when it is saved once (``step-<N>``; again: ``step-<N>.<seq>``)."""
-        return os.path.join(self.root, f"step-{step:08d}")
+        """Where ``step`` is written when it is saved once (``step-<N>``; again: ``step-<N>.<seq>``);
+        ``ValueError`` for a step that is none (:data:`STEP_RULE`)."""
+        number = as_step(step)
+        if number is None:
+            raise ValueError(f"hpcsync.checkpoint: {STEP_RULE}, not {_said(step)}")
+        return os.path.join(self.root, f"step-{number:08d}")
 
     # -- rank 0 only ---------------------------------------------------------------------------
     def _complete(self) -> List[Tuple[int, int, str]]:
@@ -166,11 +200,16 @@ class Checkpoints:
         found = []
         for name in names:
             m = _NAME.match(name)
+            folder = os.path.join(self.root, name)
             if m:
-                folder = os.path.join(self.root, name)
                 marker = read_marker(folder, self._warned)
                 if marker is not None:
                     found.append((int(marker.get("seq", -1)), int(m.group(1)), folder))
+            elif name.startswith("step-") and folder not in self._warned and os.path.isfile(os.path.join(folder, MARKER)):
+                self._warned.add(folder)  # (an older hpcsync saved a negative step as step--<N>)
+                log.warning("hpcsync.checkpoint: skipping %s: it is marked complete, but its name is not step-<N> "
+                            "or step-<N>.<seq> (N a step, 0 or more, in 8 digits or more), so no step can be "
+                            "read from it; rename it to load it", folder)
         return sorted(found, reverse=True)
 
     def _root_seq(self) -> int:
@@ -288,6 +327,10 @@ class Checkpoints:
         rank 0's is kept) and every rank's ``local``. Returns its directory on every rank once it is
         complete; raises :class:`CheckpointError` on every rank if any part failed.
 
+        ``step``: :data:`STEP_RULE`, the same on every rank; a step that is none on any rank, or
+        ranks that give different steps, are one :class:`CheckpointError` on every rank (naming
+        which rank gave what) before anything is written.
+
         ``sharded``: this rank's part of a state spread over the ranks (a state dict whose tensors
         may be DTensors, e.g. ``get_state_dict(model, optim)`` of an FSDP2 model). Every rank then
         writes its own shard and its own ``local`` into the checkpoint (torch.distributed.checkpoint's
@@ -303,8 +346,15 @@ class Checkpoints:
         ``to_root``: with ``local_dir``, write this save into the root too (as every
         ``shared_every``-th): a stop before the allocation ends, whose node-local disks go with it."""
         self.wait()
-        ctl = self._ctl(f"save of step {step}")
-        self._same_options(ctl, sharded)
+        number = as_step(step)
+        ctl = self._ctl(f"save of step {step if number is None else number}")
+        error, data = None, b""
+        if sharded is None and not self.local_dir:  # the rank-0 form: its first error goes in the same exchange
+            try:
+                data = dumps(local)
+            except Exception as exc:  # an unpicklable state on one rank: the same error everywhere
+                error = f"cannot serialise its local state: {exc!r}"
+        step = self._agree_save(ctl, step, number, sharded, error)
         if self.local_dir:
             if sharded is None or background:
                 raise ValueError("Checkpoints(local_dir=...) takes sharded saves written before save() returns "
@@ -314,12 +364,6 @@ class Checkpoints:
             if background:
                 return self._save_sharded_background(ctl, step, shared, local, sharded)
             return _sharded.save(self, ctl, step, shared, local, sharded)
-        error, data = None, b""
-        try:
-            data = dumps(local)
-        except Exception as exc:  # an unpicklable state on one rank: the same error everywhere
-            error = f"cannot serialise its local state: {exc!r}"
-        raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
         locals_ = comm.gather(data, dst=0, group=ctl)
         blob = b""
 
@@ -346,12 +390,41 @@ class Checkpoints:
             log.info("hpcsync.checkpoint: saved step %d to %s", step, path)
         return path
 
+    def _options(self) -> Dict[str, Any]:
+        """What decides a sharded call's path: the same on every rank."""
+        return {"local_dir": self.local_dir is not None, "replicas": self.replicas, "shared_every": self.shared_every}
+
     def _same_options(self, ctl: Any, sharded: Any) -> None:
         """Collective (sharded forms): the ranks take one path, or all raise the same error."""
         if sharded is not None:
-            raise_if_settings_differ(ctl, {"local_dir": self.local_dir is not None, "replicas": self.replicas,
-                                           "shared_every": self.shared_every}, CheckpointError,
-                                     "hpcsync.checkpoint: the ranks' Checkpoints differ: ")
+            raise_if_settings_differ(ctl, self._options(), CheckpointError, _DIFFER)
+
+    def _agree_save(self, ctl: Any, step: Any, number: Optional[int], sharded: Any, error: Optional[str]) -> int:
+        """Collective, a save's first exchange (one allgather): every rank's step is a step
+        (``number``, :func:`as_step`) and the same as the others', it takes the same form (``sharded``
+        or not) with the same options, and none has an ``error`` yet; else the same
+        :class:`CheckpointError` on every rank, before anything is written. The step, an int."""
+        every = ctl.allgather((number, None if number is not None else _said(step),
+                               self._options() if sharded is not None else None, error))
+        refused = "hpcsync.checkpoint: save() refused on every rank, nothing written: "
+        bad: Dict[str, List[int]] = {}
+        for r, (_, said, _, _) in enumerate(every):
+            if said is not None:
+                bad.setdefault(said, []).append(r)
+        if bad:
+            raise CheckpointError(refused + STEP_RULE + ": " + "; ".join(f"{_who(rs)}: {s}" for s, rs in bad.items()))
+        steps = ranks_by_value([n for n, _, _, _ in every])
+        if len(steps) > 1:
+            raise CheckpointError(refused + "the ranks gave different steps (every rank saves the same step): "
+                                  + "; ".join(f"{_who(rs)}: {n}" for n, rs in steps.items()))
+        forms = ranks_by_value([options is not None for _, _, options, _ in every])
+        if len(forms) > 1:  # (each form's exchanges next are its own)
+            raise CheckpointError(refused + f"sharded= given on {_who(forms[True])}, not on {_who(forms[False])}")
+        if sharded is not None and len(every) > 1:
+            raise_if_differ([options for _, _, options, _ in every], CheckpointError, _DIFFER)
+        agreed = every[0][0]
+        raise_if_any_of([e for _, _, _, e in every], CheckpointError, f"hpcsync.checkpoint: step {agreed} not saved: ")
+        return agreed
 
     def _thread(self) -> Any:
         """The thread that writes in the background (one, made on first use)."""
@@ -409,7 +482,17 @@ class Checkpoints:
     def __enter__(self) -> "Checkpoints":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """:meth:`close`; but when the exception leaving the block ends the job
+        (:func:`hpcsync.core.jobend.exception_ends_job`), no collective: the other ranks are in
+        the program's next collective, and waiting for a save in the background would hold this
+        rank's traceback back for the timeout. That save is left as it is: it is marked complete
+        only once fully written (the previous complete checkpoint stays the latest until then)."""
+        if jobend.exception_ends_job(exc_type):
+            if self._pending is not None and isinstance(exc, BaseException):
+                exc.add_note(f"hpcsync: the background save of step {self._pending} was not waited for (the job "
+                             "ends): unless it completed, the previous complete checkpoint is the latest")
+            return
         self.close()
 
     def load(self, step: Optional[int] = None, sharded: Any = None) -> Optional[Checkpoint]:

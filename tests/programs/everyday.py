@@ -81,14 +81,15 @@ elif pattern == "sync_file":  # each rank writes its part, then one call joins t
         hpcsync.sync_file(target, part=os.path.join(folder, "metrics.rank{rank}.csv"), strip_header=True)
 elif pattern == "stage":
     steps(lambda step: hpcsync.stage(os.path.join(folder, "src"), os.path.join(folder, "dst")))
-elif pattern == "checkpoints":
+elif pattern in ("checkpoints", "checkpoints_background"):  # background: a save pending after each step's
+    background = pattern == "checkpoints_background"
     with hpcsync.Checkpoints(os.path.join(folder, "ckpt")) as ckpts:
         saved = ckpts.load()  # complete or absent: its contents are the step's own, this rank's own
         if saved is not None:
             assert saved.shared["w"].tolist() == [float(saved.step)] * 8 and saved.local == {"rank": rank}, saved
         first = 0 if saved is None else saved.step + 1
         steps(lambda step: ckpts.save(first + step, shared={"w": torch.full((8,), float(first + step))},
-                                      local={"rank": rank}))
+                                      local={"rank": rank}, background=background))
 elif pattern == "h5":  # collective rows, one dataset, each step's rows appended
     import numpy as np
     from hpcsync import h5
