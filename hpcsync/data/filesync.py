@@ -36,13 +36,13 @@ import shlex
 import socket
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..core import bigmpi, bounded, jobend, settings
 from ..core.torchcomm import world as _world  # MPI's world, else torch.distributed's, else SELF
 from ..core.errors import CollectiveTimeout, SyncError, SyncTimeout, raise_if_any, raise_if_settings_differ
+from . import flags as flags_mod
 from .transports import choose_method, Part, Source, write_copy, write_gather, write_mpiio
 from ..observe.progress import Progress
 
@@ -404,75 +404,6 @@ def _sync(path: PathLike, part: Optional[PathLike], parts_dir: Optional[PathLike
     return result
 
 
-_open_parts: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the parts SyncedFile.open() gave, while open
-_posted: List[Tuple[Any, ...]] = []  # failure flags posted without waiting: (request, buffers, communicator)
-
-
-def _flag_comm(target: str, options: SyncOptions) -> Any:
-    """Where an exception ends the job (hpcsync's hook, the policy on, several ranks under MPI):
-    a private communicator, made now (collective, bounded), on which a failing rank can post its
-    flag at the block's end without waiting; None otherwise. Its cost per block: one Idup here and
-    one Comm_free at the end (O(log N) rounds each) besides the flags' Allreduce of N bytes."""
-    if not jobend.exception_ends_job(Exception):
-        return None
-    from ..core import mpi
-
-    flags = bounded.own(mpi.MPI().COMM_WORLD, f"SyncedFile({target}): the ranks' failure flags", options.limit())
-    try:
-        flags.raw()  # the duplicate, made by every rank together
-    except CollectiveTimeout as exc:
-        raise SyncTimeout(f"SyncedFile({target}): not every rank made it: {exc}") from None
-    return flags
-
-
-def _flag_vectors(flags: Any, failed: bool) -> Tuple[Any, Any]:
-    """The MAX-reduced flags, one byte per rank (N bytes at N ranks: one Iallreduce, O(log N)
-    rounds, the same on every rank): this rank's send buffer and the receive buffer, as mpi4py
-    buffer specifications."""
-    import numpy as np
-
-    from ..core import mpi
-
-    send = np.zeros(flags.Get_size(), dtype=np.int8)
-    send[flags.Get_rank()] = int(failed)
-    return [send, mpi.MPI().INT8_T], [np.zeros_like(send), mpi.MPI().INT8_T]
-
-
-def _post_failed(flags: Any) -> None:
-    """This rank's flag, posted and left in flight: the others complete it at the block's end
-    (every one raises SyncError in seconds if the program catches this rank's exception), or the
-    job ends on the exception first. Still in flight at exit: abandoned (the job ends with MPI_Abort)."""
-    from ..core import mpi
-
-    raw = flags.raw()
-    send, recv = _flag_vectors(flags, True)
-    req = raw.Iallreduce(send, recv, op=mpi.MPI().MAX)
-    if not _posted:
-        jobend.at_exit("torch", _abandon_posted)
-    _posted.append((req, send, recv, raw))
-
-
-def _abandon_posted() -> None:
-    for req, *keep in _posted:
-        if not req.Test():
-            bounded.abandon("SyncedFile: a failed rank's flag was never matched by the other ranks", req, keep)
-    _posted.clear()
-
-
-def _flush_open_parts() -> None:
-    """Before this rank aborts, or another rank asks it to, and when a block is left with an
-    exception: what the program wrote to its parts."""
-    for f in list(_open_parts):
-        if not f.closed:
-            try:
-                f.flush()
-            except (OSError, ValueError):  # (a full disk: the abort matters more)
-                pass
-
-
-jobend.before_abort(_flush_open_parts)
-
-
 class SyncedFile:
     """A file every rank writes its own part of during training, joined on exit.
 
@@ -558,7 +489,7 @@ class SyncedFile:
         if "b" not in mode:
             kwargs.setdefault("buffering", 1)
         f = open(self.path, mode, **kwargs)
-        _open_parts.add(f)
+        flags_mod.track(f)
         return f
 
     def _check_flags(self, failed: bool) -> bool:
@@ -569,7 +500,7 @@ class SyncedFile:
         from ..core import mpi
 
         flags, self._flags = self._flags, None
-        send, recv = _flag_vectors(flags, failed)
+        send, recv = flags_mod.vectors(flags, failed)
         try:
             flags.Allreduce(send, recv, op=mpi.MPI().MAX)
         except CollectiveTimeout as exc:
@@ -590,7 +521,7 @@ class SyncedFile:
 
     def __enter__(self) -> "SyncedFile":
         """Collective (every rank enters the block): the ranks' failure flags are set up."""
-        self._flags = _flag_comm(self.target, self.options)
+        self._flags = flags_mod.make(f"SyncedFile({self.target})", self.options.limit())
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -600,9 +531,9 @@ class SyncedFile:
         failed = None if exc_type is None else f"{exc_type.__name__}: {exc}"
         if exc_type is not None and (comm.Get_size() == 1 or (self._flags is not None
                                                                and jobend.exception_ends_job(exc_type))):
-            _flush_open_parts()
+            flags_mod.flush_open()
             if self._flags is not None:
-                _post_failed(self._flags)
+                flags_mod.post_failed(self._flags)
             if isinstance(exc, BaseException):
                 folder = os.path.dirname(self.path)
                 how = (f"hpcsync merge{' --append' if self.options.append else ''} {shlex.quote(self.target)} "
