@@ -219,7 +219,7 @@ def test_a_synced_file_made_on_one_rank_is_local(tmp_path):
 
 KEEP = "set HPCSYNC_REPORT_DIR"  # the words that say where a folder would keep the reports
 WRITERS = {"hang": "hpcsync-*failure-*.json", "straggler": "hpcsync-straggler-*.json"}  # (a failure report's, or a hang's record)
-FOLDER_CASES = [(w, f) for w in WRITERS for f in ("", "HPCSYNC_REPORT_DIR", "HPCSYNC_LOG_DIR")]
+FOLDER_CASES = [(w, f) for w in WRITERS for f in ("", "HPCSYNC_REPORT_DIR", "HPCSYNC_LOG_DIR")] + [("hang", "log_dir=")]
 
 
 @pytest.mark.parametrize("writer,folder", FOLDER_CASES, ids=[f"{w}-{f or 'nofolder'}" for w, f in FOLDER_CASES])
@@ -227,11 +227,13 @@ def test_report_files_go_only_where_a_folder_is_set(tmp_path, writer, folder):
     """A hang (a rank leaves out a comm helper) and a straggler verdict: their files go to
     HPCSYNC_REPORT_DIR, else HPCSYNC_LOG_DIR (the job's log folder); with neither, nowhere, and
     the console says where to set a folder to keep them, once a process that left one unwritten.
-    Never the working directory."""
+    Never the working directory. ``init(log_dir=...)`` is a log folder as ``HPCSYNC_LOG_DIR`` is."""
     kept = tmp_path / "kept"
-    env = {folder: str(kept)} if folder else {}
+    env = {folder: str(kept)} if folder and folder != "log_dir=" else {}
     if writer == "hang":
         cfg = {"pattern": "comm", "fault": "skip", "rank": 1, "step": 1, "where": "before"}
+        if folder == "log_dir=":  # init(log_dir=...): the job's log folder as HPCSYNC_LOG_DIR makes it
+            cfg["log_dir"] = str(kept)
         res, _ = job(tmp_path, "openmpi", 2, cfg, {"HPCSYNC_TIMEOUT": str(TIMEOUT), **env})
         assert res.returncode != 0, res
     else:

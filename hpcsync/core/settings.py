@@ -49,7 +49,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("HPCSYNC_ABORT_GRACE", "10", "seconds after MPI_Abort before a still-waiting launcher gets SIGTERM "
             "and an aborting rank that is still alive ends itself", "seconds"),
     Setting("HPCSYNC_REPORT_DIR", "", "folder of hang reports, failure records and straggler records (JSON); "
-            "unset: HPCSYNC_LOG_DIR, else none are written (the console has the reports, and says once where to "
+            "unset: the log folder (HPCSYNC_LOG_DIR or init(log_dir=)), else none are written (the console has the reports, and says once where to "
             "set a folder; `hpcsync run` sets it to each attempt's folder)", "folder"),
     Setting("HPCSYNC_RUN_ATTEMPT", "", "set by hpcsync run for the step it launches: the attempt's number "
             "(failure records carry it; Checkpoints.load notes the checkpoint it resumed from)"),

@@ -40,7 +40,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 from ..core import settings
 
 __all__ = [
-    "PREFIX", "RESUMED", "STARTED", "report_dir", "unkept", "note_step", "note_count", "noted_step", "step_words",
+    "PREFIX", "RESUMED", "STARTED", "use_log_folder", "report_dir", "unkept", "note_step", "note_count", "noted_step", "step_words",
     "current_step", "note_raised", "raised", "job_id",
     "nodes_of", "write", "write_whole", "write_json", "peer_gone", "hardware_fault", "note_exception", "note_hang",
     "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
@@ -54,11 +54,21 @@ RESUMED = "hpcsync-resumed.json"
 STARTED = "hpcsync-started.json"
 
 
+_log_folder: Optional[str] = None  # the log folder this process logs to (init(log_dir=...), setup_logging)
+
+
+def use_log_folder(folder: str) -> None:
+    """The job's log folder, as :func:`hpcsync.observe.logs.setup_logging` set it up: where
+    reports go when ``HPCSYNC_REPORT_DIR`` is unset."""
+    global _log_folder
+    _log_folder = folder
+
+
 def report_dir() -> Optional[str]:
-    """Where reports and records go: ``HPCSYNC_REPORT_DIR``, else ``HPCSYNC_LOG_DIR`` (the job's
-    log folder), else None: no such files at all, never the working directory by surprise (every
-    report is on the console too)."""
-    return settings.text("HPCSYNC_REPORT_DIR") or settings.text("HPCSYNC_LOG_DIR") or None
+    """Where reports and records go: ``HPCSYNC_REPORT_DIR``, else the job's log folder
+    (``HPCSYNC_LOG_DIR``, or ``init(log_dir=...)``'s), else None: no such files at all, never the
+    working directory by surprise (every report is on the console too)."""
+    return settings.text("HPCSYNC_REPORT_DIR") or settings.text("HPCSYNC_LOG_DIR") or _log_folder or None
 
 
 _unkept_said = False

@@ -35,6 +35,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, TextIO, Tuple
 
 from ..core import mpi, jobend, nodemap, settings
+from . import failure
 
 __all__ = [
     "FORMAT", "WINDOW_S", "HOLD_S", "POLL_S", "CLOSE_WAIT_S", "BYE", "CLOSED", "setup_logging", "console_warnings",
@@ -294,6 +295,7 @@ def setup_logging(log_dir: Optional[str] = None, level: int = logging.INFO, cons
     path = None
     if folder:
         os.makedirs(folder, exist_ok=True)
+        failure.use_log_folder(os.path.abspath(folder))
         path = os.path.join(folder, f"rank-{rank:05d}.log")
         fh = logging.FileHandler(path, mode="a")
         fh.setLevel(level)
