@@ -192,12 +192,6 @@ def _header(comm: Any, call: Helper, root: Optional[int] = None) -> None:
     bigmpi.allgather_sizes(comm, 0, root=root, call=call)
 
 
-def _one_rank_root(root: int, call: Helper) -> None:
-    """In one process there is no header to carry the root: checked here."""
-    if root != 0:
-        raise ValueError(f"root {root} is not a rank of the communicator (1 rank: 0) in {call}")
-
-
 def synchronize(group: Any = None) -> None:
     """Barrier among all ranks (no-op in one process): the helpers' header, an Allgather (no rank
     leaves before every rank has sent its part), so a rank in another helper is an error, not a
@@ -239,7 +233,7 @@ def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
     A ``dst`` that is not a rank of the group is a ``ValueError`` on every rank."""
     comm = _bounded(group, "gather")
     if comm.Get_size() == 1:
-        _one_rank_root(dst, Helper.GATHER)
+        bigmpi.check_root(dst, 1, f" in {Helper.GATHER}")  # (in one process no header carries it)
         return [data]
     if _is_mpi_comm(comm):
         parts = bigmpi.gatherv_bytes(comm, _dumps(data), root=dst, call=Helper.GATHER)
@@ -257,7 +251,7 @@ def broadcast_object(obj: Any = None, src: int = 0, group: Any = None) -> Any:
 
 def _broadcast(obj: Any, src: int, comm: Any, call: Helper) -> Any:
     if comm.Get_size() == 1:
-        _one_rank_root(src, call)
+        bigmpi.check_root(src, 1, f" in {call}")  # (in one process no header carries it)
         return obj
     if _is_mpi_comm(comm):
         is_src = comm.Get_rank() == src

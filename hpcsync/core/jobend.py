@@ -128,8 +128,6 @@ def exception_ends_job(exc_type: Any) -> bool:
     local part -- flush, keep its files -- and enters no collective: the other ranks are elsewhere
     (in the program's next collective), so that collective would wait out its timeout on this
     rank alone while the job should end in seconds, this rank's traceback first."""
-    import threading
-
     if exc_type is None or not issubclass(exc_type, Exception) or not (_hook_installed and abort_on_error()):
         return False
     if threading.current_thread() is not threading.main_thread():  # (no hook of ours ends a thread's error)

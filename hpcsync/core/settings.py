@@ -111,8 +111,8 @@ def problems() -> List[str]:
             expected = "M/N, two whole numbers with 1 <= M <= N, such as 3/5"
         elif s.kind == "epoch" and not 0 < _float(v) < float("inf"):
             expected = "a time in seconds since 1970 (date -d '+4 hours' +%s)"
-        elif s.kind == "folder" and _unwritable(value.strip()):
-            expected = f"a folder this rank can write or create ({_unwritable(value.strip())})"
+        elif s.kind == "folder" and (why := _unwritable(value.strip())):
+            expected = f"a folder this rank can write or create ({why})"
         elif "|" in s.kind and v not in s.kind.split("|"):
             expected = f"one of {s.kind.replace('|', ', ')}"
         if expected is not None:

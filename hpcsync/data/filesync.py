@@ -457,7 +457,9 @@ class SyncedFile:
 
     def _refuse_unjoined(self) -> None:
         """``append=True`` continues the joined file: parts a run before this one left unjoined (a
-        crash) hold rows that ``mode="w"`` would erase; the same SyncError on every rank instead."""
+        crash) hold rows that ``mode="w"`` would erase; the same SyncError on every rank instead.
+        One bounded allgather of each rank's error (None, or a line): O(log N) rounds, every rank
+        receives N small objects, only where ``append=True``."""
         try:
             size = os.path.getsize(self.path)
         except OSError:
@@ -469,13 +471,8 @@ class SyncedFile:
                   f"{shlex.quote(folder)}/*" + (" --strip-header" if self.options.strip_header else "")
                   + f"; or drop them: rm -r {shlex.quote(folder)}")
         err = f"{size} bytes in {self.path}" if size else None
-        comm = _world()
         try:
-            if comm.Get_size() == 1:
-                if err:
-                    raise SyncError(what + err)
-                return
-            with bounded.owned(comm, f"SyncedFile({self.target}): parts left unjoined", self.options.limit()) as c:
+            with bounded.owned(_world(), f"SyncedFile({self.target}): parts left unjoined", self.options.limit()) as c:
                 raise_if_any(c, err, SyncError, what)
         except SyncError as exc:
             raise SyncError(f"{exc}{advice}") from None

@@ -98,9 +98,8 @@ def report(exc_type: Any, exc: BaseException, tb: Any) -> Optional[bool]:
     silent = [r for r in rep["silent"] if r not in got.unreached]
     if silent and failure.peer_gone(exc):  # a wait that timed out for ranks that answer nobody: their nodes
         failure.note_silent(silent, sorted(states), line)
-    note = None if path else failure.unkept("the failure report")
-    sys.stderr.write(block + (f"\n[hpcsync] failure report written to {path}" if path else "")
-                     + (f"\n[hpcsync] {note}" if note else "") + "\n")
+    sys.stderr.write(block + (f"\n[hpcsync] failure report written to {path}" if path else
+                              watchdog.unkept_line("the failure report")) + "\n")
     sys.stderr.flush()
     responder.notify_done(list(range(size)))
     return True

@@ -35,7 +35,7 @@ __all__ = [
     "RING", "OpRecord", "GroupLog", "group_log", "drop_group_log", "snapshot", "digest", "FLIGHT_CACHE_S", "SKEW_S",
     "report_bound", "mark_failed", "claim", "failure_state", "flush_before_abort", "collect", "MAX_GROUPS",
     "build_report", "format_report", "LIBRARY_DIRS", "AT_EXIT", "main_frames", "user_frames", "write_report",
-    "report_timeout", "report_p2p_timeout", "hang_reported"
+    "report_timeout", "report_p2p_timeout", "unkept_line", "hang_reported"
 ]
 
 RING = 64  # operations kept per group
@@ -338,8 +338,7 @@ def format_report(rep: Dict[str, Any]) -> str:
 
 
 # hpcsync's own package (all of it: the backend's frames are where a waiting rank is, not where
-# its program is) and torch's
-# hpcsync's, torch's and Python's own (contextlib's __exit__ is no program's line)
+# its program is), torch's and Python's own library (contextlib's __exit__ is no program's line)
 LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, f"{os.sep}torch{os.sep}",
                 os.path.join(sysconfig.get_paths()["stdlib"], ""))
 
@@ -418,7 +417,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     failure.note_hang(rep, reached=states)
     try:
         path = write_report(rep)
-        text += f"\n[hpcsync] report written to {path}" if path else _unkept("the hang report")
+        text += f"\n[hpcsync] report written to {path}" if path else unkept_line("the hang report")
     except OSError as exc:
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
@@ -461,7 +460,7 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
         path = write_report({"kind": "hpcsync p2p hang report", "group": group.name, "operation": asdict(rec),
                              "rank": me, "peer": peer, "timeout_s": timeout_s, "peer_state": answer,
                              "frames": mine["frames"]})
-        text += f"\n[hpcsync] report written to {path}" if path else _unkept("the hang report")
+        text += f"\n[hpcsync] report written to {path}" if path else unkept_line("the hang report")
     except OSError as exc:
         text += f"\n[hpcsync] could not write the JSON report: {exc}"
     sys.stderr.write(text + "\n")
@@ -469,7 +468,9 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
     return text
 
 
-def _unkept(what: str) -> str:
+def unkept_line(what: str) -> str:
+    """:func:`hpcsync.observe.failure.unkept` as a report's last line ("" once said, or where a
+    folder keeps the reports)."""
     note = failure.unkept(what)
     return f"\n[hpcsync] {note}" if note else ""
 

@@ -4,7 +4,9 @@ onto itself rewrites every file in place)."""
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Optional
+
+from .transfer import identity
 
 __all__ = ["overlap"]
 
@@ -23,23 +25,15 @@ def _within(inner: str, outer: str) -> bool:
     return inner.startswith(outer if outer.endswith("/") else outer + "/")
 
 
-def _identity(path: str) -> Optional[Tuple[int, int]]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _folder_on_the_way(path: str, folder: str) -> Optional[str]:
     """The existing folder among ``path`` and its ancestors (all resolved) that *is* ``folder``,
     the same directory under another name (a bind mount, a second mount of one export), or None."""
-    want = _identity(folder)
+    want = identity(folder)
     if want is None:
         return None
     at = path
     while True:
-        if _identity(at) == want:
+        if identity(at) == want:
             return at
         up = os.path.dirname(at)
         if up == at:
