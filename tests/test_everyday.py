@@ -1,7 +1,8 @@
 """The everyday path, pattern by pattern: every pattern the README and the docs show
 (``tests/programs/everyday.py``), with one fault on one rank of 2-4 (an exception out of the
 program's own code, a SIGKILL, a clean exit mid-run, a rank that leaves out one call), on both MPI
-libraries. Where, when and on which rank each fault strikes is drawn (seeded by the case's name,
+libraries: every run takes each pattern and fault on one of them (alternating over the table, so
+each pattern and each fault meets both), the long runs the other. Where, when and on which rank each fault strikes is drawn (seeded by the case's name,
 so a failure reruns as it failed).
 
 Each job must end non-zero: an exception or a death within ``BOUND`` seconds under the default
@@ -21,7 +22,7 @@ import time
 
 import pytest
 
-from launch import PY, clean_env, mpich, openmpi, run
+from launch import PY, clean_env, long_run, mpich, openmpi, run
 
 pytestmark = pytest.mark.alone  # bounds of wall time
 
@@ -110,10 +111,17 @@ def cause_first(res, cfg):
         assert at >= 0 and f"rank {bad}" in text[at:at + 3000], f"the first report does not name rank {bad}:\n{text[-6000:]}"
 
 
-CASES = [(p, f, lib) for lib in LIBRARIES for p in PATTERNS for f in FAULTS]
+def every_run(pattern, fault):
+    """The library a pattern and fault are run on in every run: the two alternate over the
+    table, so each pattern and each fault meets both (the other half is a long run)."""
+    return list(LIBRARIES)[(PATTERNS.index(pattern) + FAULTS.index(fault)) % 2]
 
 
-@pytest.mark.parametrize("pattern,fault,lib", CASES, ids=[f"{p}-{f}-{lib}" for p, f, lib in CASES])
+CASES = [pytest.param(p, f, lib, id=f"{p}-{f}-{lib}", marks=() if lib == every_run(p, f) else long_run)
+         for lib in LIBRARIES for p in PATTERNS for f in FAULTS]
+
+
+@pytest.mark.parametrize("pattern,fault,lib", CASES)
 def test_one_fault_ends_the_job_cause_first_and_loses_nothing(tmp_path, pattern, fault, lib):
     cfg, n = draw(pattern, fault, lib)
     prepare(tmp_path, pattern)
