@@ -51,6 +51,7 @@ QUICK = {
               "test_multinode.py::test_dual_homed_rank0_node_finds_an_address_every_node_reaches",
               "test_interfaces.py::test_each_node_gives_gloo_its_own_interface[mpich-gloo]"],
     "resilience": ["test_checkpoint.py::test_requeue_decision", "test_checkpoint.py::test_a_planted_checkpoint_runs_no_code_on_load",
+                   "test_checkpoint_damage.py::test_a_damaged_checkpoint_is_never_loaded[rank0-quick]",
                    "test_preemption.py::test_a_signal_to_the_launcher_reaches_every_rank_and_stops_them_together[mpich]",
                    "test_everyday.py::test_one_fault_ends_the_job_cause_first_and_loses_nothing[checkpoints-skip-openmpi]",
                    "test_supervisor.py::test_launcher_words_blame_the_node_whose_ranks_died",

@@ -59,8 +59,11 @@ def test_a_sharded_save_keeps_a_complete_checkpoint_at_every_moment(mode, tmp_pa
 def test_a_planted_sharded_checkpoint_runs_no_code_on_load(tmp_path):
     """A newer sharded step planted in the root whose DCP metadata would run a command when
     unpickled: load(sharded=...) refuses it with the reason, nothing runs; the form that loads
-    without sharded= says which form the checkpoint has."""
+    without sharded= says which form the checkpoint has. (The planter writes a marker that
+    matches, its checksums too: the checksums find damage, not an author who can write the root.)"""
     import os
+
+    from hpcsync.resilience import checksums
 
     root = tmp_path / "ckpt"
     ckpt_op(tmp_path, "save-sharded", root, 2, "10=mine")
@@ -72,11 +75,13 @@ def test_a_planted_sharded_checkpoint_runs_no_code_on_load(tmp_path):
 
     planted = root / "step-00999999"
     shutil.copytree(root / "step-00000010", planted)
-    (planted / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    payload = pickle.dumps(Payload())
+    (planted / "sharded" / ".metadata").write_bytes(payload)
     marker = json.loads((planted / "COMPLETE").read_text())
     marker.update(step=999999, seq=10**6)
-    marker["files"]["sharded/.metadata"] = (planted / "sharded" / ".metadata").stat().st_size
-    (planted / "COMPLETE").write_text(json.dumps(marker))
+    marker["files"]["sharded/.metadata"] = len(payload)
+    sums = {**marker["sums"], "sharded/.metadata": checksums.hex_sum(checksums.digest(payload))}
+    (planted / "COMPLETE").write_text(json.dumps(checksums.seal(marker, sums)))
     got = ckpt_op(tmp_path, "load-sharded", root).ranks[0]["loaded"]
     assert not victim.exists(), "loading the checkpoint ran the planted command"
     assert "error" in got and "posix.system is not allowed in a checkpoint's metadata" in got["error"], got

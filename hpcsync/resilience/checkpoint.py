@@ -10,10 +10,14 @@ must resume from the same one. :class:`Checkpoints` keeps ``ROOT/step-<N>/`` dir
 - **or every rank writes its own part** (``sharded=``: a state spread over the ranks, e.g. FSDP2's):
   :mod:`hpcsync.resilience.sharded`, with the same guarantees below; ROOT must then be shared.
 - **written under a temporary name, marked complete last.** Files go into a temporary directory,
-  each flushed to disk; then a ``COMPLETE`` marker with every file's size and the checkpoint's
-  sequence number; then the directory is renamed into place. Nothing complete is renamed or
-  removed before the new one is in place, so a job killed at any moment leaves a complete
-  checkpoint (the previous one until the rename, the new one after).
+  each flushed to disk; then a ``COMPLETE`` marker with every file's size and checksum and the
+  checkpoint's sequence number; then the directory is renamed into place. Nothing complete is
+  renamed or removed before the new one is in place, so a job killed at any moment leaves a
+  complete checkpoint (the previous one until the rename, the new one after).
+- **whole bytes, or the previous one.** Each file is checked as it is read (size, checksum:
+  :mod:`hpcsync.resilience.checksums`); a damaged checkpoint is skipped with a warning naming
+  the folder and the file and the previous whole one loaded, the same on every rank; none left
+  whole is a :class:`~hpcsync.core.errors.CheckpointError` on every rank that says "damaged".
 - **the latest is the last saved**, by sequence number, not by step: a root that still holds a
   higher step of an abandoned run does not win over this run's newest, and pruning (``keep``)
   never removes the checkpoint just written. Saving a step again writes ``step-<N>.<seq>``.
@@ -55,10 +59,11 @@ from ..core.errors import (CheckpointError, raise_if_any, raise_if_any_of, raise
                            ranks_by_value)
 from ..core.nodemap import ranges
 from ..data.filesync import fsync_dir
-from . import checkpoint_io
+from . import checkpoint_io, checksums
 from . import node_copies as _node_copies
 from . import sharded as _sharded
 from .checkpoint_io import dumps, from_rank0, loads
+from .checksums import Damaged
 from .root_owner import claim, this_job
 
 __all__ = ["MARKER", "STEP_RULE", "as_step", "read_marker", "next_seq", "Checkpoint", "Checkpoints"]
@@ -93,22 +98,35 @@ def _who(ranks: List[int]) -> str:
     return f"rank{'s' * (len(ranks) > 1)} {ranges(ranks)}"
 
 
-def read_marker(folder: str, warned: Set[str]) -> Optional[dict]:
-    """The marker of a complete checkpoint directory, or None (warned once, through ``warned``)
-    when it is not."""
+def read_marker(folder: str, warned: Set[str], damaged: Optional[Dict[str, str]] = None) -> Optional[dict]:
+    """The marker of a complete checkpoint directory whose files all have their marker's sizes
+    (the checksums are checked as each file is read: :mod:`hpcsync.resilience.checksums`), or
+    None when it is not: a damaged checkpoint (what is wrong recorded in ``damaged``), warned
+    once (through ``warned``)."""
     try:
         with open(os.path.join(folder, MARKER)) as f:
             marker = json.load(f)
-        bad = [n for n, size in marker["files"].items() if os.path.getsize(os.path.join(folder, n)) != size]
-        why = f"{', '.join(bad)} differ in size from its marker" if bad else None
+        why = checksums.marker_problem(marker)
+        missing = [n for n in marker["files"] if why is None and not os.path.isfile(os.path.join(folder, n))]
+        bad = [n for n, size in marker["files"].items()
+               if why is None and not missing and os.path.getsize(os.path.join(folder, n)) != size]
+        why = why or (f"{', '.join(missing)} missing" if missing else None) or \
+            (f"{', '.join(bad)} differ in size from its marker" if bad else None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        why = str(exc)
+        why = f"its marker ({MARKER}) cannot be read: {exc}"
     if why is None:
         return marker
+    if damaged is not None:
+        damaged[folder] = why
     if folder not in warned:
         warned.add(folder)
-        log.warning("hpcsync.checkpoint: skipping %s: %s", folder, why)
+        log.warning("hpcsync.checkpoint: skipping %s: damaged: %s", folder, why)
     return None
+
+
+def _step_of(folder: str) -> Optional[int]:
+    m = _NAME.match(os.path.basename(folder))
+    return int(m.group(1)) if m else None
 
 
 def next_seq(root: str) -> int:
@@ -170,6 +188,7 @@ class Checkpoints:
         self._group = group
         self._job = this_job()
         self._warned: Set[str] = set()
+        self._damaged: Dict[str, str] = {}  # rank 0: the damaged checkpoints its last look found, and why
         self._pending: Optional[int] = None  # the step a background save is writing (every rank)
         self._future: Any = None  # rank 0: that write
         self._pool: Any = None
@@ -198,11 +217,12 @@ class Checkpoints:
         except FileNotFoundError:
             return []
         found = []
+        self._damaged = {}
         for name in names:
             m = _NAME.match(name)
             folder = os.path.join(self.root, name)
             if m:
-                marker = read_marker(folder, self._warned)
+                marker = read_marker(folder, self._warned, self._damaged)
                 if marker is not None:
                     found.append((int(marker.get("seq", -1)), int(m.group(1)), folder))
             elif name.startswith("step-") and folder not in self._warned and os.path.isfile(os.path.join(folder, MARKER)):
@@ -246,14 +266,14 @@ class Checkpoints:
     def _write(self, tmp: str, final: str, files: Dict[str, bytes], marker: dict) -> str:
         """Write, flush, mark complete, rename into place, prune (rank 0; maybe in the background)."""
         os.makedirs(tmp)
-        for name, data in files.items():
-            checkpoint_io.write_file(os.path.join(tmp, name), data)
-        return self._seal(tmp, final, {n: len(d) for n, d in files.items()}, marker)
+        sums = {name: checkpoint_io.write_file(os.path.join(tmp, name), data) for name, data in files.items()}
+        return self._seal(tmp, final, {n: len(d) for n, d in files.items()}, marker, sums)
 
-    def _seal(self, tmp: str, final: str, sizes: Dict[str, int], fields: dict) -> str:
-        """The files in ``tmp`` are on disk: write the marker (every file's size and ``fields``),
-        rename into place, prune (rank 0)."""
-        marker = {**fields, "files": sizes, "job": self._job, "time": time.time()}
+    def _seal(self, tmp: str, final: str, sizes: Dict[str, int], fields: dict,
+              sums: Optional[Dict[str, str]] = None) -> str:
+        """The files in ``tmp`` are on disk: write the marker (every file's size, the checksums
+        ``sums`` taken as they were written, and ``fields``), rename into place, prune (rank 0)."""
+        marker = checksums.seal({**fields, "files": sizes, "job": self._job, "time": time.time()}, sums or {})
         checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
         fsync_dir(tmp)
         os.rename(tmp, final)
@@ -263,41 +283,61 @@ class Checkpoints:
                 shutil.rmtree(folder, ignore_errors=True)
         return final
 
-    def _choose(self, step: Optional[int], sharded: bool) -> Optional[Tuple[int, str, int, dict, Optional[bytes]]]:
-        """The checkpoint to load: ``(step, folder, seq, marker, shared.pt's bytes)``, or None."""
+    def _choose(self, step: Optional[int], sharded: bool, skip: Optional[Dict[str, str]] = None
+                ) -> Optional[Tuple[int, str, int, dict, Optional[bytes]]]:
+        """The checkpoint to load: ``(step, folder, seq, marker, shared.pt's bytes)``, or None: the
+        last saved (of ``step``, when given) that is whole so far (marker, sizes, shared.pt's
+        checksum), less those in ``skip`` (``{folder: why}``, found damaged on a later read). A
+        damaged one is skipped with a warning; :class:`Damaged` when none is left whole."""
         claim(self.root, self._job)
-        chosen = [c for c in self._complete() if step is None or c[1] == step]
-        if not chosen:
-            if step is not None:
-                raise ValueError(f"no complete checkpoint of step {step} under {self.root}")
-            return None
-        seq, found, folder = chosen[0]
-        with open(os.path.join(folder, MARKER)) as f:
-            marker = json.load(f)
-        if bool(marker.get("sharded")) != sharded:
-            raise ValueError(f"{folder} was saved {'with' if marker.get('sharded') else 'without'} sharded=: load it "
-                             f"with load({'sharded=<a state dict of the same structure>' if not sharded else ''})")
-        shared = None
-        if "shared.pt" in marker["files"]:
-            with open(os.path.join(folder, "shared.pt"), "rb") as f:
-                shared = f.read()
-        return found, folder, seq, marker, shared
+        skip = skip if skip is not None else {}
+        for seq, found, folder in self._complete():
+            if (step is not None and found != step) or folder in skip:
+                continue
+            with open(os.path.join(folder, MARKER)) as f:
+                marker = json.load(f)
+            if bool(marker.get("sharded")) != sharded:
+                raise ValueError(f"{folder} was saved {'with' if marker.get('sharded') else 'without'} sharded=: load "
+                                 f"it with load({'sharded=<a state dict of the same structure>' if not sharded else ''})")
+            try:
+                shared = checksums.read_whole(folder, "shared.pt", marker) if "shared.pt" in marker["files"] else None
+            except Damaged as exc:
+                self._skip(exc, skip)
+                continue
+            return found, folder, seq, marker, shared
+        damaged = {f: w for f, w in {**self._damaged, **skip}.items() if step is None or _step_of(f) == step}
+        if damaged:
+            raise Damaged(max(damaged), "", "", f"hpcsync.checkpoint: no whole checkpoint "
+                          f"{f'of step {step} ' if step is not None else ''}is left under {self.root}, every one is "
+                          "damaged: " + "; ".join(f"{os.path.basename(f)}: {w}" for f, w in sorted(damaged.items())[::-1]))
+        if step is not None:
+            raise ValueError(f"no complete checkpoint of step {step} under {self.root}")
+        return None
+
+    def _skip(self, exc: Damaged, skip: Dict[str, str]) -> None:
+        """(rank 0) ``exc``'s checkpoint is damaged: left out of the next choice, with a warning."""
+        skip[exc.folder] = exc.why
+        log.warning("hpcsync.checkpoint: skipping %s: damaged: %s; the previous complete checkpoint is loaded "
+                    "instead", exc.folder, exc.why)
 
     def _read(self, step: Optional[int], size: int) -> Optional[Tuple[int, str, int, bytes, List[bytes]]]:
-        chosen = self._choose(step, sharded=False)
-        if chosen is None:
-            return None
-        found, folder, seq, marker, shared = chosen
-        world = marker["world_size"]
-        if world != size:
-            raise ValueError(f"{folder} was written by {world} ranks, this job has {size}")
-        locals_ = []
-        for r in range(world):
-            with open(os.path.join(folder, f"rank-{r:05d}.pt"), "rb") as f:
-                locals_.append(f.read())
-        if step is None:  # the latest: what a supervised attempt resumes from
-            failure.note_resume(found, folder, marker.get("time"))
-        return found, folder, seq, shared or b"", locals_
+        skip: Dict[str, str] = {}
+        while True:  # (each turn skips one more checkpoint: as many turns as there are, at most)
+            chosen = self._choose(step, False, skip)
+            if chosen is None:
+                return None
+            found, folder, seq, marker, shared = chosen
+            world = marker["world_size"]
+            if world != size:
+                raise ValueError(f"{folder} was written by {world} ranks, this job has {size}")
+            try:
+                locals_ = [checksums.read_whole(folder, f"rank-{r:05d}.pt", marker) for r in range(world)]
+            except Damaged as exc:
+                self._skip(exc, skip)
+                continue
+            if step is None:  # the latest: what a supervised attempt resumes from
+                failure.note_resume(found, folder, marker.get("time"))
+            return found, folder, seq, shared or b"", locals_
 
     # -- collective ----------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
@@ -522,7 +562,7 @@ class Checkpoints:
             try:
                 payload = self._read(step, ctl.Get_size())
             except Exception as exc:
-                error = f"cannot load from {self.root}: {type(exc).__name__}: {exc}"
+                error = f"cannot load from {self.root}: {checksums.said(exc)}"
         head = None if payload is None else payload[:4]
         head, error = comm.broadcast_object((head, error), group=ctl)
         if error:  # rank 0's words, the same on every rank

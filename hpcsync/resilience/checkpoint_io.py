@@ -9,6 +9,7 @@ from typing import Any, List, Sequence
 
 from ..core import settings
 from ..core.errors import CheckpointError
+from . import checksums
 
 __all__ = ["dumps", "numpy_safe_globals", "loads", "write_file", "from_rank0", "allow_for", "tensor_bytes"]
 
@@ -43,12 +44,15 @@ def loads(data: bytes, extra: Sequence[Any]) -> Any:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def write_file(path: str, data: bytes) -> None:
-    """A new file at ``path`` holding ``data``, flushed to disk before this returns."""
+def write_file(path: str, data: bytes) -> str:
+    """A new file at ``path`` holding ``data``, flushed to disk before this returns; the
+    checksum of the bytes written (:mod:`hpcsync.resilience.checksums`, hex), taken from them as
+    they are written, not read back."""
     with open(path, "xb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return checksums.hex_sum(checksums.digest(data))
 
 
 def from_rank0(ctl: Any, fn: Any, failed: str) -> Any:

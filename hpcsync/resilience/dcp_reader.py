@@ -12,9 +12,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .checkpoint_io import numpy_safe_globals
+from .checksums import CachedFileSystem
 
 __all__ = ["MetadataUnpickler", "read_metadata", "parse_metadata", "reader", "ranged_reader", "planner"]
 
@@ -73,14 +74,22 @@ def parse_metadata(data: bytes) -> Any:
     return metadata
 
 
-def reader(path: str) -> Any:
-    """DCP's FileSystemReader for the folder ``path``, its metadata read by :func:`read_metadata`."""
+def reader(path: str, cache: Optional[Mapping[str, bytes]] = None) -> Any:
+    """DCP's FileSystemReader for the folder ``path``, its metadata read by :func:`read_metadata`;
+    the files in ``cache`` (``{path: bytes}``, read and checked already) read from memory."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    held = {os.path.normpath(k): v for k, v in (cache or {}).items()}
+
     class SafeReader(FileSystemReader):
+        def __init__(self, folder: str) -> None:
+            super().__init__(folder)
+            self.fs = CachedFileSystem(held)
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
+            where = os.path.normpath(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
+            metadata = parse_metadata(held[where]) if where in held else read_metadata(where)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

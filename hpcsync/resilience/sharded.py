@@ -7,9 +7,13 @@ the ranks (an FSDP2 model's DTensors, from ``get_state_dict(model, optim)``):
   checkpoint's temporary directory (replicated tensors once, spread over the ranks by DCP's
   planner), and its own ``local`` state beside it: nothing is gathered to one rank;
 - **complete only when every part is durable**: every file is flushed to disk by the rank that
-  wrote it, each rank reports the sizes of its own files, and only then does rank 0 write the
-  marker (every file's size) and rename the directory into place. A crash before that leaves the
-  previous complete checkpoint the latest;
+  wrote it, each rank reports the sizes and checksums of its own files (DCP's summed as DCP
+  writes them: :class:`~hpcsync.resilience.checksums.SummingFileSystem`), and only then does
+  rank 0 write the marker (every file's size and checksum) and rename the directory into place.
+  A crash before that leaves the previous complete checkpoint the latest;
+- **whole bytes**: on load each file is read whole and checked by one rank (:func:`load_chosen`)
+  and the ranks agree before anything is loaded; a damaged checkpoint is skipped on every rank
+  together, and the previous whole one loaded;
 - **load reads what each rank needs**: DCP reads each rank's part of the state in place into the
   template (at another world size it reshards); each rank reads its own ``local`` file; only the
   small ``shared`` state is read by rank 0 and broadcast;
@@ -20,17 +24,22 @@ The root must be a directory every rank sees (a shared filesystem): the ranks wr
 directory. Ordering by save, pruning and one job per root are the same as for the other form.
 
 Cost at N ranks (S the whole state, L a rank's local state, T the tensors): a save writes
-S/N + L per rank, in parallel; its exchanges are an allgather of one (size, checksum) pair per
-rank, DCP's gather and scatter of plans at rank 0 (O(N·T) records through one rank), a gather of
-each rank's file sizes to rank 0 and a broadcast of the outcome. A load receives S/N + L plus DCP's
-metadata, which every rank reads whole and which lists every rank's chunk of every tensor
-(about 155 B × T × N: 159 MB per rank at 1,024 ranks and 1,000 tensors). Measured and modelled
+S/N + L per rank, in parallel, summing it as written (CRC-32, about 1.9 GB/s a core); its
+exchanges are an allgather of one (size, checksum) pair per rank, DCP's gather and scatter of
+plans at rank 0 (O(N·T) records through one rank), a gather of each rank's file sizes and
+checksums to rank 0 and a broadcast of the outcome. A load first reads each rank's own files
+whole and checks them (S/N + L; DCP's reads of them then come from memory), the ranks agreeing
+in one allgather of a word each (a few kB at 1,000 ranks); then each receives what it loads from
+other ranks' files (at the same size: the replicated values) plus DCP's metadata, which every
+rank reads whole and which lists every rank's chunk of every tensor (about 155 B × T × N: 159 MB
+per rank at 1,024 ranks and 1,000 tensors). Measured and modelled
 further in docs/performance.md.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -38,7 +47,7 @@ from ..core import comm
 from ..core.bounded import default_timeout
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
-from . import checkpoint_io, dcp_reader
+from . import checkpoint_io, checksums, dcp_reader
 from .checkpoint_io import dumps, from_rank0, loads
 
 __all__ = [
@@ -50,6 +59,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FOLDER = "sharded"  #: DCP's files, inside a checkpoint directory
+_WRITER = re.compile(rf"^(?:{FOLDER}/__(\d+)_|rank-(\d+)\.pt$)")  # which rank wrote a file
 
 def process_group(group: Any, size: int) -> Any:
     """The torch process group DCP runs its planning on: ``group`` when it is one, else the
@@ -126,14 +136,43 @@ def single_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def _own_files(folder: str, rank: int, names: Sequence[str]) -> Dict[str, int]:
-    """The sizes of the files this rank wrote: ``names`` in ``folder`` and DCP's ``__<rank>_*``."""
-    sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in names}
+def _own_files(folder: str, rank: int, sums: Dict[str, str], dcp_sums: Dict[str, str]
+               ) -> Dict[str, Tuple[int, Optional[str]]]:
+    """``(size, checksum)`` of the files this rank wrote: ``sums``' (``{name: sum}``, in
+    ``folder``), DCP's ``__<rank>_*`` and, on the rank that wrote it, DCP's ``.metadata``; their
+    checksums as written (``dcp_sums``: :class:`~hpcsync.resilience.checksums.SummingFileSystem`'s)."""
+    files: Dict[str, Tuple[int, Optional[str]]] = {n: (os.path.getsize(os.path.join(folder, n)), s)
+                                                   for n, s in sums.items()}
     dcp = os.path.join(folder, FOLDER)
     for name in os.listdir(dcp):
-        if name.startswith(f"__{rank}_"):
-            sizes[f"{FOLDER}/{name}"] = os.path.getsize(os.path.join(dcp, name))
-    return sizes
+        if name.startswith(f"__{rank}_") or (name == ".metadata" and name in dcp_sums):
+            files[f"{FOLDER}/{name}"] = (os.path.getsize(os.path.join(dcp, name)), dcp_sums.get(name))
+    return files
+
+
+def _writer(folder: str) -> Any:
+    """DCP's FileSystemWriter into ``folder``, every file flushed to disk and summed as written."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(folder, sync_files=True)
+    writer.fs = checksums.SummingFileSystem()
+    return writer
+
+
+def _verify_own(folder: str, marker: Dict[str, Any], me: int, size: int) -> Dict[str, bytes]:
+    """The files of the checkpoint in ``folder`` that this rank checks, read whole and checked
+    against ``marker`` (:class:`~hpcsync.resilience.checksums.Damaged` when one differs):
+    those rank ``w`` wrote (``rank-<w>.pt``, DCP's ``__<w>_*``) when ``w % size == me``, and on
+    rank 0 DCP's metadata (rank 0 checked ``shared.pt`` as it chose). Every file is so checked by
+    one rank, as a whole, and at the same world size a rank checks what it reads itself: ``{path:
+    bytes}``, for its reads to come from memory."""
+    out = {}
+    for name in sorted(marker["files"]):
+        m = _WRITER.match(name)
+        if name == "shared.pt" or (int(m.group(1) or m.group(2)) if m else 0) % size != me:
+            continue
+        out[os.path.normpath(os.path.join(folder, name))] = checksums.read_whole(folder, name, marker)
+    return out
 
 
 def prepare(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
@@ -193,24 +232,31 @@ def _begin(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any
     return pg, data, blob, tmp, final, seq, biggest, plain
 
 
-def _write_part(tmp: str, me: int, data: bytes) -> Dict[str, int]:
-    """This rank's local state, on disk; returns its own files' sizes (with DCP's, written by then)."""
+def _write_part(tmp: str, me: int, data: bytes, writer: Any) -> Dict[str, Tuple[int, Optional[str]]]:
+    """This rank's local state, on disk; returns its own files' ``(size, checksum)`` (with DCP's,
+    written by then through ``writer``)."""
     name = f"rank-{me:05d}.pt"
-    checkpoint_io.write_file(os.path.join(tmp, name), data)
-    return _own_files(tmp, me, [name])
+    return _own_files(tmp, me, {name: checkpoint_io.write_file(os.path.join(tmp, name), data)}, writer.fs.sums)
 
 
 def mark_complete(ckpts: Any, step: int, seq: int, size: int, tmp: str, final: str, blob: bytes,
-              every: Sequence[Dict[str, int]]) -> str:
-    """Rank 0, once every rank's part is on disk: the shared state, the marker, the rename."""
+                  every: Sequence[Dict[str, Any]]) -> str:
+    """Rank 0, once every rank's part is on disk (``every``: each rank's ``{name: (size,
+    checksum)}``, or ``{name: size}`` for files whose checksum was not taken): the shared state,
+    the marker, the rename."""
     files: Dict[str, int] = {}
+    sums: Dict[str, str] = {}
     for part in every:
-        files.update(part)
-    files[f"{FOLDER}/.metadata"] = os.path.getsize(os.path.join(tmp, FOLDER, ".metadata"))
-    checkpoint_io.write_file(os.path.join(tmp, "shared.pt"), blob)
+        for name, got in part.items():
+            files[name], digest = (got, None) if isinstance(got, int) else got
+            if digest is not None:
+                sums[name] = digest
+    metadata = f"{FOLDER}/.metadata"
+    files.setdefault(metadata, os.path.getsize(os.path.join(tmp, FOLDER, ".metadata")))
+    sums["shared.pt"] = checkpoint_io.write_file(os.path.join(tmp, "shared.pt"), blob)
     files["shared.pt"] = len(blob)
     fsync_dir(os.path.join(tmp, FOLDER))
-    return ckpts._seal(tmp, final, files, {"step": step, "seq": seq, "world_size": size, "sharded": True})
+    return ckpts._seal(tmp, final, files, {"step": step, "seq": seq, "world_size": size, "sharded": True}, sums)
 
 
 def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -> str:
@@ -221,9 +267,9 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -
     try:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
-                 process_group=pg, no_dist=single_process())
-        sizes = _write_part(tmp, me, data)
+        writer = _writer(os.path.join(tmp, FOLDER))
+        dcp.save(plain, storage_writer=writer, process_group=pg, no_dist=single_process())
+        sizes = _write_part(tmp, me, data, writer)
     except failed_types() as exc:  # every rank still reaches the agreement below
         error = why_failed(exc)
     raise_if_any(ctl, error, CheckpointError, f"hpcsync.checkpoint: step {step} not saved: ")
@@ -293,11 +339,12 @@ def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any,
     root = dist.get_global_rank(agreeing, 0) if together and agreeing is not None else 0
 
     def finish() -> Tuple[Optional[str], Optional[str]]:  # on every rank's checkpoint thread
-        sizes, err = {}, None
+        sizes: Dict[str, Tuple[int, Optional[str]]] = {}
+        err = None
         try:
-            dcp.save(copy, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
-                     process_group=writing, no_dist=single_process())
-            sizes = _write_part(tmp, me, data)
+            writer = _writer(os.path.join(tmp, FOLDER))
+            dcp.save(copy, storage_writer=writer, process_group=writing, no_dist=single_process())
+            sizes = _write_part(tmp, me, data, writer)
         except failed_types() as exc:  # every rank still reaches the exchange below
             err = f"rank {me}: {why_failed(exc)}"
         parts: Any = [(sizes, err)]
@@ -333,28 +380,50 @@ def put_back(template: Dict[str, Any], plain: Dict[str, Any]) -> None:
 
 def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[Tuple[int, str, int, Any, Any]]:
     """:meth:`Checkpoints.load` with ``sharded=template``: ``(step, folder, seq, shared, local)``
-    with ``template`` loaded in place, or None when there is no checkpoint. Collective."""
+    with ``template`` loaded in place, or None when there is no checkpoint. A checkpoint that a
+    rank finds damaged (:func:`load_chosen`) is left out on every rank and the previous whole one
+    loaded, the same on every rank; each turn is bounded, and there are at most as many turns as
+    checkpoints under the root. Collective."""
     me = ctl.Get_rank()
-    chosen, error = None, None
-    if me == 0:
+    skip: Dict[str, str] = {}
+    while True:  # (each turn leaves one more checkpoint out)
+        chosen, error = None, None
+        if me == 0:
+            try:
+                chosen = ckpts._choose(step, sharded=True, skip=skip)
+            except Exception as exc:
+                error = f"cannot load from {ckpts.root}: {checksums.said(exc)}"
+        chosen, error = ctl.bcast((chosen, error), root=0)
+        if error:
+            raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
+        if chosen is None:
+            return None
         try:
-            chosen = ckpts._choose(step, sharded=True)
-        except Exception as exc:
-            error = f"cannot load from {ckpts.root}: {type(exc).__name__}: {exc}"
-    chosen, error = ctl.bcast((chosen, error), root=0)
-    if error:
-        raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
-    if chosen is None:
-        return None
-    return load_chosen(ckpts, ctl, chosen, template, latest=step is None)
+            return load_chosen(ckpts, ctl, chosen, template, latest=step is None)
+        except checksums.Damaged as exc:  # (raised on every rank alike)
+            skip[exc.folder] = exc.why
+            if me == 0:
+                log.warning("hpcsync.checkpoint: skipping %s: damaged: %s; the previous complete checkpoint is "
+                            "loaded instead", exc.folder, exc.why)
 
 
 def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optional[bytes]], template: Any,
                 latest: bool) -> Tuple[int, str, int, Any, Any]:
     """The rest of :func:`load`, from the checkpoint in the root that rank 0 chose (``(step, folder,
-    seq, marker, shared.pt's bytes)`` on every rank). Collective."""
+    seq, marker, shared.pt's bytes)`` on every rank). First each rank checks its share of the
+    files whole (:func:`_verify_own`), and the ranks agree (an allgather of one word each): one
+    that differs from the marker is :class:`~hpcsync.resilience.checksums.Damaged` on every rank,
+    before anything is loaded. Collective."""
     me, size = ctl.Get_rank(), ctl.Get_size()
     found, folder, seq, marker, shared_blob = chosen
+    why, cache = None, {}
+    try:
+        cache = _verify_own(folder, marker, me, size)
+    except checksums.Damaged as exc:
+        why = exc.why
+    found_by = [(r, w) for r, w in enumerate(ctl.allgather(why)) if w]
+    if found_by:
+        raise checksums.Damaged(folder, "", f"{found_by[0][1]} (found by rank {found_by[0][0]})")
     error, pg, plain = None, None, {}
     try:
         pg = process_group(ckpts._group, size)
@@ -366,14 +435,14 @@ def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optiona
     try:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(plain, storage_reader=dcp_reader.reader(os.path.join(folder, FOLDER)),
+        dcp.load(plain, storage_reader=dcp_reader.reader(os.path.join(folder, FOLDER), cache),
                  planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=single_process())
         put_back(template, plain)
         shared = loads(shared_blob, ckpts.safe_globals) if shared_blob is not None else None
         name = f"rank-{me:05d}.pt"
         if marker["world_size"] == size and name in marker["files"]:
-            with open(os.path.join(folder, name), "rb") as f:
-                local = loads(f.read(), ckpts.safe_globals)
+            mine = cache.get(os.path.normpath(os.path.join(folder, name)))
+            local = loads(mine if mine is not None else checksums.read_whole(folder, name, marker), ckpts.safe_globals)
         elif me == 0:
             log.warning("hpcsync.checkpoint: %s was written by %d ranks, this job has %d: the sharded state is "
                         "resharded, the ranks' local states are not loaded", folder, marker["world_size"], size)

@@ -1,0 +1,67 @@
+"""Damaged checkpoints: seeded corruption fuzz over the forms this machine reaches without
+namespace nodes (rank 0's form and the sharded form, 2 real MPI ranks each). For a drawn file of a
+drawn checkpoint, a drawn damage (bytes flipped, truncated, same-size garbage, deleted, swapped with
+the same file of another step, replaced by another run's): ``load()`` returns a checkpoint bitwise
+equal to the newest one left whole, or a CheckpointError on every rank; never another state, never
+a hang. The counts by form and damage kind are printed (``-s``), with the seed.
+
+The node-local form (``local_dir=``) is left out: its node copies' markers carry sizes only (its
+loads from the root are the sharded form's, verified)."""
+import collections
+import os
+
+import pytest
+
+from launch import openmpi, run
+
+SEED = int(os.environ.get("HPCSYNC_TEST_SEED", "56"))
+
+
+def fuzz(tmp_path, form, cases, seed=SEED):
+    res = run(openmpi(), 2, "ckpt_damage.py", form, str(seed), str(cases), str(tmp_path / "roots"),
+              tmp_path=tmp_path, timeout=240)
+    counts = collections.Counter()
+    wrong = []
+    for case in zip(*(r["cases"] for r in res.ranks)):
+        kind = case[0]["damage"].split()[0]
+        outcomes = {c["outcome"] for c in case}
+        got = {repr(c["got"]) if c["got"][0] != "loaded" else repr(c["got"][:2]) for c in case}
+        outcome = outcomes.pop() if len(outcomes) == 1 and len(got) == 1 else "wrong"  # the ranks agree
+        counts[(kind, outcome)] += 1
+        if outcome != "right":
+            wrong.append((outcome, case[0]["case"], case[0]["damage"], case[0]["changed"], case[0]["expected"],
+                          [c["got"] for c in case]))
+    print(f"\ncorruption fuzz, form {form}, seed {seed} (HPCSYNC_TEST_SEED), {cases} cases, "
+          f"{res.ranks[0]['cases_s']:.1f} s of cases:")
+    for kind in sorted({k for k, _ in counts}):
+        print(f"  {form:8s} {kind:10s} " + "  ".join(f"{o} {counts[(kind, o)]}" for o in ("right", "error", "wrong")))
+    return res, wrong
+
+
+@pytest.mark.parametrize("form,cases", [("rank0", 12), ("rank0", 120), ("sharded", 72)],
+                         ids=["rank0-quick", "rank0", "sharded"])
+def test_a_damaged_checkpoint_is_never_loaded(tmp_path, form, cases):
+    """Every case: the newest checkpoint left whole, bitwise, on every rank (a CheckpointError
+    on every rank would be allowed, but with a whole one left it is counted, and none is
+    expected); the warning that skips a damaged one names its folder and file, on the console
+    (stderr) by default. Every checkpoint damaged: a CheckpointError on every rank that says
+    "damaged" and names the file (not the weights_only hint); ``load(step=3)`` of a damaged step
+    3: the same, and step 2 still loads."""
+    res, wrong = fuzz(tmp_path, form, cases)
+    assert not wrong, f"seed {SEED}: {len(wrong)} cases not right, e.g. {wrong[:5]}"
+    lines = res.stderr.splitlines()
+    newest = [c for c in res.ranks[0]["cases"] if c["changed"] == [3]]  # the newest damaged, one file
+    for c in newest:  # its warning: on the console (stderr: the program sets no logging up), naming both
+        folder, name = c["damage"].split()[1].split("/", 1)
+        said = [ln for ln in lines if f"case{c['case']}/{folder}: damaged" in ln]
+        assert said and (name in said[0] or "its marker" in said[0]), (c, said, res.stderr[-3000:])
+    assert newest, "no case damaged the newest checkpoint: more cases"
+    for r in res.ranks:
+        special = r["special"]
+        everything = special["all"]["got"]
+        assert everything[0] == "error" and "damaged" in everything[1] and special["all"]["file"] in everything[1] \
+            and "weights_only" not in everything[1], special
+        assert special["step3"][0] == "error" and "damaged" in special["step3"][1], special
+        assert special["step2"][:3] == ["loaded", 2, True], special
+    assert res.ranks[0]["special"]["all"]["got"] == res.ranks[1]["special"]["all"]["got"]
+    assert res.ranks[0]["special"]["step3"] == res.ranks[1]["special"]["step3"]
