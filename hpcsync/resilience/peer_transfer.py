@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tup
 
 import numpy as np
 
-from ..core import mpi, serial, settings
+from ..core import bounded, mpi, serial, settings
 from ..core.errors import CollectiveTimeout
 from ..core.worker import Stalled, Worker, result
 
@@ -91,7 +91,8 @@ class Disk:
     is still in the stuck one: nothing more is handed to it)."""
 
     def __init__(self, ctl: Any, where: Callable[[int], str], phase: str) -> None:
-        self.limit = ctl.timeout / 4 + CHUNK / (settings.number("HPCSYNC_CHECKPOINT_MBPS") * 1e6)
+        timeout = getattr(ctl, "timeout", None) or bounded.default_timeout()  # (one process: no control comm)
+        self.limit = timeout / 4 + CHUNK / (settings.number("HPCSYNC_CHECKPOINT_MBPS") * 1e6)
         self.who, self.phase = where(ctl.Get_rank()), phase
         self.stuck: Optional[str] = None
         self._worker: Optional[Worker] = None
