@@ -129,11 +129,15 @@ def test_copies_of_two_saves_with_one_number_never_pass_for_one_checkpoint(tmp_p
     from hpcsync.resilience.checkpoint import Checkpoints
     from hpcsync.resilience.node_copies import _choose
 
-    def half(token, names):
-        return {(3, token): {"step": 30, "seq": 3, "token": token, "count": 4, "world_size": 2,
-                             "files": {n: 10 for n in names}}}
+    from hpcsync.resilience.root_owner import claim, this_job
 
     ckpts, lay = Checkpoints(str(tmp_path / "root")), Layout.of(["a", "b"])
+    run = claim(ckpts.root, this_job()).id
+
+    def half(token, names):
+        return {(3, token): {"step": 30, "seq": 3, "token": token, "count": 4, "world_size": 2, "run": run,
+                             "files": {n: 10 for n in names}}}
+
     mixed = [half("one", ["rank-00000.pt", "sharded/__0_0.distcp"]), half("two", ["rank-00001.pt", "sharded/__1_0.distcp"])]
     assert _choose(ckpts, None, mixed, lay) is None
     whole = [half("one", ["rank-00000.pt", "sharded/__0_0.distcp"]), half("one", ["rank-00001.pt", "sharded/__1_0.distcp"])]
@@ -152,7 +156,9 @@ def test_a_node_local_save_keeps_a_complete_checkpoint_at_every_moment(tmp_path)
 
     ckpt_op(tmp_path, "save-local", tmp_path / "base", 1, "5=old")
 
-    def prepare(root):  # the node-local copies only; their folder is named after its root: renamed
+    def prepare(root):  # the node-local copies, the root's OWNER (its run); their folder is named after its root
+        os.makedirs(root)
+        shutil.copy(tmp_path / "base" / "OWNER", root / "OWNER")
         shutil.copytree(f"{tmp_path}/base-local", f"{root}-local")
         [inner] = Path(f"{root}-local").glob("hpcsync-*")
         inner.rename(base(Checkpoints(str(root), local_dir=f"{root}-local")))

@@ -64,7 +64,7 @@ from . import node_copies as _node_copies
 from . import sharded as _sharded
 from .checkpoint_io import dumps, from_rank0, loads
 from .checksums import Damaged
-from .root_owner import claim, this_job
+from .root_owner import advance, claim, this_job
 
 __all__ = ["MARKER", "STEP_RULE", "as_step", "read_marker", "next_seq", "Checkpoint", "Checkpoints"]
 
@@ -244,7 +244,7 @@ class Checkpoints:
         for name in os.listdir(self.root):  # what an earlier, interrupted save of this root left
             if name.startswith(".step-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        seq = next_seq(self.root) if seq is None else seq
+        seq = advance(self.root, self._job, next_seq(self.root))[0] if seq is None else seq  # (one counter)
         tmp = os.path.join(self.root, f".step-{step:08d}.{seq}.tmp")
         final = self.path(step)
         if os.path.lexists(final):  # the same step saved again: a name of its own, the old one stays

@@ -23,7 +23,12 @@ each rank then reads the byte ranges DCP asks of it from its own node's disk, or
 those from a rank whose node holds them (one bounded exchange), and no checkpoint data from the
 shared root (rank 0 lists it and reads its markers, to compare). Only when no complete set
 survived does it read the root. A copy is one save's: its marker carries a token rank 0 drew for
-that save, so copies of two jobs' saves with the same number never pass for one checkpoint. The
+that save, so copies of two jobs' saves with the same number never pass for one checkpoint; and
+one run's: its marker carries the root's run identity (:class:`~hpcsync.resilience.root_owner.RunRecord`,
+read by rank 0 once per save and per load, sent with its plan or choice), and a copy of another
+identity is never loaded (rank 0 warns; the node's next save removes it): a root that is gone
+while copies remain is a new run, which starts fresh. Saves are numbered from the root's counter,
+whatever the form, so the root's newer checkpoints win over older copies. The
 copies move over MPI (a job under torchrun alone gets a clear error); the ranks must give the same
 options (checked).
 
@@ -40,7 +45,7 @@ ranks' ``local`` states are then not loaded).
 Cost at N ranks on M nodes (S the whole state, L a rank's local state, M_d DCP's metadata, a
 few files a rank): a save writes S/N + L on each rank and, for each copy, sends and receives as
 much point-to-point, all ranks at once; its exchanges are an allgather of hostnames (first use),
-of one integer and of one count a rank, and the error agreements (O(log N) rounds each, a few
+rank 0's plan broadcast, an allgather of one count a rank, and the error agreements (O(log N) rounds each, a few
 bytes a rank). A load gathers the node leaders' lists of complete copies to rank 0 (a few names
 a rank: about 0.2 MB in all at 1,024 ranks and ``keep=2``), broadcasts rank 0's choice with a
 holder for each file (about 80 KB a rank at 1,024 ranks), broadcasts the metadata and the shared
@@ -69,7 +74,7 @@ from ..data.staging.private import make_private_dirs, not_private
 from . import checkpoint_io, dcp_reader, peer_transfer
 from . import sharded as _sharded
 from .checkpoint_io import from_rank0, loads
-from .root_owner import claim
+from .root_owner import advance, claim
 
 __all__ = ["MARKER", "FOLDER", "Layout", "needs_mpi", "layout", "base", "save", "latest", "load"]
 
@@ -204,7 +209,7 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
         log.warning("hpcsync.checkpoint: replicas=%d, but the job has %d node(s): each checkpoint is on %d node(s); "
                     "losing one loses its newest copies", ckpts.replicas, len(lay.ranks), replicas + 1)
     pg, data, blob, _, plain = _sharded.prepare(ckpts, ctl, step, shared, local, state)
-    here, leader, newest, error = base(ckpts), lay.leader(me) == me, -1, None
+    here, leader, error = base(ckpts), lay.leader(me) == me, None
     if leader:
         try:
             refused = make_private_dirs(here)
@@ -213,18 +218,16 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
             for name in os.listdir(here):  # what an interrupted save left
                 if name.startswith(".step-") and name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(here, name), ignore_errors=True)
-            newest = max((seq for seq, _ in _copies(here)), default=-1)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: ")
     raise_if_any(ctl, error, CheckpointError, failed)
-    newest = max(ctl.allgather(newest))  # (one int a rank)
 
-    def plan() -> Tuple[int, str, float, bool]:  # rank 0: after the nodes' copies and the root's
-        seq = max(newest + 1, ckpts._root_seq())
+    def plan() -> Tuple[int, str, float, bool, str]:  # rank 0: the root's counter (every form's), its run
+        seq, run = advance(ckpts.root, ckpts._job, ckpts._root_seq())
         return (seq, uuid.uuid4().hex[:12], time.time(),
-                to_root or (bool(ckpts.shared_every) and seq % ckpts.shared_every == 0))
+                to_root or (bool(ckpts.shared_every) and seq % ckpts.shared_every == 0), run)
 
-    seq, token, saved_at, to_root = from_rank0(ctl, plan, f"step {step} not saved (rank 0: {{}})")
+    seq, token, saved_at, to_root, run = from_rank0(ctl, plan, f"step {step} not saved (rank 0: {{}})")
     name = _name(step, seq, token)
     tmp, final = os.path.join(here, f".{name}.tmp"), os.path.join(here, name)
     error = None
@@ -255,13 +258,17 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
     if leader:
         try:
             marker = {"step": step, "seq": seq, "token": token, "world_size": size, "count": count,
-                      "files": _held(tmp), "job": ckpts._job, "time": saved_at, "sharded": True}
+                      "files": _held(tmp), "job": ckpts._job, "time": saved_at, "sharded": True, "run": run}
             checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
             fsync_dir(os.path.join(tmp, FOLDER))
             fsync_dir(tmp)
             os.rename(tmp, final)
             fsync_dir(here)
             copies = _copies(here)
+            for old in [s for s, (_, m) in copies.items() if m.get("run") != run]:  # another run's: never loaded
+                gone = copies.pop(old)[0]
+                log.info("hpcsync.checkpoint: removing %s, a node-local copy of another run", gone)
+                shutil.rmtree(gone, ignore_errors=True)
             for old in sorted(copies, reverse=True)[ckpts.keep:]:
                 shutil.rmtree(copies[old][0], ignore_errors=True)
         except OSError as exc:
@@ -304,9 +311,14 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[Tuple
     time)`` for the last saved checkpoint the nodes hold between them (by sequence number, then by
     rank 0's clock when it was saved), ``("root", chosen)`` when the root's is newer (or the only
     one), or None."""
+    run = claim(ckpts.root, ckpts._job).id  # (read once per load, here)
     union: Dict[Tuple[int, str], Dict[str, Any]] = {}
+    foreign: Dict[str, List[int]] = {}
     for node, copies in enumerate(every):
         for seq, marker in (copies or {}).items():  # (seq: (sequence number, token))
+            if marker.get("run") != run:  # another run's copy (its root removed, moved, replaced): never loaded
+                foreign.setdefault(lay.names[node], []).append(marker["step"])
+                continue
             if step is not None and marker["step"] != step:
                 continue
             u = union.setdefault(seq, {"marker": marker, "holders": {}, "sizes": {}})
@@ -324,7 +336,14 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[Tuple
         log.warning("hpcsync.checkpoint: step %s (saved as number %d) cannot be restored: this job's nodes hold %d of "
                     "its %s files (more nodes lost than it has copies, or copies that differ)",
                     u["marker"] and u["marker"]["step"], lost[0], len(u["sizes"]), u["marker"] and u["marker"]["count"])
-    claim(ckpts.root, ckpts._job)
+    if foreign:
+        log.warning("hpcsync.checkpoint: not loading %d node-local cop%s of another run (%s): %s holds run %s now, "
+                    "which they are not part of -- the root was removed, moved or replaced since they were written "
+                    "(a root that is gone is a new run: it starts fresh); the root's own checkpoints are loaded, if "
+                    "any, and each node's next save removes them", sum(map(len, foreign.values())),
+                    "ies" if sum(map(len, foreign.values())) > 1 else "y",
+                    "; ".join(f"{n}: step {', '.join(map(str, sorted(st)))}" for n, st in list(foreign.items())[:8]),
+                    ckpts.root, run[:12])
     in_root = [(s, st) for s, st, _ in ckpts._complete() if step is None or st == step]  # (markers only)
     if in_root and in_root[0][0] > best[0]:
         return ("root", ckpts._choose(in_root[0][1], sharded=True))

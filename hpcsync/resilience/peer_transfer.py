@@ -10,10 +10,14 @@ send and receive cannot deadlock.
 **Bounded.** An exchange ends with :class:`~hpcsync.core.errors.CollectiveTimeout` when none of
 its messages completed for ``timeout`` seconds plus a chunk's time at
 ``HPCSYNC_CHECKPOINT_MBPS``, naming the ranks and nodes it still waited for: a deadline per chunk,
-not per job, so a large copy is never a false timeout. **Never silently wrong:** a local error (a
-file that cannot be read or written) does not break the exchange: the rank goes on sending zeros
-or dropping what it receives, and returns its error, for the ranks to agree on before anything
-they moved is used.
+not per job, so a large copy is never a false timeout. A rank's own file I/O (open, read, write,
+flush, close) runs on a worker thread of its own (:class:`Disk`), each call waited for at most a
+quarter of the timeout plus a chunk's time: a node-local disk that stops answering is that
+rank's error, naming the rank, its node, the file and the phase (save or load), raised before
+its peers' deadline; the thread is left to its stuck call and the rank does no more I/O in that
+exchange. **Never silently wrong:** a local error (a file that cannot be read or written, a
+stuck disk) does not break the exchange: the rank goes on sending zeros or dropping what it
+receives, and returns its error, for the ranks to agree on before anything they moved is used.
 """
 from __future__ import annotations
 
@@ -24,10 +28,13 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tup
 
 import numpy as np
 
-from ..core import mpi, serial, settings
+from ..core import bounded, mpi, serial, settings
 from ..core.errors import CollectiveTimeout
+from ..core.worker import Stalled, Worker, result
 
-__all__ = ["CHUNK", "TAG_HEAD", "TAG_DATA", "TAG_ASK", "TAG_RANGE", "SPIN_S", "Step", "Range", "send_files", "fetch"]
+__all__ = ["CHUNK", "TAG_HEAD", "TAG_DATA", "TAG_ASK", "TAG_RANGE", "SPIN_S", "Step", "Range", "StuckDisk", "Disk",
+           "open_file", "read_into", "write_all", "sync_close", "close_file", "file_size", "read_range",
+           "send_files", "fetch"]
 
 CHUNK = 64 << 20  #: the most bytes one message carries
 TAG_HEAD, TAG_DATA, TAG_ASK, TAG_RANGE = (settings.TAG_COPY_HEAD, settings.TAG_COPY_DATA, settings.TAG_COPY_ASK,
@@ -36,6 +43,82 @@ SPIN_S = 0.05  # test without sleeping this long after the last progress
 
 Step = Tuple[Any, int, Any]  # (an MPI request, the peer rank, the buffers it uses)
 Range = Tuple[str, int, int]  # (a file's name, offset, length)
+
+
+class StuckDisk(OSError):
+    """This rank's disk did not answer a call within its deadline (or an earlier one did not)."""
+
+
+# What runs on the worker thread (module functions: a test program may make one hang).
+def open_file(path: str, mode: str) -> Any:
+    return open(path, mode)
+
+
+def read_into(f: Any, view: Any) -> int:
+    return f.readinto(view)
+
+
+def write_all(f: Any, data: Any) -> None:
+    f.write(data)
+
+
+def sync_close(f: Any) -> None:
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    finally:
+        f.close()
+
+
+def close_file(f: Any) -> None:
+    f.close()
+
+
+def file_size(path: str) -> int:
+    return os.path.getsize(path)
+
+
+def read_range(path: str, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+class Disk:
+    """One exchange's file I/O on this rank, each call run on a daemon worker thread and waited
+    for at most ``limit`` seconds. Past it, :class:`StuckDisk` naming ``who`` (rank and node),
+    what the call did (the file) and ``phase``; every later call then raises at once (the thread
+    is still in the stuck one: nothing more is handed to it)."""
+
+    def __init__(self, ctl: Any, where: Callable[[int], str], phase: str) -> None:
+        timeout = getattr(ctl, "timeout", None) or bounded.default_timeout()  # (one process: no control comm)
+        self.limit = timeout / 4 + CHUNK / (settings.number("HPCSYNC_CHECKPOINT_MBPS") * 1e6)
+        self.who, self.phase = where(ctl.Get_rank()), phase
+        self.stuck: Optional[str] = None
+        self._worker: Optional[Worker] = None
+
+    def call(self, doing: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.stuck is not None:
+            raise StuckDisk(self.stuck)
+        if self._worker is None:
+            self._worker = Worker("hpcsync-copy-io")
+        try:
+            return result(self._worker.submit(fn, *args), self.limit, lambda: f"{self.who}: {doing} ({self.phase})")
+        except Stalled as exc:
+            self.stuck = f"its node-local disk stopped answering: {exc}"
+            raise StuckDisk(self.stuck) from None
+
+    def close(self, f: Any) -> None:
+        """Close ``f`` (not on a stuck disk: the file stays open, as the thread is in it); never raises."""
+        if f is not None and self.stuck is None:
+            try:
+                self.call(f"closing {f.name}", close_file, f)
+            except OSError:
+                pass
+
+    def done(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
 
 
 def _plain_name(name: str) -> bool:
@@ -98,32 +181,30 @@ def _receive_sized(comm: Any, peer: int, tag: int, into: List[bytes]) -> Generat
     into.append(bytes(blob))
 
 
-def _send_chunks(comm: Any, peer: int, pieces: Sequence[Tuple[str, int, int]], errors: List[str]
+def _send_chunks(comm: Any, peer: int, pieces: Sequence[Tuple[str, int, int]], errors: List[str], disk: Disk
                  ) -> Generator[Step, None, None]:
-    """Send the bytes of ``pieces`` ((path, offset, length), in order) to ``peer`` in chunks; what
+    """Send the bytes of ``pieces`` ((path, 0, length), in order) to ``peer`` in chunks; what
     cannot be read goes as zeros (the error kept in ``errors``)."""
     MPI = mpi.MPI()
-    for path, offset, length in pieces:
+    for path, _, length in pieces:
         f = None
         try:
-            f = open(path, "rb")
-            f.seek(offset)
+            f = disk.call(f"opening {path}", open_file, path, "rb")
         except OSError as exc:
             errors.append(f"cannot read {path}: {exc}")
         try:
             for at in range(0, length, CHUNK):
                 buf = bytearray(min(CHUNK, length - at))
                 try:
-                    if f is not None and f.readinto(buf) != len(buf):
-                        raise OSError(f"{path} is shorter than {offset + length} bytes")
+                    if f is not None and disk.call(f"reading {path}", read_into, f, buf) != len(buf):
+                        raise OSError(f"{path} is shorter than {length} bytes")
                 except OSError as exc:
                     errors.append(f"cannot read {path}: {exc}")
-                    f.close()
+                    disk.close(f)
                     f = None
                 yield serial.call(comm.Isend, [buf, MPI.BYTE], peer, TAG_DATA), peer, buf
         finally:
-            if f is not None:
-                f.close()
+            disk.close(f)
 
 
 def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequence[int], folder: str,
@@ -136,28 +217,28 @@ def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequen
     got: Dict[str, int] = {}
     if not out and not incoming:
         return got, errors
-    comm = ctl.raw()
+    comm, disk = ctl.raw(), Disk(ctl, where, "save")
 
     def sender(peer: int, files: List[Tuple[str, str]]) -> Generator[Step, None, None]:
         listing = []
         for name, path in files:
             try:
-                listing.append((name, os.path.getsize(path)))
+                listing.append((name, disk.call(f"reading the size of {path}", file_size, path)))
             except OSError as exc:
                 errors.append(f"cannot read {path}: {exc}")
                 listing.append((name, 0))
         yield from _sized(comm, peer, json.dumps(listing).encode(), TAG_HEAD)
-        yield from _send_chunks(comm, peer, [(p, 0, n) for (_, p), (_, n) in zip(files, listing)], errors)
+        yield from _send_chunks(comm, peer, [(p, 0, n) for (_, p), (_, n) in zip(files, listing)], errors, disk)
 
     def receiver(peer: int) -> Generator[Step, None, None]:
         MPI = mpi.MPI()
         head: List[bytes] = []
         yield from _receive_sized(comm, peer, TAG_HEAD, head)
         for name, size in json.loads(head[0]):
-            f = None
+            f, path = None, os.path.join(folder, name)
             if _plain_name(name):
                 try:
-                    f = open(os.path.join(folder, name), "xb")
+                    f = disk.call(f"creating {path}", open_file, path, "xb")
                 except OSError as exc:
                     errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
             else:
@@ -167,23 +248,23 @@ def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequen
                 yield serial.call(comm.Irecv, [buf, MPI.BYTE], peer, TAG_DATA), peer, buf
                 try:
                     if f is not None:
-                        f.write(buf)
+                        disk.call(f"writing {path}", write_all, f, buf)
                 except OSError as exc:
                     errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
-                    f.close()
+                    disk.close(f)
                     f = None
             if f is not None:
                 try:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    disk.call(f"flushing {path} to disk", sync_close, f)
                     got[name] = size
                 except OSError as exc:
                     errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
-                finally:
-                    f.close()
 
     streams = [sender(p, files) for p, files in out.items()] + [receiver(p) for p in incoming]
-    _drive(ctl, streams, where, "copying checkpoint files to peers")
+    try:
+        _drive(ctl, streams, where, "copying checkpoint files to peers")
+    finally:
+        disk.done()
     return got, errors
 
 
@@ -207,6 +288,7 @@ def fetch(ctl: Any, wants: Dict[int, List[Range]], path_of: Callable[[str], Opti
     errors: List[str] = []
     got: Dict[Range, memoryview] = {}
     comm = ctl.raw() if asks or theirs.any() else None
+    disk = Disk(ctl, where, "load")
 
     def asker(peer: int, blob: bytes) -> Generator[Step, None, None]:
         MPI = mpi.MPI()
@@ -233,29 +315,32 @@ def fetch(ctl: Any, wants: Dict[int, List[Range]], path_of: Callable[[str], Opti
             pieces.append((path, int(offset), int(length)))
             total += int(length)
         # one stream of chunks, cut where the asker cuts its buffer: the pieces' bytes back to back
-        yield from _send_chunks_cut(comm, peer, pieces, total, errors)
+        yield from _send_chunks_cut(comm, peer, pieces, total, errors, disk)
 
     streams = [asker(p, b) for p, b in asks.items()] + [server(p, int(n)) for p, n in enumerate(theirs) if n]
-    if streams:
-        _drive(ctl, streams, where, "fetching checkpoint bytes from peers")
-    for name, offset, length in wants.get(me, []):
-        path = path_of(name)
-        try:
-            if path is None:
-                raise OSError(f"this node holds no copy of {name}")
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(length)
-            if len(data) != length:
-                raise OSError(f"{path} is shorter than {offset + length} bytes")
-            got[(name, offset, length)] = memoryview(data)
-        except OSError as exc:
-            errors.append(str(exc))
+    try:
+        if streams:
+            _drive(ctl, streams, where, "fetching checkpoint bytes from peers")
+        for name, offset, length in wants.get(me, []):
+            path = path_of(name)
+            try:
+                if path is None:
+                    raise OSError(f"this node holds no copy of {name}")
+                data = disk.call(f"reading {path}", read_range, path, offset, length)
+                if len(data) != length:
+                    raise OSError(f"{path} is shorter than {offset + length} bytes")
+                got[(name, offset, length)] = memoryview(data)
+            except StuckDisk as exc:
+                errors.append(f"cannot read {path}: {exc}")
+            except OSError as exc:
+                errors.append(str(exc))
+    finally:
+        disk.done()
     return got, errors
 
 
 def _send_chunks_cut(comm: Any, peer: int, pieces: Sequence[Tuple[Optional[str], int, int]], total: int,
-                     errors: List[str]) -> Generator[Step, None, None]:
+                     errors: List[str], disk: Disk) -> Generator[Step, None, None]:
     """The bytes of ``pieces`` back to back, sent as messages of exactly :data:`CHUNK` bytes (the
     last shorter), as :func:`fetch`'s asker receives them whatever the pieces' own sizes; a piece
     without a path (its error already kept) or that cannot be read goes as zeros."""
@@ -264,24 +349,23 @@ def _send_chunks_cut(comm: Any, peer: int, pieces: Sequence[Tuple[Optional[str],
     for path, offset, length in pieces:
         done, f = 0, None
         try:
-            f = open(path, "rb") if path is not None else None
+            f = disk.call(f"opening {path}", open_file, path, "rb") if path is not None else None
             if f is not None:
-                f.seek(offset)
+                f.seek(offset)  # (no I/O: the next read's)
         except OSError as exc:
             errors.append(f"cannot read {path}: {exc}")
-            if f is not None:
-                f.close()
+            disk.close(f)
             f = None
         try:
             while done < length:
                 n = min(length - done, len(buf) - fill)
                 view = memoryview(buf)[fill: fill + n]
                 try:
-                    if f is not None and f.readinto(view) != n:
+                    if f is not None and disk.call(f"reading {path}", read_into, f, view) != n:
                         raise OSError(f"{path} is shorter than {offset + length} bytes")
                 except OSError as exc:
                     errors.append(f"cannot read {path}: {exc}")
-                    f.close()
+                    disk.close(f)
                     f = None
                 if f is None:
                     view[:] = bytes(n)
@@ -291,5 +375,4 @@ def _send_chunks_cut(comm: Any, peer: int, pieces: Sequence[Tuple[Optional[str],
                     total -= fill
                     buf, fill = bytearray(min(CHUNK, total)), 0
         finally:
-            if f is not None:
-                f.close()
+            disk.close(f)

@@ -3,6 +3,8 @@ runs (Slurm's ``squeue``, or a live process on this host) is refused, a job that
 root on, and a requeued job is the same job."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -10,19 +12,34 @@ import shutil
 import socket
 import subprocess
 import time
-from typing import Any, Dict, Optional
+import uuid
+from typing import Any, Dict, Optional, Tuple
 
 from ..core.errors import CheckpointError
 
-__all__ = ["OWNER", "ENDING_WAIT_S", "start_ticks", "this_job", "job_running", "claim"]
+__all__ = ["OWNER", "ENDING_WAIT_S", "RunRecord", "start_ticks", "this_job", "job_running", "claim", "advance"]
 
 log = logging.getLogger(__name__)
 
 OWNER = "OWNER"
 _SQUEUE_TIMEOUT_S = 30.0
 ENDING_WAIT_S = 3.0  # how long a process of this host that holds the root is given to end
+_OWNER_MAX = 1 << 16  # an OWNER longer than this is no record of ours
+_SHAPE: Dict[str, Any] = {"slurm_job": (str, type(None)), "host": str, "pid": int, "start": (int, type(None))}
 _FINISHED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
              "OUT_OF_MEMORY", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """The run a checkpoint root holds, kept in its ``OWNER`` (``"run"``) across the jobs that use
+    it: ``id``, drawn at the root's first claim and written into every node-local copy's marker
+    (a copy of another id is another run's: never loaded), and ``next_seq``, the sequence number
+    the root's next save of any form gets (one counter, whatever the form). Version 1."""
+
+    id: str
+    next_seq: int
+    version: int = 1
 
 
 def start_ticks(pid: int) -> Optional[int]:
@@ -85,41 +102,106 @@ def job_running(job: Dict[str, Any]) -> Optional[bool]:
     return _runs(pid, start)
 
 
-def claim(root: str, job: Dict[str, Any]) -> None:
-    """Record this job in ``ROOT/OWNER``, unless another job that still runs holds the root."""
-    owner_path = os.path.join(root, OWNER)
+def _record(owner_path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """``ROOT/OWNER``'s job record, or None; and why it cannot be used, when it is there but
+    damaged, empty or of another shape (it then names no job, live or not)."""
     try:
-        with open(owner_path) as f:
-            owner = json.load(f)
+        with open(owner_path, "rb") as f:
+            data = f.read(_OWNER_MAX + 1)
     except FileNotFoundError:
-        owner = None
-    except (OSError, ValueError) as exc:
-        log.warning("hpcsync.checkpoint: %s unreadable (%s); taking the root over", owner_path, exc)
-        owner = None
-    if owner is not None and _same_job(owner, job):
-        return
-    if owner is not None:
-        running = job_running(owner)
-        if running:
-            raise CheckpointError(
-                f"{root} is in use by {_describe_job(owner)}, which is still running: two jobs on one "
-                "checkpoint root would load and prune each other's checkpoints; give each job its own root "
-                "(e.g. a folder per SLURM_ARRAY_TASK_ID)")
-        if running is None:
-            log.warning("hpcsync.checkpoint: %s was used by %s, which this machine cannot tell is over; "
-                        "taking it over", root, _describe_job(owner))
-    os.makedirs(root, exist_ok=True)
+        return None, None
+    except OSError as exc:
+        return None, f"unreadable ({exc})"
+    try:
+        owner = json.loads(data)
+    except ValueError as exc:
+        return None, f"not JSON ({'empty' if not data.strip() else exc})"
+    if not isinstance(owner, dict):
+        return None, f"a JSON {type(owner).__name__}, not a job's record"
+    wrong = [k for k, kinds in _SHAPE.items() if not isinstance(owner.get(k, ...), kinds)]
+    if wrong:
+        return None, f"a record without a valid {', '.join(wrong)}"
+    return owner, None
+
+
+def _run(owner: Optional[Dict[str, Any]]) -> Optional[RunRecord]:
+    """The run record an ``OWNER`` carries, or None (none, or an older hpcsync's record)."""
+    run = (owner or {}).get("run")
+    if isinstance(run, dict) and run.get("version") == 1 and isinstance(run.get("id"), str) \
+            and isinstance(run.get("next_seq"), int) and run["id"]:
+        return RunRecord(run["id"], run["next_seq"])
+    return None
+
+
+def _write(owner_path: str, job: Dict[str, Any], run: RunRecord, new: bool) -> None:
+    """Write ``OWNER`` (``job`` and ``run``) through a temporary: atomically replaced, or (``new``)
+    linked into place, which fails with FileExistsError when another job was first."""
     tmp = f"{owner_path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(job, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if owner is not None:  # taking over from a job that ended
-        os.replace(tmp, owner_path)
-        return
-    try:  # a root nobody claimed: of two jobs starting together, one creates OWNER (link is atomic)
-        os.link(tmp, owner_path)
-    except FileExistsError:
-        claim(root, job)  # the other job was first: judge it like any owner
+    try:
+        with open(tmp, "w") as f:
+            json.dump({**{k: job.get(k) for k in _SHAPE}, "run": dataclasses.asdict(run)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if new:
+            os.link(tmp, owner_path)
+        else:
+            os.replace(tmp, owner_path)
     finally:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def claim(root: str, job: Dict[str, Any]) -> RunRecord:
+    """Record this job in ``ROOT/OWNER``, unless another job that still runs holds the root; the
+    run the root holds (made at its first claim, kept across the jobs that use it).
+
+    One bounded step, never recursive: an ``OWNER`` that is damaged, empty or of another shape
+    names no job, so it is taken over with a warning; a valid record of a job that still runs
+    (or, when two jobs start together, of the one that created ``OWNER`` first) is refused with a
+    :class:`CheckpointError`; a job that ended hands the root on. Takes a file read and, when the
+    owner changes, a write (``squeue`` once, or at most ``ENDING_WAIT_S``, to judge another job)."""
+    owner_path = os.path.join(root, OWNER)
+    for first in (True, False):  # (a second look only when another job created OWNER meanwhile)
+        owner, why = _record(owner_path)
+        run = _run(owner)
+        if owner is not None and _same_job(owner, job) and run is not None:
+            return run
+        if owner is not None and not _same_job(owner, job):
+            running = job_running(owner)
+            if running:
+                raise CheckpointError(
+                    f"{root} is in use by {_describe_job(owner)}, which is still running: two jobs on one "
+                    "checkpoint root would load and prune each other's checkpoints; give each job its own root "
+                    "(e.g. a folder per SLURM_ARRAY_TASK_ID)")
+            if running is None:
+                log.warning("hpcsync.checkpoint: %s was used by %s, which this machine cannot tell is over; "
+                            "taking it over", root, _describe_job(owner))
+        if why is not None:
+            log.warning("hpcsync.checkpoint: %s is damaged (%s): it names no job that could still use the root; "
+                        "taking the root over (a new run: node-local copies of an earlier one are not loaded)",
+                        owner_path, why)
+        if run is None:
+            run = RunRecord(uuid.uuid4().hex, 0)
+        try:
+            os.makedirs(root, exist_ok=True)
+            _write(owner_path, job, run, new=owner is None and why is None)
+            return run
+        except FileExistsError:
+            if not first:
+                break
+        except OSError as exc:
+            raise CheckpointError(f"hpcsync.checkpoint: cannot record this job in {owner_path}: {exc}") from None
+    raise CheckpointError(f"hpcsync.checkpoint: {owner_path} keeps changing under this job: another job uses {root}")
+
+
+def advance(root: str, job: Dict[str, Any], at_least: int) -> Tuple[int, str]:
+    """Rank 0, every form's save: claim the root, take its next sequence number (the root's
+    counter, or ``at_least`` when that is higher: markers of an older hpcsync's saves) and
+    record the one after it; ``(sequence number, run id)``. One read and one write of ``OWNER``."""
+    run = claim(root, job)
+    seq = max(run.next_seq, at_least)
+    try:
+        _write(os.path.join(root, OWNER), job, RunRecord(run.id, seq + 1), new=False)
+    except OSError as exc:
+        raise CheckpointError(f"hpcsync.checkpoint: cannot record the next sequence number in {root}: {exc}") from None
+    return seq, run.id
