@@ -76,3 +76,19 @@ def test_root_only_saves_between_node_local_ones_resume_the_newest_work(tmp_path
 
     seqs = sorted(json.loads((p / "COMPLETE").read_text())["seq"] for p in root.glob("step-*"))
     assert seqs == [3, 5], seqs  # keep=2: 20's (number 3) and the plain 30's (number 5, after 25's 4)
+
+
+def test_a_damaged_owner_keeps_the_run_its_checkpoints_name(tmp_path):
+    """Step 5 saved into the root, step 6 on the nodes only; then ``OWNER`` damaged (garbage, or
+    a job record whose run is of the wrong shape): the root's checkpoints still name its run, so
+    the next job resumes the newest work, step 6 from the nodes -- not step 5, the node copies
+    taken for another run's and removed at the next save."""
+    for i, damage in enumerate((b"\x00garbage{", b'{"slurm_job": null, "host": "h", "pid": 1, "start": null, '
+                                                 b'"run": {"version": 1, "id": "x", "next_seq": "7"}}')):
+        root, local = tmp_path / f"root{i}", tmp_path / f"local{i}"
+        job(tmp_path, root, "root:5=A", "local:6=B", local=local)
+        (root / "OWNER").write_bytes(damage)
+        res = job(tmp_path, root, "load", "local:7=C", "load", local=local)
+        assert loaded(res, 0) == (6, "B", "nodes"), (damage, res.ranks, res.stderr[-3000:])
+        assert loaded(res, 2) == (7, "C", "nodes"), res.ranks
+        assert "OWNER" in res.stderr and FOREIGN not in res.stderr, res.stderr[-3000:]

@@ -273,7 +273,8 @@ class Checkpoints:
               sums: Optional[Dict[str, str]] = None) -> str:
         """The files in ``tmp`` are on disk: write the marker (every file's size, the checksums
         ``sums`` taken as they were written, and ``fields``), rename into place, prune (rank 0)."""
-        marker = checksums.seal({**fields, "files": sizes, "job": self._job, "time": time.time()}, sums or {})
+        marker = checksums.seal({"run": claim(self.root, self._job).id, **fields, "files": sizes, "job": self._job,
+                                 "time": time.time()}, sums or {})  # (the run: what heals a damaged OWNER)
         checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
         fsync_dir(tmp)
         os.rename(tmp, final)

@@ -61,11 +61,17 @@ def seal(marker: Dict[str, Any], sums: Mapping[str, str]) -> Dict[str, Any]:
     return out
 
 
+def _summed(marker: Mapping[str, Any]) -> bool:
+    """Whether ``marker`` is one that carries checksums: of version 2 or later, or -- its version
+    lost or damaged -- holding its own checksum or the files' (never then read by sizes only)."""
+    return marker.get("version", 1) != 1 or "marker_sum" in marker or "sums" in marker
+
+
 def marker_problem(marker: Mapping[str, Any]) -> Optional[str]:
     """Why ``marker`` cannot be trusted, or None (a version 1 marker: None, sizes only)."""
-    version = marker.get("version", 1)
-    if version == 1:
+    if not _summed(marker):
         return None
+    version = marker.get("version")
     if not isinstance(version, int) or version > VERSION:
         return f"its marker is of version {version!r}, newer than this hpcsync reads ({VERSION})"
     if marker.get("marker_sum") != _marker_sum(marker):
@@ -85,7 +91,10 @@ def file_problem(marker: Mapping[str, Any], name: str, data: Optional[bytes]) ->
         return f"{name} is not in its marker"
     if len(data) != size:
         return f"{name} is {len(data)} bytes, its marker says {size}"
-    want = (marker.get("sums") or {}).get(name) if marker.get("version", 1) >= VERSION else None
+    sums = marker.get("sums") if _summed(marker) else None
+    want = sums.get(name) if isinstance(sums, dict) else None
+    if _summed(marker) and want is None:
+        return f"{name} has no checksum in its marker"
     if want is not None and hex_sum(digest(data)) != want:
         return f"{name}'s checksum differs from its marker's ({DIGEST} {hex_sum(digest(data))}, not {want})"
     return None
@@ -159,7 +168,8 @@ class _Summing(io.RawIOBase):
         self.in_order = self.in_order and position == self.size
         return int(position)
 
-    def fileno(self) -> int:
+    def fileno(self) -> int:  # (DCP syncs the file through it: what is buffered goes first)
+        self.raw.flush()
         return int(self.raw.fileno())
 
     def flush(self) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -124,6 +125,33 @@ def _record(owner_path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     return owner, None
 
 
+_CHECKPOINT = re.compile(r"^step-\d{8,}(?:\.\d+)?$")  # (a checkpoint's folder: hpcsync.resilience.checkpoint's)
+
+
+def _recovered(root: str) -> Optional[RunRecord]:
+    """The run the root's own checkpoints name, when its ``OWNER`` no longer does: the run of the
+    newest whole marker that names one (every save's marker names its run), its counter one past
+    that marker's; None when no checkpoint names a run. A listing and a read of each marker."""
+    from .checksums import marker_problem
+
+    best: Optional[Tuple[int, str]] = None
+    try:
+        names = [n for n in os.listdir(root) if _CHECKPOINT.match(n)]
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "COMPLETE"), "rb") as f:
+                marker = json.loads(f.read(_OWNER_MAX * 64))
+            seq, run = marker.get("seq"), marker.get("run")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(seq, int) and isinstance(run, str) and run and marker_problem(marker) is None \
+                and (best is None or seq > best[0]):
+            best = (seq, run)
+    return RunRecord(best[1], best[0] + 1) if best else None
+
+
 def _run(owner: Optional[Dict[str, Any]]) -> Optional[RunRecord]:
     """The run record an ``OWNER`` carries, or None (none, or an older hpcsync's record)."""
     run = (owner or {}).get("run")
@@ -176,12 +204,17 @@ def claim(root: str, job: Dict[str, Any]) -> RunRecord:
             if running is None:
                 log.warning("hpcsync.checkpoint: %s was used by %s, which this machine cannot tell is over; "
                             "taking it over", root, _describe_job(owner))
-        if why is not None:
-            log.warning("hpcsync.checkpoint: %s is damaged (%s): it names no job that could still use the root; "
-                        "taking the root over (a new run: node-local copies of an earlier one are not loaded)",
-                        owner_path, why)
-        if run is None:
-            run = RunRecord(uuid.uuid4().hex, 0)
+        if run is None:  # (a root's first claim; or its OWNER lost its run: the checkpoints' then)
+            damage = why or (owner is not None and "run" in owner and f"its run is of another shape "
+                             f"({owner['run']!r:.80})")
+            run = _recovered(root)
+            kept = run is not None
+            run = run or RunRecord(uuid.uuid4().hex, 0)
+            if damage:
+                log.warning("hpcsync.checkpoint: %s is damaged (%s)%s; taking the root over (%s)", owner_path, damage,
+                            ": it names no job that could still use the root" if why else "",
+                            f"the run its checkpoints name, {run.id}, is kept" if kept else
+                            "a new run: node-local copies of an earlier one are not loaded")
         try:
             os.makedirs(root, exist_ok=True)
             _write(owner_path, job, run, new=owner is None and why is None)
