@@ -59,8 +59,9 @@ import psutil
 
 from ..core import settings
 from ..observe import failure
+from ..observe.record import FailureRecord
 from . import probe, requeue
-from .verdict import Verdict, judge
+from .verdict import Action, Verdict, judge
 from .launchers import (WARNING_SIGNALS, Launcher, LauncherWords, Srun,
                         mpi_launcher, parse_hosts)
 from ..core.environments import expand_hostlist, parse_tasks_per_node
@@ -254,10 +255,10 @@ class Supervisor:
             words.hung = True
         return _end(child)
 
-    def _observe(self, attempt: Attempt, rc: int, records: List[Dict[str, Any]], verdict: Verdict) -> None:
+    def _observe(self, attempt: Attempt, rc: int, records: List[FailureRecord], verdict: Verdict) -> None:
         attempt.ended, attempt.exit_code = time.time(), rc
         attempt.cause, attempt.blamed, attempt.detail = verdict.cause, verdict.blamed, verdict.detail
-        attempt.first_record_at = records[0]["time"] if records else None
+        attempt.first_record_at = records[0].time if records else None
         try:
             with open(os.path.join(self.state.folder, f"attempt-{attempt.number}", failure.RESUMED)) as f:
                 resumed = json.load(f)
@@ -306,23 +307,23 @@ class Supervisor:
             verdict = judge(rc, records, words, self._signalled, self._nodes_down if self.slurm_job else None,
                             ranks=len(attempt.nodes) * self.per_node, nodes=attempt.nodes,
                             probe=self._unreachable if self.state.restarts() < self.max_restarts else None)
-            if verdict.action == "stop-program" and self.retry_exceptions:
-                verdict = Verdict("relaunch", "exception (retried: --retry-exceptions)", [], verdict.detail)
+            if verdict.action is Action.STOP_PROGRAM and self.retry_exceptions:
+                verdict = Verdict(Action.RELAUNCH, "exception (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)
             self.state.save()
             if previous is not None:
                 say(f"attempt {attempt.number - 1}'s failure cost {self._lost(previous, attempt)}")
-            if verdict.action == "done":
+            if verdict.action is Action.DONE:
                 say(f"{attempt.line()}" + (f": {verdict.detail}" if verdict.detail else ""))
                 return rc
-            if verdict.action == "requeue":
+            if verdict.action is Action.REQUEUE:
                 say(f"{attempt.line()}: {verdict.detail}")
                 if verdict.blamed:  # the next start leaves them out (a spare, or the job moves elsewhere)
                     self._mark_bad(verdict.blamed)
                     self.state.save()
                 return self._warned(rc, verdict.cause)
-            if verdict.action == "stop-program":
-                code = next((r["exit_code"] for r in records if r.get("program_error") and r.get("exit_code")), rc)
+            if verdict.action is Action.STOP_PROGRAM:
+                code = next((r.exit_code for r in records if r.program_error and r.exit_code), rc)
                 say(f"the program failed: {verdict.detail}; not relaunched (the same code fails again at the "
                     f"same step; --retry-exceptions retries it). Exit code {code}")
                 return code

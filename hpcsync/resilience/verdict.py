@@ -6,11 +6,22 @@ manager's state of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from enum import Enum
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
+from ..observe.record import Cause, FailureRecord
 from .launchers import LauncherWords
 
-__all__ = ["Verdict", "weigh", "judge"]
+__all__ = ["Action", "Verdict", "weigh", "judge"]
+
+
+class Action(str, Enum):
+    """What ``hpcsync run`` does after a step (the values are the words its logs and docs use)."""
+
+    DONE = "done"
+    RELAUNCH = "relaunch"
+    STOP_PROGRAM = "stop-program"
+    REQUEUE = "requeue"
 
 
 @dataclass
@@ -20,19 +31,19 @@ class Verdict:
     warning signal killed ranks before the program could act on it: requeue the job, without
     ``blamed`` if the launcher named a node too)."""
 
-    action: str
+    action: Action
     cause: str
     blamed: List[str] = field(default_factory=list)
     detail: str = ""
 
 
-def _reached(record: Dict[str, Any]) -> set:
+def _reached(record: FailureRecord) -> Set[int]:
     """The ranks a record's reporter could reach, itself included: its side of a split (a record
     without them stands for its reporter alone)."""
-    return set(record.get("reached") or [(record.get("reporter") or {}).get("rank")])
+    return set(record.reached_ranks())
 
 
-def weigh(records: Sequence[Dict[str, Any]], ranks: Optional[int] = None) -> Tuple[List[str], List[str]]:
+def weigh(records: Sequence[FailureRecord], ranks: Optional[int] = None) -> Tuple[List[str], List[str]]:
     """Which nodes the records blame, by evidence: ``(blamed, contested)``.
 
     A node cut off from the others reports them silent, as they report it, and either side may
@@ -44,29 +55,28 @@ def weigh(records: Sequence[Dict[str, Any]], ranks: Optional[int] = None) -> Tup
     split, or a minority side alone -- for other evidence to decide; never a reason to leave a
     node out by itself. At N ranks a record carries N integers at most (``reached``: about 40 KB
     of JSON at 8,192 ranks), one per side's printer; weighing is linear in what the records hold."""
-    blaming = [r for r in records if r.get("blame_nodes")]
+    blaming = [r for r in records if r.blame_nodes]
     if not blaming:
         return [], []
     if ranks is None:
-        named = [x for r in records for x in (*_reached(r), *(r.get("ranks") or [])) if isinstance(x, int)]
+        named = [x for r in records for x in (*_reached(r), *r.ranks)]
         ranks = max(named, default=0) + 1
     believed = [r for r in blaming if 2 * len(_reached(r)) > ranks]
     alive = set().union(*(_reached(r) for r in believed)) if believed else set()
-    blamed = set()
+    blamed: Set[str] = set()
     for r in believed:
-        silent = {int(k): v for k, v in (r.get("silent_at") or {}).items()}
-        if silent:
-            blamed |= {node for rank, node in silent.items() if rank not in alive}
+        if r.silent_at:
+            blamed |= {node for rank, node in r.silent_at.items() if rank not in alive}
         else:  # a record that does not say which rank is where: its nodes, as it blames them
-            blamed |= set(r["blame_nodes"])
-    contested = set()
+            blamed |= set(r.blame_nodes)
+    contested: Set[str] = set()
     if not believed:
         for r in blaming:
-            contested |= {r.get("reporter", {}).get("node"), *r["blame_nodes"]}
-    return sorted(blamed), sorted(contested - {None})
+            contested |= {r.reporter.node, *r.blame_nodes}
+    return sorted(blamed), sorted(contested)
 
 
-def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, signalled: bool,
+def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signalled: bool,
           node_state: Optional[Callable[[Sequence[str]], List[str]]] = None, ranks: Optional[int] = None,
           probe: Optional[Callable[[Sequence[str]], List[str]]] = None, nodes: Sequence[str] = ()) -> Verdict:
     """The records first (hpcsync saw the failure from inside), the launcher's words second; but
@@ -82,36 +92,36 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
     naming a node; without any, the step is relaunched on the same nodes (bounded by the cap): no
     healthy node is left out on a guess."""
     if rc == 0:
-        return Verdict("done", "completed")
+        return Verdict(Action.DONE, "completed")
     if signalled:
-        return Verdict("done", "the run was signalled", detail="not relaunched: the signal ends the run")
-    program = [r for r in records if r.get("program_error")]
+        return Verdict(Action.DONE, "the run was signalled", detail="not relaunched: the signal ends the run")
+    program = [r for r in records if r.program_error]
     if program:
         first = program[0]
-        who = f"rank {first['reporter']['rank']} on {first['reporter']['node']}"
-        return Verdict("stop-program", "exception", detail=f"{who} raised {first['detail']}")
-    hardware = [r for r in records if r.get("cause") == "hardware"]
+        who = f"rank {first.reporter.rank} on {first.reporter.node}"
+        return Verdict(Action.STOP_PROGRAM, "exception", detail=f"{who} raised {first.detail}")
+    hardware = [r for r in records if r.cause is Cause.HARDWARE]
     if hardware:  # a GPU's fault reached the program: its node, whatever the launcher saw die next
-        return Verdict("relaunch", "hardware", sorted({n for r in hardware for n in r["blame_nodes"]}),
-                       hardware[0]["detail"])
+        return Verdict(Action.RELAUNCH, "hardware", sorted({n for r in hardware for n in r.blame_nodes}),
+                       hardware[0].detail)
     if words.crash_first:  # the program's own crash: the survivors' records blame its healthy node
-        return Verdict("stop-program", "crashed", detail=f"a rank crashed ({words.crashes[0]}): the program's own "
+        return Verdict(Action.STOP_PROGRAM, "crashed", detail=f"a rank crashed ({words.crashes[0]}): the program's own "
                        "crash, its node is not blamed")
     if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
         # a node the launcher itself names (a node failure, another death) is still left out
         blamed_too = f"; the launcher also blamed {', '.join(words.nodes)}" if words.nodes else "; no node is blamed"
-        return Verdict("requeue", f"killed by {words.warning}", list(words.nodes),
+        return Verdict(Action.REQUEUE, f"killed by {words.warning}", list(words.nodes),
                        f"ranks were killed by {words.warning}, the job's warning signal, before the program "
                        f"handled it (no preemption guard yet, or no longer){blamed_too}")
     blamed, contested = weigh(records, ranks)
     if blamed:
-        first = next((r for r in records if set(r.get("blame_nodes") or []) & set(blamed)), {})
-        return Verdict("relaunch", first.get("cause", "hang"), blamed, first.get("detail", ""))
+        first = next(r for r in records if set(r.blame_nodes) & set(blamed))
+        return Verdict(Action.RELAUNCH, first.cause.value, blamed, first.detail)
     if words.nodes:
-        return Verdict("relaunch", "killed", list(words.nodes), "; ".join(words.lines[:3]))
+        return Verdict(Action.RELAUNCH, "killed", list(words.nodes), "; ".join(words.lines[:3]))
     down = node_state(contested) if contested and node_state is not None else []
     if down:
-        return Verdict("relaunch", "node down", sorted(down), f"records nobody can believe about {', '.join(contested)}: the "
+        return Verdict(Action.RELAUNCH, "node down", sorted(down), f"records nobody can believe about {', '.join(contested)}: the "
                        f"resource manager calls {', '.join(sorted(down))} down")
     unsure = bool(contested or records or words.hung or words.launch_failed)
     failing = probe(nodes) if unsure and probe is not None and nodes else []
@@ -119,21 +129,21 @@ def judge(rc: int, records: Sequence[Dict[str, Any]], words: LauncherWords, sign
         why = f"records nobody can believe about {', '.join(contested)}" if contested else \
             "the launcher could not start its daemons" if words.launch_failed else \
             "the launcher hung" if words.hung else "a timeout that names no node"
-        return Verdict("relaunch", "unreachable", sorted(failing), f"{why}; the launcher cannot run a process on "
+        return Verdict(Action.RELAUNCH, "unreachable", sorted(failing), f"{why}; the launcher cannot run a process on "
                        f"{', '.join(sorted(failing))} (each of the step's nodes probed)")
     if contested:
-        return Verdict("relaunch", "split", [], f"records nobody can believe about {', '.join(contested)} (an equal "
+        return Verdict(Action.RELAUNCH, "split", [], f"records nobody can believe about {', '.join(contested)} (an equal "
                        "split, or a minority side alone) and no other "
                        "evidence: relaunched on the same nodes, none left out on a guess")
     if records:  # a timeout nobody could pin on a node: the same nodes once more
-        return Verdict("relaunch", records[0]["cause"], [], records[0]["detail"])
+        return Verdict(Action.RELAUNCH, records[0].cause.value, [], records[0].detail)
     if words.hung and words.never_started:
-        return Verdict("relaunch", "did not start", [], "the ranks were not all up in time and no launcher message "
+        return Verdict(Action.RELAUNCH, "did not start", [], "the ranks were not all up in time and no launcher message "
                        "names a node: relaunched on the same nodes")
     if words.hung:  # the ranks ended without a word and the launcher never did: the same nodes once more
-        return Verdict("relaunch", "launcher hung", [], "the launcher did not end after the step failed, and no "
+        return Verdict(Action.RELAUNCH, "launcher hung", [], "the launcher did not end after the step failed, and no "
                        "record or launcher message blames a node: relaunched on the same nodes")
     if words.launch_failed:  # the step never ran: not the program's exit code
-        return Verdict("relaunch", "launch failed", [], "the launcher could not start its daemons and no node failed "
+        return Verdict(Action.RELAUNCH, "launch failed", [], "the launcher could not start its daemons and no node failed "
                        "a probe: relaunched on the same nodes")
-    return Verdict("done", f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
+    return Verdict(Action.DONE, f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
