@@ -171,8 +171,8 @@ def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
     # a record that blames nobody never overrides one that blames n3
     stall = rec("n0", 0, [], list(range(8)), four, cause="stall")
     assert verdict.judge(1, R(stall, rec("n1", 2, ["n3"], list(range(6)), four[:3])), quiet, False).blamed == ["n3"]
-    # a frozen rank beside its node's printer: that node
-    assert verdict.judge(1, R(rec("n0", 0, ["n0"], [0, 2, 3], four[:2])), quiet, False).blamed == ["n0"]
+    # a frozen rank beside its node's printer, which answered: its process, not its node (issue 57)
+    assert verdict.judge(1, R(rec("n0", 0, ["n0"], [0, 2, 3], four[:2])), quiet, False).blamed == []
     # an equal split: no evidence -> the same nodes; the launcher's words; Slurm's node state
     a, b = rec("n0", 0, ["n1"], [0], ["n0"]), rec("n1", 1, ["n0"], [1], ["n1"])
     v = verdict.judge(1, R(a, b), quiet, False, lambda nodes: [])
@@ -290,14 +290,14 @@ def test_a_start_far_slower_than_the_first_is_ended(tmp_path, monkeypatch):
             signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
 
 
-def test_a_stall_is_relaunched_on_the_same_nodes():
+def test_a_stall_is_the_programs_and_not_relaunched():
     hang = {"cause": "hang", "program_error": False, "blame_nodes": ["n2"], "detail": "all_reduce #5",
             "reporter": {"rank": 0, "node": "n0"}, "time": 2.0}
     killed = launchers.LauncherWords()
     killed.feed("srun: error: n1: task 3: Killed")
-    stall = {**hang, "cause": "stall", "blame_nodes": []}  # every rank answered: same nodes, bounded by the cap
+    stall = {**hang, "cause": "stall", "blame_nodes": []}  # every rank answered: a desync (issue 57)
     v = verdict.judge(1, R(stall), launchers.LauncherWords(), False)
-    assert (v.action, v.cause, v.blamed) == ("relaunch", "stall", [])
+    assert (v.action, v.cause, v.blamed) == ("stop-program", "desync", [])
     assert verdict.judge(0, R(hang), killed, False).action == "done"
     assert verdict.judge(143, [], killed, True).action == "done"  # the run itself was ended
     assert verdict.judge(75, [], launchers.LauncherWords(), False).action == "done"  # e.g. the requeue cap

@@ -4,6 +4,7 @@ warning), and the verdicts follow the evidence (tests/test_verdict_simulator.py 
 of failures; these are the defects of issue 57, one each)."""
 import json
 import logging
+import random
 
 from hpcsync.core.nodemap import NodeMap
 from hpcsync.observe import failure
@@ -69,3 +70,169 @@ def test_the_action_is_an_enum_with_the_words_of_the_logs():
     assert [a.value for a in Action] == ["done", "relaunch", "stop-program", "requeue"]
     v = verdict.judge(0, [], launchers.LauncherWords(), False)
     assert v.action is Action.DONE and v.action == "done"
+
+
+# -- the verdicts of issue 57, each on generated cases ----------------------------------------------
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+BACKEND = "/venv/lib/python3.11/site-packages/hpcsync/backend"
+
+
+def raised_in(path, exc):
+    """``exc`` as raised by code in the file ``path``, with its frame."""
+    space = {}
+    exec(compile("def fail(exc):\n    raise exc\n", path, "exec"), space)
+    try:
+        space["fail"](exc)
+    except BaseException as raised:
+        return raised
+
+
+def test_an_mpi_error_or_a_backend_timeout_is_a_lost_peer_not_the_programs(tmp_path, monkeypatch):
+    """mpi4py's MPI.Exception (a RuntimeError subclass; mpi4py sets ERRORS_RETURN) is how a
+    survivor learns its peer died: a lost peer, wherever it was raised; so is a transport's
+    "timed out" raised under hpcsync's backend. The program's misuse of MPI (a wrong count, a
+    bad rank) and the backend's mismatch (a ValueError) stay the program's. Its record says so."""
+    from mpi4py import MPI
+
+    for cls in (MPI.ERR_OTHER, MPI.ERR_INTERN, MPI.ERR_TRUNCATE):
+        assert failure.peer_gone(MPI.Exception(cls)), MPI.Exception(cls)
+        assert failure.peer_gone(raised_in(f"{BACKEND}/engine.py", MPI.Exception(cls)))
+    for cls in (MPI.ERR_COUNT, MPI.ERR_RANK, MPI.ERR_TYPE):
+        assert not failure.peer_gone(MPI.Exception(cls)), MPI.Exception(cls)
+    def timed():
+        return RuntimeError("hpcsync backend: all_reduce in group '0' timed out after 6 s")
+    assert failure.peer_gone(raised_in(f"{BACKEND}/work.py", timed()))
+    assert not failure.peer_gone(raised_in("/home/me/train.py", timed()))  # the same words from its own code
+    mismatch = ValueError("hpcsync backend: shape differs between the ranks of group '0'")
+    assert not failure.peer_gone(raised_in(f"{BACKEND}/desync.py", mismatch))
+    rec = failure.exception_record(raised_in(f"{BACKEND}/engine.py", MPI.Exception(MPI.ERR_OTHER)), Reporter(0, "n0"))
+    assert rec.cause is Cause.TIMEOUT and not rec.program_error, rec
+
+
+def hang(nodes, silent, reporter=0, never=()):
+    """The hang record the printer ``reporter`` writes when ``silent`` ranks answer nobody."""
+    size = len(nodes.node_of)
+    reached = [r for r in range(size) if r not in set(silent)]
+    return failure.hang_record({"no_reply": sorted(silent), "never_entered": list(never),
+                                "operation": {"op": "all_reduce", "seq": 7}, "group": "0", "timeout_s": 6},
+                               reached, Reporter(reporter, nodes.host(reporter)), nodes)
+
+
+def test_one_silent_rank_whose_node_mates_answered_blames_no_node():
+    """4 nodes x 8 ranks, rank 13 silent, 31 reached: n1's other ranks answered the same gathering,
+    so n1 works (a frozen process, a GIL held): no node blamed. Generated: any node count and ranks
+    a node, some but not all of a node's ranks silent -> none; all of them -> that node alone."""
+    nodes = layout(4, 8)
+    blamed, _ = verdict.weigh([hang(nodes, [13])], ranks=32)
+    assert blamed == [], blamed
+    v = verdict.judge(1, [hang(nodes, [13])], launchers.LauncherWords(), False, ranks=32, nodes=nodes.names)
+    assert v.action is Action.RELAUNCH and v.blamed == [], v
+    judged = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        count, per = rng.randint(2, 32), rng.randint(2, 8)
+        nodes = layout(count, per)
+        down = rng.sample(range(1, count), rng.randint(0, min(2, count - 2)))
+        frozen = [r for k in rng.sample(range(1, count), rng.randint(1, min(3, count - 1)))
+                  for r in rng.sample(range(k * per, (k + 1) * per), rng.randint(1, per - 1))]
+        silent = sorted({*frozen, *(r for k in down for r in range(k * per, (k + 1) * per))})
+        if 2 * (count * per - len(silent)) <= count * per:  # the printer's side is no majority: not believed
+            continue
+        judged += 1
+        blamed, _ = verdict.weigh([hang(nodes, silent)], ranks=count * per)
+        assert blamed == sorted(f"n{k}" for k in down), f"seed {seed}: {count}x{per}, down {down}, silent {silent}"
+    assert judged > 200, judged
+
+
+def ompi_killed(rank, node):
+    return f"mpirun noticed that process rank {rank} with PID 4{rank} on node {node} exited on signal 9 (Killed)."
+
+
+KILLED = {"ompi": lambda r, n: [ompi_killed(r, n)], "srun": lambda r, n: [f"srun: error: {n}: task {r}: Killed"],
+          "hydra": lambda r, n: [f"=   RANK {r} PID 4{r} RUNNING AT {n}", "=   KILLED BY SIGNAL: 9 (Killed)"]}
+
+
+def test_a_rank_killed_while_its_node_mates_live_on_is_not_its_nodes_fault():
+    """The OOM killer's SIGKILL of one rank (rank 3 of n0 + n1, two ranks each): the launcher names
+    n1, but its daemon there reported the death and rank 2 on n1 lived on (it answered the
+    survivors' gathering, or nothing says it died): no node blamed, the same nodes once more. A
+    node whose every rank died (one rank a node) is still left out, as before."""
+    for name, lines in KILLED.items():
+        nodes = layout(2, 2)
+        for records in ([], [hang(nodes, [3])]):
+            words = launchers.LauncherWords()
+            for line in lines(3, "n1"):
+                words.feed(line)
+            v = verdict.judge(137, records, words, False, ranks=4, nodes=["n0", "n1"])
+            assert (v.action, v.blamed, v.cause) == (Action.RELAUNCH, [], "process killed"), (name, records, v)
+            assert "n1" in v.detail, v
+        words = launchers.LauncherWords()
+        for line in lines(1, "n1"):
+            words.feed(line)
+        v = verdict.judge(137, [], words, False, ranks=2, nodes=["n0", "n1"])
+        assert (v.action, v.blamed) == (Action.RELAUNCH, ["n1"]), (name, v)
+
+
+def test_a_desync_is_the_programs_and_is_not_retried():
+    """Every rank answered, some never entered the collective, no node blamed: the program's
+    (ranks in different collectives, a deadlock); retrying costs a timeout each and ends the same."""
+    for seed in range(50):
+        rng = random.Random(seed)
+        count, per = rng.randint(1, 16), rng.randint(1, 8)
+        nodes, size = layout(count, per), count * per
+        never = rng.sample(range(size), rng.randint(1, size))
+        v = verdict.judge(1, [hang(nodes, [], never=never)], launchers.LauncherWords(), False, ranks=size,
+                          nodes=nodes.names)
+        assert v.action is Action.STOP_PROGRAM and v.blamed == [] and "desync" in v.detail, (seed, v)
+
+
+def test_one_failure_excludes_no_more_nodes_than_the_spares_without_a_second_sign():
+    """One record blames three nodes (all their ranks silent) with one spare: without a second,
+    independent sign (the launcher, the scheduler's node state, a probe) nobody is left out; with
+    one, the nodes it confirms are -- even more than the spares."""
+    nodes = layout(7, 2)
+    silent = list(range(8, 14))  # n4, n5, n6
+    quiet = launchers.LauncherWords()
+    v = verdict.judge(1, [hang(nodes, silent)], quiet, False, ranks=14, nodes=nodes.names, spares=1)
+    assert (v.action, v.blamed) == (Action.RELAUNCH, []) and "second" in v.detail, v
+    v = verdict.judge(1, [hang(nodes, silent)], quiet, False, ranks=14, nodes=nodes.names, spares=3)
+    assert v.blamed == ["n4", "n5", "n6"], v  # within the spares: the records suffice
+    v = verdict.judge(1, [hang(nodes, silent)], quiet, False, lambda asked: ["n5", "n6"], ranks=14,
+                      nodes=nodes.names, spares=1)
+    assert v.blamed == ["n5", "n6"], v
+    v = verdict.judge(1, [hang(nodes, silent)], quiet, False, ranks=14, nodes=nodes.names, spares=1,
+                      probe=lambda asked: ["n0", "n4"])
+    assert v.blamed == ["n4"], v  # a probe's failure of a node no record names is no sign for it
+    lost = launchers.LauncherWords()  # Open MPI lost three daemons at once: the launcher alone
+    for k in (4, 5, 6):
+        lost.feed(f"  Remote daemon: [[4321,0],{k}] on node n{k}")
+    v = verdict.judge(1, [], lost, False, ranks=14, nodes=nodes.names, spares=1)
+    assert (v.blamed, v.cause) == ([], "killed"), v
+    assert verdict.judge(1, [hang(nodes, silent)], lost, False, ranks=14, nodes=nodes.names, spares=1).blamed == \
+        ["n4", "n5", "n6"]  # the records and the launcher: two signs
+
+
+def test_the_oom_killers_sigkill_burns_no_spare(tmp_path):
+    """Issue 57's measured case, with the real supervisor loop: two ranks a node on n0 + n1, n2
+    spare; rank 3 is SIGKILLed on every start (a memory limit), its node-mate living on. Before,
+    n1 then n2 were left out and the run ended with exit 66, both healthy. Now: the same nodes
+    once more, and the same death again is the program's: stopped, the launcher's exit code, no
+    node on the bad list."""
+    import signal
+
+    from hpcsync.resilience import supervisor
+
+    class Oom(launchers.Launcher):
+        def command(self, nodes, per_node, program):
+            line = ompi_killed(2 * len(nodes) - 1, nodes[-1])
+            return ["sh", "-c", f"echo '{line}' >&2; exit 137"]
+
+    try:
+        sup = supervisor.Supervisor(Oom("sh", []), ["n0", "n1", "n2"], 2, 1, 3, str(tmp_path / "s"), ["prog"])
+        code = sup.run()
+    finally:
+        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+    attempts = [(a.nodes, a.cause, a.blamed) for a in sup.state.attempts]
+    assert (code, sup.state.bad_nodes) == (137, []), (code, attempts)
+    assert attempts == [(["n0", "n1"], verdict.PROCESS_KILLED, [])] * 2, attempts

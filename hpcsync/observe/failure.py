@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, TextIO
@@ -269,20 +270,45 @@ _HARDWARE = re.compile(r"(?i:uncorrectable ecc|fallen off the bus)|NVRM: Xid|\bX
 def peer_gone(exc: BaseException) -> bool:
     """Errors that come from another rank failing or staying away, by where they came from:
     hpcsync's bounded waits (:class:`~hpcsync.core.errors.CollectiveTimeout`), torch.distributed's
-    own error types (NCCL's ``DistBackendError``, the store's), and a plain ``RuntimeError`` raised
-    through torch.distributed, DDP or a backward pass that says a peer went away (gloo's). The
-    program's own errors stay the program's, "timed out" or not (a data loader's, a fetch's, a
-    misuse of DDP)."""
+    own error types (NCCL's ``DistBackendError``, the store's), mpi4py's ``MPI.Exception`` (mpi4py
+    sets ``MPI_ERRORS_RETURN``: a survivor's send to a dead peer, a lost connection; not an error
+    class of the program's misuse, a wrong count, rank, type or tag), and a ``RuntimeError`` raised
+    through torch.distributed, DDP, a backward pass or hpcsync's backend that says a peer went away
+    (gloo's, the backend's "timed out"). The program's own errors stay the program's, "timed out"
+    or not (a data loader's, a fetch's, a misuse of DDP, the backend's mismatch ``ValueError``)."""
     from ..core.errors import CollectiveTimeout
 
     if isinstance(exc, CollectiveTimeout):
         return True
     if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
         return True
-    if type(exc) is not RuntimeError:
+    mpi_error = _mpi_error_class(exc)
+    if mpi_error is not None:
+        return mpi_error
+    if not isinstance(exc, RuntimeError):
         return False
-    through_torch = any(any(d in f.filename for d in _DISTRIBUTED_DIRS) for f in traceback.extract_tb(exc.__traceback__))
-    return through_torch and any(w in str(exc).lower() for w in _PEER_GONE)
+    through = any(any(d in f.filename for d in (*_DISTRIBUTED_DIRS, _BACKEND_DIR))
+                  for f in traceback.extract_tb(exc.__traceback__))
+    return through and any(w in str(exc).lower() for w in _PEER_GONE)
+
+
+# MPI's error classes of a call the program got wrong: the same call fails again, on any node
+_MPI_MISUSE = ("ERR_ARG", "ERR_COUNT", "ERR_TYPE", "ERR_TAG", "ERR_RANK", "ERR_ROOT", "ERR_OP", "ERR_BUFFER",
+               "ERR_COMM", "ERR_GROUP", "ERR_DIMS", "ERR_TOPOLOGY", "ERR_INFO", "ERR_KEYVAL")
+_BACKEND_DIR = os.sep.join(["", "hpcsync", "backend", ""])
+
+
+def _mpi_error_class(exc: BaseException) -> Optional[bool]:
+    """For an ``MPI.Exception``: whether its error class is a peer's or the network's (True) or
+    the program's misuse (False); None for any other exception (mpi4py not even loaded)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(exc, mpi.Exception):
+        return None
+    try:
+        cls = exc.Get_error_class()
+    except Exception:  # a record must never fail on its own
+        return True
+    return cls not in {getattr(mpi, name) for name in _MPI_MISUSE if hasattr(mpi, name)}
 
 
 def hardware_fault(exc: BaseException) -> bool:

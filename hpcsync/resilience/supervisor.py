@@ -29,7 +29,12 @@ from the program's latest checkpoint, no human involved.
 - **The program's own exception or crash is not retried** (the same code at the same step fails
   again): an exception, or a rank the launcher says ran out of memory, segfaulted or aborted, is
   one message with the rank and node, and the program's exit code; no node is blamed
-  (``--retry-exceptions`` retries on the same nodes). A GPU's hardware fault that reaches the
+  (``--retry-exceptions`` retries on the same nodes). So is a desync (every rank answered, some
+  never entered the collective), and a rank killed by a signal twice in a row while its node ran
+  on (the kernel's OOM killer: the first time it is relaunched on the same nodes, no spare
+  spent). A node is blamed only when (nearly) all of its ranks are unreachable or the launcher
+  or Slurm says it failed, and one failure leaves out no more nodes than there are spares
+  without a second, independent sign. A GPU's hardware fault that reaches the
   program (ECC, fallen off the bus, Xid) blames its node. A step that ends without any record blaming a node --
   success, a preemption stop and requeue, ``scancel`` -- ends the run with the step's exit code.
 - **A cap** (``--max-restarts``, relaunches and requeues together, across requeues): past it,
@@ -61,7 +66,7 @@ from ..core import settings
 from ..observe import failure
 from ..observe.record import FailureRecord
 from . import probe, requeue
-from .verdict import Action, Verdict, judge
+from .verdict import PROCESS_KILLED, Action, Verdict, judge
 from .launchers import (WARNING_SIGNALS, Launcher, LauncherWords, Srun,
                         mpi_launcher, parse_hosts)
 from ..core.environments import expand_hostlist, parse_tasks_per_node
@@ -306,9 +311,14 @@ class Supervisor:
             records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
             verdict = judge(rc, records, words, self._signalled, self._nodes_down if self.slurm_job else None,
                             ranks=len(attempt.nodes) * self.per_node, nodes=attempt.nodes,
-                            probe=self._unreachable if self.state.restarts() < self.max_restarts else None)
+                            probe=self._unreachable if self.state.restarts() < self.max_restarts else None,
+                            spares=len(self.hosts) - self.width)
+            before = self.state.attempts[-2] if len(self.state.attempts) > 1 else None
+            if verdict.cause == PROCESS_KILLED and before is not None and before.cause == PROCESS_KILLED:
+                verdict = Verdict(Action.STOP_PROGRAM, PROCESS_KILLED, [], f"{verdict.detail}; the second time in a row "
+                                  "on nodes that run on: the program's (a memory limit's kill comes back)")
             if verdict.action is Action.STOP_PROGRAM and self.retry_exceptions:
-                verdict = Verdict(Action.RELAUNCH, "exception (retried: --retry-exceptions)", [], verdict.detail)
+                verdict = Verdict(Action.RELAUNCH, f"{verdict.cause} (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)
             self.state.save()
             if previous is not None:
@@ -556,7 +566,7 @@ def add_parser(sub: Any) -> None:
                          description=__doc__.split("\n\n")[0])
     run.add_argument("--spare-nodes", type=int, default=0, metavar="N", help="nodes held back to replace failed ones")
     run.add_argument("--max-restarts", type=int, default=3, metavar="N", help="relaunches and requeues, in all (default 3)")
-    run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception or crash too (on the same nodes)")
+    run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception, crash or desync too (on the same nodes)")
     run.add_argument("--ntasks-per-node", type=int, metavar="N", help="ranks per node (Slurm: the allocation's, SLURM_TASKS_PER_NODE; "
                      "mpirun: the first host's slots)")
     run.add_argument("--hosts", help="mpirun mode: hosts and slots, e.g. n0:2,n1:2,n2:2")

@@ -1,8 +1,9 @@
 """The verdict on one step of ``hpcsync run``: from the failure records the ranks wrote and the
 launcher's words, whether to relaunch (without which nodes), requeue, stop (the program's own
-error) or end. A node is left out only on evidence: the ranks that could not reach it (a side of
-a split holding more than half of the job's ranks), the launcher's words about it, the resource
-manager's state of it."""
+error, crash or desync) or end. A node is left out only on evidence: none of its ranks reachable
+by a side of a split holding more than half of the job's ranks, the launcher's words about it,
+the resource manager's state of it, a probe -- and no more nodes than the spares on one source
+alone."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple
 from ..observe.record import Cause, FailureRecord
 from .launchers import LauncherWords
 
-__all__ = ["Action", "Verdict", "weigh", "judge"]
+__all__ = ["Action", "PROCESS_KILLED", "Verdict", "weigh", "judge"]
 
 
 class Action(str, Enum):
@@ -22,6 +23,9 @@ class Action(str, Enum):
     RELAUNCH = "relaunch"
     STOP_PROGRAM = "stop-program"
     REQUEUE = "requeue"
+
+
+PROCESS_KILLED = "process killed"  #: the cause of ranks killed while their nodes ran on
 
 
 @dataclass
@@ -50,19 +54,29 @@ def weigh(records: Sequence[FailureRecord], ranks: Optional[int] = None) -> Tupl
     be the first (or the only one) to write. A record is believed only when its reporter reached
     more than half of the job's ``ranks`` (default: the highest rank any record names, plus one):
     two sides cannot both hold that. Of the believed records' silent ranks, those another
-    believed record reached are not silent (an answer that came late to one printer); the nodes
-    of the rest are blamed. ``contested``: the nodes of records that nobody believes -- an equal
-    split, or a minority side alone -- for other evidence to decide; never a reason to leave a
-    node out by itself. At N ranks a record carries N integers at most (``reached``: about 40 KB
-    of JSON at 8,192 ranks), one per side's printer; weighing is linear in what the records hold."""
+    believed record reached are not silent (an answer that came late to one printer). A node is
+    blamed only when none of its ranks answered: a node one of whose ranks a believed record
+    reached (``reached_nodes``, the reporter's own) runs -- its silent ranks are their processes'
+    fault (frozen, stopped, a GIL held), not its. ``contested``: the nodes of records that nobody
+    believes -- an equal split, or a minority side alone -- for other evidence to decide; never
+    a reason to leave a node out by itself. At N ranks a record carries N integers at most
+    (``reached``: about 40 KB of JSON at 8,192 ranks), one per side's printer; weighing is linear
+    in what the records hold."""
+    blamed, contested, _ = _weigh(records, ranks)
+    return blamed, contested
+
+
+def _weigh(records: Sequence[FailureRecord], ranks: Optional[int]) -> Tuple[List[str], List[str], Set[str]]:
+    """:func:`weigh`, and the nodes the believed records show running (a rank of each answered)."""
     blaming = [r for r in records if r.blame_nodes]
     if not blaming:
-        return [], []
+        return [], [], set()
     if ranks is None:
         named = [x for r in records for x in (*_reached(r), *r.ranks)]
         ranks = max(named, default=0) + 1
     believed = [r for r in blaming if 2 * len(_reached(r)) > ranks]
     alive = set().union(*(_reached(r) for r in believed)) if believed else set()
+    running = {n for r in believed for n in (*r.reached_nodes, r.reporter.node)}
     blamed: Set[str] = set()
     for r in believed:
         if r.silent_at:
@@ -73,12 +87,13 @@ def weigh(records: Sequence[FailureRecord], ranks: Optional[int] = None) -> Tupl
     if not believed:
         for r in blaming:
             contested |= {r.reporter.node, *r.blame_nodes}
-    return sorted(blamed), sorted(contested)
+    return sorted(blamed - running), sorted(contested), running
 
 
 def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signalled: bool,
           node_state: Optional[Callable[[Sequence[str]], List[str]]] = None, ranks: Optional[int] = None,
-          probe: Optional[Callable[[Sequence[str]], List[str]]] = None, nodes: Sequence[str] = ()) -> Verdict:
+          probe: Optional[Callable[[Sequence[str]], List[str]]] = None, nodes: Sequence[str] = (),
+          spares: Optional[int] = None) -> Verdict:
     """The records first (hpcsync saw the failure from inside), the launcher's words second; but
     ranks the job's warning signal killed decide before any record blaming a node (the survivors
     report the dead ranks' nodes, which are healthy).
@@ -90,7 +105,16 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
     step's ``nodes``, those the launcher cannot run a process on: :mod:`~hpcsync.resilience.probe`),
     asked too when the launcher hung, could not start its daemons, or the ranks timed out without
     naming a node; without any, the step is relaunched on the same nodes (bounded by the cap): no
-    healthy node is left out on a guess."""
+    healthy node is left out on a guess.
+
+    A node is blamed only when (nearly) all of its ranks are unreachable: none answered a believed
+    record's gathering, or the launcher lost each of its ranks (``ranks`` / ``nodes``: ranks a
+    node; unknown, one death stands for its node, as before) -- or the launcher itself calls it
+    failed (srun's node failure, Open MPI's lost daemon), or the scheduler does. Ranks killed while
+    their nodes ran on are their processes' (:data:`PROCESS_KILLED`: the same nodes once more); a
+    desync (a ``stall`` record, no rank silent) is the program's (``stop-program``). With
+    ``spares`` given, one source that blames more nodes than the spares leaves out only the nodes
+    a second, independent one confirms (the launcher's words, ``node_state``, ``probe``)."""
     if rc == 0:
         return Verdict(Action.DONE, "completed")
     if signalled:
@@ -113,12 +137,36 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
         return Verdict(Action.REQUEUE, f"killed by {words.warning}", list(words.nodes),
                        f"ranks were killed by {words.warning}, the job's warning signal, before the program "
                        f"handled it (no preemption guard yet, or no longer){blamed_too}")
-    blamed, contested = weigh(records, ranks)
+    blamed, contested, running = _weigh(records, ranks)
+
+    def second_sign(named: Sequence[str], besides_words: bool) -> Set[str]:
+        """Of ``named``, the nodes another, independent source calls failed."""
+        signs = set(words.nodes) if besides_words else set()
+        if node_state is not None:
+            signs |= set(node_state(named))
+        if probe is not None and nodes:
+            signs |= set(probe(nodes))
+        return signs & set(named)
+
     if blamed:
         first = next(r for r in records if set(r.blame_nodes) & set(blamed))
-        return Verdict(Action.RELAUNCH, first.cause.value, blamed, first.detail)
-    if words.nodes:
-        return Verdict(Action.RELAUNCH, "killed", list(words.nodes), "; ".join(words.lines[:3]))
+        return _capped(Verdict(Action.RELAUNCH, first.cause.value, blamed, first.detail), spares,
+                       lambda: second_sign(blamed, True))
+    per_node = ranks // len(nodes) if ranks and nodes and ranks % len(nodes) == 0 else None
+    dead = [n for n in words.nodes if n in words.failed or _all_died(n, words, per_node, running)]
+    if dead:
+        return _capped(Verdict(Action.RELAUNCH, "killed", dead, "; ".join(words.lines[:3])), spares,
+                       lambda: second_sign(dead, False))
+    if words.deaths:  # ranks killed, their nodes running on: the processes', not the nodes'
+        where = ", ".join(f"{n} (rank {', '.join(sorted(r))})" for n, r in sorted(words.deaths.items()))
+        return Verdict(Action.RELAUNCH, PROCESS_KILLED, [], f"ranks killed by a signal on {where} while their nodes ran "
+                       "on (their node-mates answered or lived till the end, and the node's own daemon reported the "
+                       f"death): no node blamed, the same nodes once more ({words.lines[0]})")
+    stalls = [r for r in records if r.cause is Cause.STALL]
+    if stalls and not contested and not any(r.silent for r in records) and not words.launch_failed:
+        return Verdict(Action.STOP_PROGRAM, "desync", detail=f"a desync: every rank answered and some never entered the "
+                       f"collective ({stalls[0].detail}): the program's (ranks in different collectives, or a "
+                       "deadlock), not retried: the same code stalls again")
     down = node_state(contested) if contested and node_state is not None else []
     if down:
         return Verdict(Action.RELAUNCH, "node down", sorted(down), f"records nobody can believe about {', '.join(contested)}: the "
@@ -147,3 +195,28 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
         return Verdict(Action.RELAUNCH, "launch failed", [], "the launcher could not start its daemons and no node failed "
                        "a probe: relaunched on the same nodes")
     return Verdict(Action.DONE, f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
+
+
+def _all_died(node: str, words: LauncherWords, per_node: Optional[int], running: Set[str]) -> bool:
+    """Whether the launcher's deaths on ``node`` are its node's: every one of its ``per_node``
+    ranks died (unknown ranks a node: as before, yes) and nothing shows one living on (a believed
+    record reached it, ``running``; the launcher ended it at cleanup, ``words.alive``)."""
+    if node in running or node in words.alive:
+        return False
+    return per_node is None or len(words.deaths.get(node, ())) >= per_node
+
+
+def _capped(verdict: Verdict, spares: Optional[int], confirm: Callable[[], Set[str]]) -> Verdict:
+    """``verdict`` when it leaves out no more nodes than the ``spares`` (None: no bound); else
+    only the nodes a second, independent sign (``confirm``) names too -- none without one: one
+    source of evidence that names more nodes than there are spares (a gathering that timed out
+    on many ranks at once, a launcher that lost many daemons) is as likely its own failure."""
+    if spares is None or len(verdict.blamed) <= spares:
+        return verdict
+    sure = sorted(confirm())
+    said = f"{len(verdict.blamed)} node(s) blamed ({', '.join(verdict.blamed)}), more than the {spares} spare(s)"
+    if sure:
+        return Verdict(verdict.action, verdict.cause, sure, f"{verdict.detail}; {said}: left out only those a "
+                       f"second, independent sign confirms ({', '.join(sure)})")
+    return Verdict(verdict.action, verdict.cause, [], f"{verdict.detail}; {said}, and no second, independent sign "
+                   "(the launcher, the scheduler, a probe) confirms any: none left out, the same nodes once more")
