@@ -207,7 +207,7 @@ def test_one_failure_excludes_no_more_nodes_than_the_spares_without_a_second_sig
     for k in (4, 5, 6):
         lost.feed(f"  Remote daemon: [[4321,0],{k}] on node n{k}")
     v = verdict.judge(1, [], lost, False, ranks=14, nodes=nodes.names, spares=1)
-    assert (v.blamed, v.cause) == ([], "killed"), v
+    assert (v.action, v.blamed, v.cause) == (Action.RELAUNCH, [], "lost daemon"), v
     assert verdict.judge(1, [hang(nodes, silent)], lost, False, ranks=14, nodes=nodes.names, spares=1).blamed == \
         ["n4", "n5", "n6"]  # the records and the launcher: two signs
 
@@ -236,3 +236,27 @@ def test_the_oom_killers_sigkill_burns_no_spare(tmp_path):
     attempts = [(a.nodes, a.cause, a.blamed) for a in sup.state.attempts]
     assert (code, sup.state.bad_nodes) == (137, []), (code, attempts)
     assert attempts == [(["n0", "n1"], verdict.PROCESS_KILLED, [])] * 2, attempts
+
+
+def test_the_supervisors_side_of_a_split_is_not_taken_for_the_other():
+    """mpirun on a node of the side cut off (found by the failure simulator, seeds 36, 89, 165 of
+    its first run): it loses the daemons of the healthy side and its probe reaches only its own
+    side, while the healthy side's printer may not have written. Open MPI's lost daemon alone,
+    and a probe that fails more than half of the step's nodes, are no evidence against those
+    nodes: nobody is left out, the same nodes once more. A genuine lost node is confirmed by the
+    probe and left out."""
+    nodes = layout(6, 1)
+    lost = launchers.LauncherWords()
+    for line in ("ORTE has lost communication with a remote daemon.", "  HNP daemon   : [[4321,0],0] on node n5",
+                 "  Remote daemon: [[4321,0],1] on node n0"):
+        lost.feed(line)
+    minority = hang(layout(6, 1), [0, 1, 2, 3], reporter=4)  # n4 and n5 cut off: 2 of 6 reached, not believed
+    for probe in (lambda asked: ["n0", "n1", "n2", "n3"], lambda asked: []):
+        v = verdict.judge(1, [minority], lost, False, ranks=6, nodes=nodes.names, spares=2, probe=probe)
+        assert v.action is Action.RELAUNCH and v.blamed == [], v
+    down = launchers.LauncherWords()
+    for line in ("ORTE has lost communication with a remote daemon.", "  HNP daemon   : [[4321,0],0] on node n0",
+                 "  Remote daemon: [[4321,0],3] on node n3"):
+        down.feed(line)
+    v = verdict.judge(1, [], down, False, ranks=6, nodes=nodes.names, spares=1, probe=lambda asked: ["n3"])
+    assert (v.action, v.blamed) == (Action.RELAUNCH, ["n3"]), v

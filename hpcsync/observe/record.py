@@ -96,8 +96,10 @@ class FailureRecord:
         return out
 
     def to_json(self) -> str:
-        """The record as JSON, one key a line (a person reads it)."""
-        return json.dumps(self.to_dict(), indent=1)
+        """The record as JSON, one key a line and each value on its line (a person reads it; a
+        list of 8,192 ranks is one line, not 8,192)."""
+        items = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in self.to_dict().items()]
+        return "{\n" + ",\n".join(items) + "\n}\n"
 
     @classmethod
     def from_json(cls, text: str, path: Optional[str] = None) -> "FailureRecord":

@@ -59,8 +59,9 @@ class LauncherWords:
     when (``time.monotonic()``) a line first said the step is failing; ``launch_failed``: the
     launcher said it could not start its daemons (the step never ran: not the program's exit).
 
-    ``nodes`` holds two kinds of evidence, kept apart too: ``failed``, the nodes the launcher
-    itself calls failed (srun's "Node failure", a failed task launch, Open MPI's lost daemon), and
+    ``nodes`` holds three kinds of evidence, kept apart too: ``failed``, the nodes the launcher
+    itself calls failed (srun's "Node failure", a failed task launch: slurmctld's word);
+    ``lost``, the nodes whose daemon Open MPI lost (its own node's link as likely as theirs); and
     ``deaths``, the ranks (by rank, where the line says it) each node lost to a signal -- a death
     its node's own daemon reported, so its node was up. ``alive``: the nodes where a rank lived
     until the launcher's cleanup (ended by SIGTERM, or exited by itself): their node ran on."""
@@ -69,6 +70,7 @@ class LauncherWords:
         self.nodes: List[str] = []
         self.lines: List[str] = []
         self.failed: List[str] = []
+        self.lost: List[str] = []
         self.deaths: Dict[str, Set[str]] = {}
         self.alive: Set[str] = set()
         self.crashes: List[str] = []
@@ -139,9 +141,15 @@ class LauncherWords:
         if m and not self._srun_ending:
             self._died(m.group(1), _task_ranks(m.group(2)), line)
             return
-        m = _SRUN_NODE.search(line) or _OMPI_DAEMON.search(line)
+        m = _SRUN_NODE.search(line)
         if m:
             self._node_failed(m.group(1), line)
+            return
+        m = _OMPI_DAEMON.search(line)
+        if m:  # the link between mpirun's node and that one failed: either end's
+            self._blame(m.group(1), line)
+            if m.group(1).rstrip(".,:") not in self.lost:
+                self.lost.append(m.group(1).rstrip(".,:"))
             return
         m = _OMPI_SIGNAL.search(line)
         number = int(m.group(3)) if m else None

@@ -138,27 +138,54 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
                        f"ranks were killed by {words.warning}, the job's warning signal, before the program "
                        f"handled it (no preemption guard yet, or no longer){blamed_too}")
     blamed, contested, running = _weigh(records, ranks)
+    asked: List[List[str]] = []  # the probe's answer, asked once
+
+    def probed() -> Set[str]:
+        """The step's nodes the probe cannot start a process on -- believed only while they are no
+        more than half of them (else it is the supervisor's side that was cut off)."""
+        if probe is None or not nodes:
+            return set()
+        if not asked:
+            failing = list(probe(nodes))
+            asked.append(failing if 2 * len(failing) <= len(nodes) else [])
+        return set(asked[0])
 
     def second_sign(named: Sequence[str], besides_words: bool) -> Set[str]:
         """Of ``named``, the nodes another, independent source calls failed."""
         signs = set(words.nodes) if besides_words else set()
         if node_state is not None:
             signs |= set(node_state(named))
-        if probe is not None and nodes:
-            signs |= set(probe(nodes))
-        return signs & set(named)
+        return (signs | probed()) & set(named)
+
+    def besides_probe(failing: Sequence[str]) -> Set[str]:
+        """Of the nodes the probe failed, those a record nobody believes, the launcher or the
+        scheduler names too."""
+        return (set(contested) | set(words.nodes) | set(node_state(failing) if node_state else ())) & set(failing)
 
     if blamed:
         first = next(r for r in records if set(r.blame_nodes) & set(blamed))
+        blamed = sorted({*blamed, *words.failed})  # (the scheduler's word of a node failure too)
         return _capped(Verdict(Action.RELAUNCH, first.cause.value, blamed, first.detail), spares,
                        lambda: second_sign(blamed, True))
     per_node = ranks // len(nodes) if ranks and nodes and ranks % len(nodes) == 0 else None
-    dead = [n for n in words.nodes if n in words.failed or _all_died(n, words, per_node, running)]
+    # the launcher's words: a node it says failed (srun's, from slurmctld), a node whose every rank
+    # died; a daemon Open MPI lost is as much its own node's link as the other's: with a second sign
+    lost = [n for n in words.lost if n not in words.failed]
+    sure_lost = second_sign(lost, False) if lost else set()
+    dead = [n for n in words.nodes if n in words.failed or n in sure_lost or
+            (n in words.deaths and _all_died(n, words, per_node, running))]
     if dead:
+        also = sorted(probed() - set(dead)) if contested or asked else []  # a second failure, if any
+        dead = [*dead, *also]
         return _capped(Verdict(Action.RELAUNCH, "killed", dead, "; ".join(words.lines[:3])), spares,
                        lambda: second_sign(dead, False))
     if words.deaths:  # ranks killed, their nodes running on: the processes', not the nodes'
         where = ", ".join(f"{n} (rank {', '.join(sorted(r))})" for n, r in sorted(words.deaths.items()))
+        failing = sorted(probed())  # before the same nodes once more: is one of them down as well?
+        if failing:  # a node the launcher cannot reach: a second failure
+            return _capped(Verdict(Action.RELAUNCH, "unreachable", failing, f"ranks killed on {where}, and the launcher "
+                                   f"cannot run a process on {', '.join(failing)} (each of the step's nodes probed)"),
+                           spares, lambda: besides_probe(failing))
         return Verdict(Action.RELAUNCH, PROCESS_KILLED, [], f"ranks killed by a signal on {where} while their nodes ran "
                        "on (their node-mates answered or lived till the end, and the node's own daemon reported the "
                        f"death): no node blamed, the same nodes once more ({words.lines[0]})")
@@ -171,18 +198,23 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
     if down:
         return Verdict(Action.RELAUNCH, "node down", sorted(down), f"records nobody can believe about {', '.join(contested)}: the "
                        f"resource manager calls {', '.join(sorted(down))} down")
-    unsure = bool(contested or records or words.hung or words.launch_failed)
-    failing = probe(nodes) if unsure and probe is not None and nodes else []
+    unsure = bool(contested or records or words.hung or words.launch_failed or lost)
+    failing = sorted(probed()) if unsure else []
     if failing:
         why = f"records nobody can believe about {', '.join(contested)}" if contested else \
             "the launcher could not start its daemons" if words.launch_failed else \
             "the launcher hung" if words.hung else "a timeout that names no node"
-        return Verdict(Action.RELAUNCH, "unreachable", sorted(failing), f"{why}; the launcher cannot run a process on "
-                       f"{', '.join(sorted(failing))} (each of the step's nodes probed)")
+        return _capped(Verdict(Action.RELAUNCH, "unreachable", failing, f"{why}; the launcher cannot run a process "
+                               f"on {', '.join(failing)} (each of the step's nodes probed)"), spares,
+                       lambda: besides_probe(failing))
     if contested:
         return Verdict(Action.RELAUNCH, "split", [], f"records nobody can believe about {', '.join(contested)} (an equal "
                        "split, or a minority side alone) and no other "
                        "evidence: relaunched on the same nodes, none left out on a guess")
+    if lost:  # Open MPI lost daemons that no second sign blames: the step failed, nobody left out
+        return Verdict(Action.RELAUNCH, "lost daemon", [], f"mpirun lost its daemon on {', '.join(lost)}, and nothing "
+                       "else says those nodes failed (its own node's link may be the one that failed): relaunched on "
+                       "the same nodes, none left out on a guess")
     if records:  # a timeout nobody could pin on a node: the same nodes once more
         return Verdict(Action.RELAUNCH, records[0].cause.value, [], records[0].detail)
     if words.hung and words.never_started:
