@@ -260,3 +260,61 @@ def test_the_supervisors_side_of_a_split_is_not_taken_for_the_other():
         down.feed(line)
     v = verdict.judge(1, [], down, False, ranks=6, nodes=nodes.names, spares=1, probe=lambda asked: ["n3"])
     assert (v.action, v.blamed) == (Action.RELAUNCH, ["n3"]), v
+
+
+def test_records_only_from_where_they_should_be(tmp_path, caplog):
+    """Where a report folder is shared or group-writable another user can plant a symlink (the
+    job's write truncates a file of the victim's) or a record (the run excludes nodes it names).
+    The attempt folder is private (0700, this user's, not a link: another is refused); a record is
+    written through a new file of its own (never through a planted link at the old predictable
+    temporary name); the reader skips a link, a file another user owns, and reads nothing from a
+    folder that is not private -- each with a warning."""
+    import os
+
+    good = failure.build(Cause.HANG, [3], ["n1"], "x", Reporter(0, "n0"), silent=(3,), silent_at={3: "n1"},
+                         reached=(0, 1, 2), reached_nodes=("n0",))
+    folder = str(tmp_path / "attempt-1")
+    os.makedirs(folder, mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("the victim's data\n")
+    report = os.path.join(folder, "hpcsync-hang-7-r0.json")  # a link at the temporary name it used to take
+    os.symlink(victim, f"{report}.{os.getpid()}.tmp")
+    failure.write_whole(report, {"kind": "hpcsync hang report"})
+    assert failure.save(good, folder)
+    assert victim.read_text() == "the victim's data\n" and json.loads(open(report).read())["kind"]
+    planted = failure.build(Cause.HANG, [0], ["n0"], "planted", Reporter(1, "n1"), silent=(0,), silent_at={0: "n0"})
+    other = os.path.join(folder, f"{failure.PREFIX}planted.json")
+    with open(other, "w") as f:
+        f.write(planted.to_json())
+    os.chown(other, 12345, 12345)  # (the tests run as root: another user's file)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(planted.to_json())
+    os.symlink(elsewhere, os.path.join(folder, f"{failure.PREFIX}link.json"))
+    with caplog.at_level(logging.WARNING):
+        assert [r.detail for r in failure.read(folder)] == ["x"], caplog.text
+    assert "owned by uid 12345" in caplog.text and "a link" in caplog.text, caplog.text
+    for bad, why in ((0o770, "writable by others"), (0o707, "writable by others")):
+        shared = tmp_path / f"shared-{bad:o}"
+        shared.mkdir()
+        failure.save(good, str(shared))
+        shared.chmod(bad)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert failure.read(str(shared)) == []
+        assert why in caplog.text, caplog.text
+        try:
+            failure.private_folder(str(shared))
+        except OSError as exc:
+            assert why in str(exc)
+        else:
+            raise AssertionError(f"{shared} accepted")
+    made = failure.private_folder(str(tmp_path / "state" / "attempt-1"))
+    assert os.stat(made).st_mode & 0o777 == 0o700 and failure.private_folder(made) == made
+    link = tmp_path / "link"
+    os.symlink(folder, link)
+    try:
+        failure.private_folder(str(link))
+    except OSError as exc:
+        assert "a link" in str(exc)
+    else:
+        raise AssertionError("a link accepted")

@@ -31,6 +31,7 @@ that is ending must not fail a second time on its report.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import itertools
 import json
@@ -38,7 +39,9 @@ import logging
 import os
 import re
 import socket
+import stat
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, TextIO
@@ -51,7 +54,7 @@ __all__ = [
     "PREFIX", "RESUMED", "STARTED", "use_log_folder", "report_dir", "unkept", "note_step", "note_count", "noted_step", "step_words",
     "current_step", "note_raised", "raised", "job_id",
     "nodes_of", "build", "save", "write", "write_whole", "write_json", "peer_gone", "hardware_fault",
-    "exception_record", "hang_record", "silent_record", "p2p_record", "note_exception", "note_hang",
+    "exception_record", "hang_record", "silent_record", "p2p_record", "note_exception", "note_hang", "private_folder",
     "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
 ]
 
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "hpcsync-failure-"
 _written = itertools.count()
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # (read once, at import: the mode a file written whole is given)
 RESUMED = "hpcsync-resumed.json"
 STARTED = "hpcsync-started.json"
 
@@ -229,10 +234,15 @@ def write_whole(path: str, record: Dict[str, Any]) -> None:
 
 
 def _replace(path: str, fill: Callable[[TextIO], Any]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
+    """Write ``path`` whole through a new temporary file of its own (``mkstemp``: a name nobody
+    can guess, created with ``O_EXCL``, so a link planted in a shared folder is never written
+    through; the rename replaces a link at ``path`` itself, never its target)."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "w") as f:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # what open(path, "w") would have given it
+        with os.fdopen(fd, "w") as f:
             fill(f)
         os.replace(tmp, path)
     except BaseException:
@@ -455,16 +465,64 @@ def read_json(folder: str, prefix: str, kind: str) -> List[Dict[str, Any]]:
     return out
 
 
+def private_folder(path: str) -> str:
+    """``path`` as a folder nobody but this user can write into: created ``0700`` (parents too)
+    where missing; an existing one must be a folder, not a link, owned by this user and writable
+    by nobody else. Its path; ``OSError`` saying why not."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    why = _not_private(path)
+    if why is not None:
+        raise OSError(f"{path}: {why}")
+    return path
+
+
+def _not_private(path: str) -> Optional[str]:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return str(exc)
+    if stat.S_ISLNK(st.st_mode):
+        return "a link, not a folder of its own"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a folder"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def _own_text(path: str) -> str:
+    """The text of ``path``, a regular file of this user's (not a link: ``O_NOFOLLOW``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RecordError("a link, not a record") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordError("not a regular file")
+        if st.st_uid != os.getuid():
+            raise RecordError(f"owned by uid {st.st_uid}, not by the job's user (uid {os.getuid()})")
+        return f.read(16 << 20).decode()
+
+
 def read(folder: str) -> List[FailureRecord]:
     """Every failure record in ``folder``, the earliest first. A file that is not a record this
-    code wrote (torn, another version, a key or a value it does not know) is skipped with a
-    warning: never believed, never a crash of the reader."""
+    code wrote (torn, another version, a key or a value it does not know), a link, a file another
+    user owns, is skipped with a warning: never believed, never a crash of the reader. From a
+    folder that is not private (a link, another user's, writable by others: anyone could have
+    planted a record) nothing is read, with a warning."""
+    why = _not_private(folder)
+    if why is not None:
+        log.warning("hpcsync: no failure record read from %s: %s", folder, why)
+        return []
     out = []
     for path in glob.glob(os.path.join(folder, f"{PREFIX}*.json")):
         try:
-            with open(path) as f:
-                text = f.read()
-            out.append(FailureRecord.from_json(text, path))
+            out.append(FailureRecord.from_json(_own_text(path), path))
         except (OSError, UnicodeDecodeError, RecordError) as exc:
             log.warning("hpcsync: skipped %s, not a failure record this hpcsync reads: %s", path, exc)
     return sorted(out, key=lambda r: r.time)

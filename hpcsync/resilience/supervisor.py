@@ -139,12 +139,19 @@ class State:
         return sum(a.failed for a in self.attempts)
 
     def save(self) -> None:
-        os.makedirs(self.folder, exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"attempts": [asdict(a) for a in self.attempts], "bad_nodes": self.bad_nodes,
-                       "requeues": self.requeues}, f, indent=1)
-        os.replace(tmp, self.path)
+        _private(self.folder, "state folder")
+        failure.write_whole(self.path, {"attempts": [asdict(a) for a in self.attempts], "bad_nodes": self.bad_nodes,
+                                        "requeues": self.requeues})
+
+
+def _private(folder: str, what: str) -> str:
+    """``folder`` private to this user (:func:`hpcsync.observe.failure.private_folder`): the
+    records read from it decide which nodes are left out; else a clear error."""
+    try:
+        return failure.private_folder(folder)
+    except OSError as exc:
+        raise SystemExit(f"hpcsync run: the {what} must be this user's alone (records planted there would decide "
+                         f"the verdict): {exc}") from None
 
 
 # -- the supervisor --------------------------------------------------------------------------------
@@ -188,8 +195,7 @@ class Supervisor:
             self._warning = signum
 
     def _step(self, attempt: Attempt) -> Tuple[int, LauncherWords]:
-        folder = os.path.join(self.state.folder, f"attempt-{attempt.number}")
-        os.makedirs(folder, exist_ok=True)
+        folder = _private(os.path.join(self.state.folder, f"attempt-{attempt.number}"), "attempt folder")
         env = {**os.environ, "HPCSYNC_REPORT_DIR": folder, "HPCSYNC_RUN_ATTEMPT": str(attempt.number)}
         cmd = self.launcher.command(attempt.nodes, self.per_node, self.program)
         say(f"attempt {attempt.number}: {shlex.join(cmd)}")
