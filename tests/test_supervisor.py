@@ -295,7 +295,7 @@ def test_a_stall_is_the_programs_and_not_relaunched():
             "reporter": {"rank": 0, "node": "n0"}, "time": 2.0}
     killed = launchers.LauncherWords()
     killed.feed("srun: error: n1: task 3: Killed")
-    stall = {**hang, "cause": "stall", "blame_nodes": []}  # every rank answered: a desync (issue 57)
+    stall = {**hang, "cause": "stall", "blame_nodes": [], "never_entered": [1], "elsewhere": [1]}  # a desync (issue 57)
     v = verdict.judge(1, R(stall), launchers.LauncherWords(), False)
     assert (v.action, v.cause, v.blamed) == ("stop-program", "desync", [])
     assert verdict.judge(0, R(hang), killed, False).action == "done"

@@ -192,7 +192,7 @@ def records_of(sc: Scenario, nodes: NodeMap, rng: random.Random) -> List[Failure
             continue
         if rng.random() < (0.5 if torn_down else 0.85):
             printer = answer[0]
-            out.append(failure.hang_record({"no_reply": silent, "never_entered": never,
+            out.append(failure.hang_record({"no_reply": silent, "never_entered": never, "timed_out_ranks": never,
                                             "operation": {"op": "all_reduce", "seq": 40}, "group": "0", "timeout_s": 30},
                                            answer, Reporter(printer, nodes.host(printer)), nodes))
         for r in rng.sample(answer, min(2, len(answer))):  # ranks whose own wait timed out first

@@ -353,7 +353,8 @@ def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
 def hang_record(report: Dict[str, Any], reached: Iterable[int], reporter: Reporter,
                 nodes: Optional[NodeMap]) -> FailureRecord:
     """The record of a hang report (``no_reply``: silent ranks, ``never_entered``: ranks that
-    answered elsewhere), as :func:`note_hang` writes it, with the node map ``nodes``."""
+    answered elsewhere; of them, those in ``timed_out_ranks`` wait in another operation of their
+    own), as :func:`note_hang` writes it, with the node map ``nodes``."""
     silent, never = list(report.get("no_reply", [])), list(report.get("never_entered", []))
     ranks = silent + never
     op = report.get("operation", {})
@@ -361,7 +362,8 @@ def hang_record(report: Dict[str, Any], reached: Iterable[int], reporter: Report
               f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
     return build(Cause.HANG if silent else Cause.STALL, ranks, nodes_of(ranks, nodes), detail, reporter,
                  blame_nodes=nodes_of(silent, nodes), silent=tuple(sorted(set(silent))),
-                 never_entered=tuple(sorted(set(never))), silent_at=_where(silent, nodes), **_reach(reached, nodes))
+                 never_entered=tuple(sorted(set(never))), silent_at=_where(silent, nodes),
+                 elsewhere=tuple(sorted(set(never) & set(report.get("timed_out_ranks", [])))), **_reach(reached, nodes))
 
 
 def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[str]:

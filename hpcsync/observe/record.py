@@ -54,7 +54,8 @@ class FailureRecord:
 
     ``ranks``/``nodes``: whom it implicates; ``blame_nodes``: the nodes it would leave out (empty
     for a program error); ``silent``: the ranks that answered nobody, ``silent_at`` their nodes;
-    ``never_entered``: ranks that answered but never reached the operation; ``reached``: the
+    ``never_entered``: ranks that answered but never reached the operation, ``elsewhere`` those of
+    them whose own wait timed out (stuck in another operation: a desync, a deadlock); ``reached``: the
     ranks that answered the reporter, itself included (its side of a split; None: not said) and
     ``reached_nodes`` their nodes. ``path``: where it was read from (not written)."""
 
@@ -69,6 +70,7 @@ class FailureRecord:
     attempt: Optional[str] = None
     silent: Tuple[int, ...] = ()
     never_entered: Tuple[int, ...] = ()
+    elsewhere: Tuple[int, ...] = ()
     silent_at: Mapping[int, str] = field(default_factory=dict)
     reached: Optional[Tuple[int, ...]] = None
     reached_nodes: Tuple[str, ...] = ()
@@ -143,6 +145,7 @@ class FailureRecord:
                    attempt=None if data.get("attempt") is None else _str(data["attempt"], "attempt"),
                    silent=_ints(data.get("silent", []), "silent"),
                    never_entered=_ints(data.get("never_entered", []), "never_entered"),
+                   elsewhere=_ints(data.get("elsewhere", []), "elsewhere"),
                    silent_at={int(k): v for k, v in silent_at.items()},
                    reached=None if reached is None else _ints(reached, "reached"),
                    reached_nodes=_strs(data.get("reached_nodes", []), "reached_nodes"),

@@ -112,7 +112,8 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
     node; unknown, one death stands for its node, as before) -- or the launcher itself calls it
     failed (srun's node failure, Open MPI's lost daemon), or the scheduler does. Ranks killed while
     their nodes ran on are their processes' (:data:`PROCESS_KILLED`: the same nodes once more); a
-    desync (a ``stall`` record, no rank silent) is the program's (``stop-program``). With
+    desync (a ``stall`` record whose missing ranks wait in another operation of their own, no
+    rank silent anywhere) is the program's (``stop-program``); ranks merely late are not. With
     ``spares`` given, one source that blames more nodes than the spares leaves out only the nodes
     a second, independent one confirms (the launcher's words, ``node_state``, ``probe``)."""
     if rc == 0:
@@ -189,7 +190,8 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
         return Verdict(Action.RELAUNCH, PROCESS_KILLED, [], f"ranks killed by a signal on {where} while their nodes ran "
                        "on (their node-mates answered or lived till the end, and the node's own daemon reported the "
                        f"death): no node blamed, the same nodes once more ({words.lines[0]})")
-    stalls = [r for r in records if r.cause is Cause.STALL]
+    stalls = [r for r in records if r.cause is Cause.STALL and r.elsewhere]  # (ranks merely late: a slow start,
+    # a long step, a file system: relaunched on the same nodes as before)
     if stalls and not contested and not any(r.silent for r in records) and not words.launch_failed:
         return Verdict(Action.STOP_PROGRAM, "desync", detail=f"a desync: every rank answered and some never entered the "
                        f"collective ({stalls[0].detail}): the program's (ranks in different collectives, or a "
