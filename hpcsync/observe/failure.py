@@ -22,10 +22,16 @@ neither, no file: the console has the report; an exception's record only where
   reporter, its side of a split (``hpcsync run`` believes a side holding more than half of the
   job's ranks), and ``silent_at``: each silent rank's node.
 
-Writing a record never raises: a job that is ending must not fail a second time on its report.
+The record is a :class:`~hpcsync.observe.record.FailureRecord` (versioned; its JSON written and
+read by that one class): each ``note_*`` builds it with a pure function of what it saw
+(:func:`exception_record`, :func:`hang_record`, :func:`silent_record`, :func:`p2p_record`: what
+the tests' failure simulator calls too) and :func:`save` writes it; :func:`read` skips, with a
+warning, every file that is not a record this code wrote. Writing a record never raises: a job
+that is ending must not fail a second time on its report.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import itertools
 import json
@@ -33,16 +39,22 @@ import logging
 import os
 import re
 import socket
+import stat
+import sys
+import tempfile
 import time
 import traceback
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, TextIO
 
 from ..core import settings
+from ..core.nodemap import NodeMap
+from .record import Cause, FailureRecord, RecordError, Reporter
 
 __all__ = [
     "PREFIX", "RESUMED", "STARTED", "use_log_folder", "report_dir", "unkept", "note_step", "note_count", "noted_step", "step_words",
     "current_step", "note_raised", "raised", "job_id",
-    "nodes_of", "write", "write_whole", "write_json", "peer_gone", "hardware_fault", "note_exception", "note_hang",
+    "nodes_of", "build", "save", "write", "write_whole", "write_json", "peer_gone", "hardware_fault",
+    "exception_record", "hang_record", "silent_record", "p2p_record", "note_exception", "note_hang", "private_folder",
     "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
 ]
 
@@ -50,6 +62,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "hpcsync-failure-"
 _written = itertools.count()
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # (read once, at import: the mode a file written whole is given)
 RESUMED = "hpcsync-resumed.json"
 STARTED = "hpcsync-started.json"
 
@@ -146,7 +160,7 @@ def job_id() -> str:
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("OMPI_MCA_orte_ess_jobid") or str(os.getpid())
 
 
-def _me() -> Dict[str, Any]:
+def _me() -> Reporter:
     """This process's rank and node, from MPI when it runs, else the launcher's variables."""
     from ..core import mpi, nodemap
 
@@ -160,44 +174,76 @@ def _me() -> Dict[str, Any]:
         value = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
         rank = int(value) if value and value.isdigit() else -1
     nodes = nodemap.current()
-    return {"rank": rank, "node": nodes.host(rank) if nodes is not None and rank >= 0 else socket.gethostname()}
+    return Reporter(rank, nodes.host(rank) if nodes is not None and rank >= 0 else socket.gethostname())
 
 
-def nodes_of(ranks: Iterable[int]) -> List[str]:
-    """The nodes of ``ranks`` from the job's node map (empty when it is not known)."""
+def _map() -> Optional[NodeMap]:
     from ..core import nodemap
 
-    nodes = nodemap.current()
+    return nodemap.current()
+
+
+def nodes_of(ranks: Iterable[int], nodes: Optional[NodeMap] = None) -> List[str]:
+    """The nodes of ``ranks`` from ``nodes`` (default: the job's node map; empty when not known)."""
+    nodes = nodes if nodes is not None else _map()
     return nodes.nodes(ranks) if nodes is not None else []
 
 
-def write(cause: str, ranks: Iterable[int], nodes: Iterable[str], detail: str, program_error: bool = False,
-          blame_nodes: Optional[Iterable[str]] = None, folder: Optional[str] = None,
-          reporter: Optional[Dict[str, Any]] = None, **extra: Any) -> Optional[str]:
-    """Write one record (see the module's text); its path, or None when it could not be written."""
-    me = reporter if reporter is not None else _me()
-    nodes = sorted(set(nodes))
-    record = {"kind": "hpcsync failure record", "cause": cause, "program_error": bool(program_error),
-              "ranks": sorted(set(ranks)), "nodes": nodes,
-              "blame_nodes": [] if program_error else sorted(set(nodes if blame_nodes is None else blame_nodes)),
-              "reporter": me, "time": time.time(), "detail": detail[:2000], "attempt": settings.text("HPCSYNC_RUN_ATTEMPT"),
-              **extra}
+def build(cause: Cause, ranks: Iterable[int], nodes: Iterable[str], detail: str, reporter: Reporter,
+          program_error: bool = False, blame_nodes: Optional[Iterable[str]] = None, **extra: Any) -> FailureRecord:
+    """One record (see the module's text), stamped with the time and ``HPCSYNC_RUN_ATTEMPT``."""
+    named = tuple(sorted(set(nodes)))
+    return FailureRecord(cause=cause, reporter=reporter, detail=detail[:2000], program_error=bool(program_error),
+                         ranks=tuple(sorted(set(ranks))), nodes=named,
+                         blame_nodes=() if program_error else tuple(sorted(set(named if blame_nodes is None
+                                                                                   else blame_nodes))),
+                         time=time.time(), attempt=settings.text("HPCSYNC_RUN_ATTEMPT"), **extra)
+
+
+def save(record: FailureRecord, folder: Optional[str] = None) -> Optional[str]:
+    """Write ``record`` into ``folder`` (default :func:`report_dir`); its path, or None when it
+    could not be written (or no folder is set)."""
     folder = folder or report_dir()
     if folder is None:
         return None
-    who = f"r{me['rank']}" if me["rank"] >= 0 else f"{me['node']}-pid{os.getpid()}"  # before MPI is up
-    name = f"{PREFIX}{job_id()}-{who}-{cause}-{next(_written)}.json"  # a rank's second record keeps its first
-    return write_json(os.path.join(folder, name), record, "failure record")
+    me = record.reporter
+    who = f"r{me.rank}" if me.rank >= 0 else f"{me.node}-pid{os.getpid()}"  # before MPI is up
+    name = f"{PREFIX}{job_id()}-{who}-{record.cause.value}-{next(_written)}.json"  # a second record keeps the first
+    path = os.path.join(folder, name)
+    try:
+        text = record.to_json()
+        _replace(path, lambda f: f.write(text))
+        return path
+    except OSError as exc:
+        log.warning("hpcsync: could not write the failure record %s: %s", path, exc)
+        return None
+
+
+def write(cause: Cause, ranks: Iterable[int], nodes: Iterable[str], detail: str, program_error: bool = False,
+          blame_nodes: Optional[Iterable[str]] = None, folder: Optional[str] = None,
+          reporter: Optional[Reporter] = None, **extra: Any) -> Optional[str]:
+    """:func:`build` and :func:`save` one record; its path, or None when it could not be written."""
+    me = reporter if reporter is not None else _me()
+    return save(build(cause, ranks, nodes, detail, me, program_error, blame_nodes, **extra), folder)
 
 
 def write_whole(path: str, record: Dict[str, Any]) -> None:
     """Write ``record`` to ``path`` as JSON whole or not at all (a temporary file, renamed; the
     temporary removed on failure). Raises OSError when it cannot."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    _replace(path, lambda f: json.dump(record, f, indent=1, default=str))
+
+
+def _replace(path: str, fill: Callable[[TextIO], Any]) -> None:
+    """Write ``path`` whole through a new temporary file of its own (``mkstemp``: a name nobody
+    can guess, created with ``O_EXCL``, so a link planted in a shared folder is never written
+    through; the rename replaces a link at ``path`` itself, never its target)."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1, default=str)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # what open(path, "w") would have given it
+        with os.fdopen(fd, "w") as f:
+            fill(f)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -234,20 +280,45 @@ _HARDWARE = re.compile(r"(?i:uncorrectable ecc|fallen off the bus)|NVRM: Xid|\bX
 def peer_gone(exc: BaseException) -> bool:
     """Errors that come from another rank failing or staying away, by where they came from:
     hpcsync's bounded waits (:class:`~hpcsync.core.errors.CollectiveTimeout`), torch.distributed's
-    own error types (NCCL's ``DistBackendError``, the store's), and a plain ``RuntimeError`` raised
-    through torch.distributed, DDP or a backward pass that says a peer went away (gloo's). The
-    program's own errors stay the program's, "timed out" or not (a data loader's, a fetch's, a
-    misuse of DDP)."""
+    own error types (NCCL's ``DistBackendError``, the store's), mpi4py's ``MPI.Exception`` (mpi4py
+    sets ``MPI_ERRORS_RETURN``: a survivor's send to a dead peer, a lost connection; not an error
+    class of the program's misuse, a wrong count, rank, type or tag), and a ``RuntimeError`` raised
+    through torch.distributed, DDP, a backward pass or hpcsync's backend that says a peer went away
+    (gloo's, the backend's "timed out"). The program's own errors stay the program's, "timed out"
+    or not (a data loader's, a fetch's, a misuse of DDP, the backend's mismatch ``ValueError``)."""
     from ..core.errors import CollectiveTimeout
 
     if isinstance(exc, CollectiveTimeout):
         return True
     if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
         return True
-    if type(exc) is not RuntimeError:
+    mpi_error = _mpi_error_class(exc)
+    if mpi_error is not None:
+        return mpi_error
+    if not isinstance(exc, RuntimeError):
         return False
-    through_torch = any(any(d in f.filename for d in _DISTRIBUTED_DIRS) for f in traceback.extract_tb(exc.__traceback__))
-    return through_torch and any(w in str(exc).lower() for w in _PEER_GONE)
+    through = any(any(d in f.filename for d in (*_DISTRIBUTED_DIRS, _BACKEND_DIR))
+                  for f in traceback.extract_tb(exc.__traceback__))
+    return through and any(w in str(exc).lower() for w in _PEER_GONE)
+
+
+# MPI's error classes of a call the program got wrong: the same call fails again, on any node
+_MPI_MISUSE = ("ERR_ARG", "ERR_COUNT", "ERR_TYPE", "ERR_TAG", "ERR_RANK", "ERR_ROOT", "ERR_OP", "ERR_BUFFER",
+               "ERR_COMM", "ERR_GROUP", "ERR_DIMS", "ERR_TOPOLOGY", "ERR_INFO", "ERR_KEYVAL")
+_BACKEND_DIR = os.sep.join(["", "hpcsync", "backend", ""])
+
+
+def _mpi_error_class(exc: BaseException) -> Optional[bool]:
+    """For an ``MPI.Exception``: whether its error class is a peer's or the network's (True) or
+    the program's misuse (False); None for any other exception (mpi4py not even loaded)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(exc, mpi.Exception):
+        return None
+    try:
+        cls = exc.Get_error_class()
+    except Exception:  # a record must never fail on its own
+        return True
+    return cls not in {getattr(mpi, name) for name in _MPI_MISUSE if hasattr(mpi, name)}
 
 
 def hardware_fault(exc: BaseException) -> bool:
@@ -257,34 +328,61 @@ def hardware_fault(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and bool(_HARDWARE.search(str(exc)))
 
 
+def exception_record(exc: BaseException, reporter: Reporter, exit_code: int = 1) -> FailureRecord:
+    """The record of ``exc``, uncaught on ``reporter``'s rank: a hardware fault blames its node, a
+    peer gone (:func:`peer_gone`) blames nobody by itself (whoever sees the silent ranks does),
+    anything else is the program's own error."""
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    me = reporter
+    if hardware_fault(exc):  # this node is at fault: left out of a relaunch
+        return build(Cause.HARDWARE, [me.rank], [me.node], line, me, blame_nodes=[me.node])
+    if peer_gone(exc):  # the cause is elsewhere; whoever sees it (the hang report) blames nodes
+        return build(Cause.TIMEOUT, [me.rank], [me.node], line, me, blame_nodes=[])
+    return build(Cause.EXCEPTION, [me.rank], [me.node], line, me, program_error=True, exit_code=exit_code)
+
+
 def note_exception(exc: BaseException, exit_code: int = 1) -> Optional[str]:
     """The record of an uncaught exception on this rank (the abort hook calls it; ``exit_code``: the
     code the job ends with). Only where ``HPCSYNC_REPORT_DIR`` is set (``hpcsync run`` sets it):
     the traceback on stderr says it all to a person, and a working directory is no place to litter."""
     if not settings.text("HPCSYNC_REPORT_DIR"):
         return None
-    me = _me()
-    line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-    if hardware_fault(exc):  # this node is at fault: left out of a relaunch
-        return write("hardware", [me["rank"]], [me["node"]], line, blame_nodes=[me["node"]], reporter=me)
-    if peer_gone(exc):  # the cause is elsewhere; whoever sees it (the hang report) blames nodes
-        return write("timeout", [me["rank"]], [me["node"]], line, blame_nodes=[], reporter=me)
-    return write("exception", [me["rank"]], [me["node"]], line, program_error=True, reporter=me, exit_code=exit_code)
+    return save(exception_record(exc, _me(), exit_code))
 
 
-def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[str]:
-    """The record of a hang report: the ranks that did not answer (node lost, process dead or
-    frozen) and those that never arrived (alive, stuck elsewhere) are implicated, with their
-    nodes; only the silent ones' nodes are blamed (a rank that answers runs on a node that works).
-    ``reached``: the ranks that answered this rank, itself included -- its side of a split, which
-    ``hpcsync run`` weighs against the other side's record."""
+def hang_record(report: Dict[str, Any], reached: Iterable[int], reporter: Reporter,
+                nodes: Optional[NodeMap]) -> FailureRecord:
+    """The record of a hang report (``no_reply``: silent ranks, ``never_entered``: ranks that
+    answered elsewhere; of them, those in ``timed_out_ranks`` wait in another operation of their
+    own), as :func:`note_hang` writes it, with the node map ``nodes``."""
     silent, never = list(report.get("no_reply", [])), list(report.get("never_entered", []))
     ranks = silent + never
     op = report.get("operation", {})
     detail = (f"{op.get('op')} #{op.get('seq')} in group {report.get('group')!r} did not complete within "
               f"{report.get('timeout_s')} s; no reply: {silent}; never entered: {never}")
-    return write("hang" if silent else "stall", ranks, nodes_of(ranks), detail, blame_nodes=nodes_of(silent),
-                 silent=silent, never_entered=never, silent_at=_where(silent), **_reach(reached))
+    return build(Cause.HANG if silent else Cause.STALL, ranks, nodes_of(ranks, nodes), detail, reporter,
+                 blame_nodes=nodes_of(silent, nodes), silent=tuple(sorted(set(silent))),
+                 never_entered=tuple(sorted(set(never))), silent_at=_where(silent, nodes),
+                 elsewhere=tuple(sorted(set(never) & set(report.get("timed_out_ranks", [])))), **_reach(reached, nodes))
+
+
+def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[str]:
+    """The record of a hang report: the ranks that did not answer (node lost, process dead or
+    frozen) and those that never arrived (alive, stuck elsewhere) are implicated, with their
+    nodes; only the silent ones' nodes are proposed for blame (a rank that answers runs on a node
+    that works; ``hpcsync run`` blames a node only when none of its ranks answered).
+    ``reached``: the ranks that answered this rank, itself included -- its side of a split, which
+    ``hpcsync run`` weighs against the other side's record."""
+    return save(hang_record(report, reached, _me(), _map()))
+
+
+def silent_record(silent: Sequence[int], reached: Iterable[int], what: str, reporter: Reporter,
+                  nodes: Optional[NodeMap]) -> FailureRecord:
+    """The record :func:`note_silent` writes, with the node map ``nodes``."""
+    quiet = sorted(set(silent))
+    return build(Cause.HANG, quiet, nodes_of(quiet, nodes), f"{what}; no reply: {quiet}",
+                 reporter, blame_nodes=nodes_of(quiet, nodes), silent=tuple(quiet), silent_at=_where(quiet, nodes),
+                 **_reach(reached, nodes))
 
 
 def note_silent(silent: Sequence[int], reached: Iterable[int], what: str) -> Optional[str]:
@@ -294,9 +392,7 @@ def note_silent(silent: Sequence[int], reached: Iterable[int], what: str) -> Opt
     set, as for :func:`note_exception`."""
     if not settings.text("HPCSYNC_REPORT_DIR"):
         return None
-    silent = sorted(set(silent))
-    return write("hang", silent, nodes_of(silent), f"{what}; no reply: {silent}", blame_nodes=nodes_of(silent),
-                 silent=silent, silent_at=_where(silent), **_reach(reached))
+    return save(silent_record(silent, reached, what, _me(), _map()))
 
 
 def note_unreported(what: str, waited_s: float) -> Optional[str]:
@@ -307,32 +403,35 @@ def note_unreported(what: str, waited_s: float) -> Optional[str]:
     if not settings.text("HPCSYNC_REPORT_DIR"):
         return None
     me = _me()
-    return write("timeout", [], [], f"{what} timed out on rank {me['rank']}; the hang report it left to another "
-                 f"rank did not come within {waited_s:g} s", blame_nodes=[], **_reach([me["rank"]]))
+    return save(build(Cause.TIMEOUT, [], [], f"{what} timed out on rank {me.rank}; the hang report it left to "
+                      f"another rank did not come within {waited_s:g} s", me, blame_nodes=[],
+                      **_reach([me.rank], _map())))
 
 
-def _reach(reached: Iterable[int]) -> Dict[str, Any]:
+def _reach(reached: Iterable[int], nodes: Optional[NodeMap]) -> Dict[str, Any]:
     ranks = sorted(set(reached))
-    return {"reached": ranks, "reached_nodes": nodes_of(ranks)}
+    return {"reached": tuple(ranks), "reached_nodes": tuple(nodes_of(ranks, nodes))}
 
 
-def _where(ranks: Iterable[int]) -> Dict[str, str]:
-    """Each rank's node, ``{"3": "n1"}`` (empty when the job's node map is not known)."""
-    from ..core import nodemap
+def _where(ranks: Iterable[int], nodes: Optional[NodeMap]) -> Dict[int, str]:
+    """Each rank's node, ``{3: "n1"}`` (empty when the job's node map is not known)."""
+    return {r: nodes.host(r) for r in ranks} if nodes is not None else {}
 
-    nodes = nodemap.current()
-    return {str(r): nodes.host(r) for r in ranks} if nodes is not None else {}
+
+def p2p_record(peer: Optional[int], answered: bool, what: str, reporter: Reporter,
+               nodes: Optional[NodeMap]) -> FailureRecord:
+    """The record :func:`note_p2p_hang` writes, with the node map ``nodes``."""
+    ranks = [] if peer is None else [peer]
+    return build(Cause.STALL if answered else Cause.HANG, ranks, nodes_of(ranks, nodes), what, reporter,
+                 blame_nodes=[] if answered else nodes_of(ranks, nodes), silent=() if answered else tuple(ranks),
+                 never_entered=tuple(ranks) if answered else (), silent_at={} if answered else _where(ranks, nodes),
+                 **_reach([reporter.rank, *(ranks if answered else [])], nodes))
 
 
 def note_p2p_hang(peer: Optional[int], answered: bool, what: str) -> Optional[str]:
     """The record of a send or receive past its timeout: its peer is implicated (blamed when it
     did not answer)."""
-    ranks = [] if peer is None else [peer]
-    me = _me()
-    return write("hang" if not answered else "stall", ranks, nodes_of(ranks), what,
-                 blame_nodes=[] if answered else nodes_of(ranks), silent=[] if answered else ranks,
-                 never_entered=ranks if answered else [], reporter=me, silent_at={} if answered else _where(ranks),
-                 **_reach([me["rank"], *(ranks if answered else [])]))
+    return save(p2p_record(peer, answered, what, _me(), _map()))
 
 
 def note_started() -> None:
@@ -368,6 +467,64 @@ def read_json(folder: str, prefix: str, kind: str) -> List[Dict[str, Any]]:
     return out
 
 
-def read(folder: str) -> List[Dict[str, Any]]:
-    """Every failure record in ``folder``, the earliest first."""
-    return sorted(read_json(folder, PREFIX, "hpcsync failure record"), key=lambda r: r.get("time", 0))
+def private_folder(path: str) -> str:
+    """``path`` as a folder nobody but this user can write into: created ``0700`` (parents too)
+    where missing; an existing one must be a folder, not a link, owned by this user and writable
+    by nobody else. Its path; ``OSError`` saying why not."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    why = _not_private(path)
+    if why is not None:
+        raise OSError(f"{path}: {why}")
+    return path
+
+
+def _not_private(path: str) -> Optional[str]:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return str(exc)
+    if stat.S_ISLNK(st.st_mode):
+        return "a link, not a folder of its own"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a folder"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def _own_text(path: str) -> str:
+    """The text of ``path``, a regular file of this user's (not a link: ``O_NOFOLLOW``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RecordError("a link, not a record") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordError("not a regular file")
+        if st.st_uid != os.getuid():
+            raise RecordError(f"owned by uid {st.st_uid}, not by the job's user (uid {os.getuid()})")
+        return f.read(16 << 20).decode()
+
+
+def read(folder: str) -> List[FailureRecord]:
+    """Every failure record in ``folder``, the earliest first. A file that is not a record this
+    code wrote (torn, another version, a key or a value it does not know), a link, a file another
+    user owns, is skipped with a warning: never believed, never a crash of the reader. From a
+    folder that is not private (a link, another user's, writable by others: anyone could have
+    planted a record) nothing is read, with a warning."""
+    why = _not_private(folder)
+    if why is not None:
+        log.warning("hpcsync: no failure record read from %s: %s", folder, why)
+        return []
+    out = []
+    for path in glob.glob(os.path.join(folder, f"{PREFIX}*.json")):
+        try:
+            out.append(FailureRecord.from_json(_own_text(path), path))
+        except (OSError, UnicodeDecodeError, RecordError) as exc:
+            log.warning("hpcsync: skipped %s, not a failure record this hpcsync reads: %s", path, exc)
+    return sorted(out, key=lambda r: r.time)

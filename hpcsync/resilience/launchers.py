@@ -7,17 +7,18 @@ import re
 import signal
 import subprocess
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 __all__ = ["WARNING_SIGNALS", "LauncherWords", "Launcher", "Srun", "OpenMPI", "Hydra", "mpi_launcher", "parse_hosts"]
 
 
 # -- what the launcher said ---------------------------------------------------------------------
-_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? [0-9,\-]+: (.+)$")
+_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
 _SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for .+? failed on node) (\S+?)(?:[:\s]|$)")
-_OMPI_SIGNAL = re.compile(r"process rank \d+ with PID \d+ on node (\S+) exited on signal (\d+)")
+_OMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
 _OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
-_HYDRA_AT = re.compile(r"RUNNING AT (\S+)")
+_HYDRA_AT = re.compile(r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)|RUNNING AT (\S+)")
+_HYDRA_STATUS = re.compile(r"=\s+EXIT STATUS: (\d+)")  # MPICH 3-4: a rank that ended by itself (alive till then)
 _HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)")  # MPICH 3-4, one line per dead rank
 # MPICH 5: a banner per process it ended, the first one the process that died first: its EXIT
 # CODE is the raw status (a signal's number in the low bits). "EXIT STRING" ORs every process's
@@ -56,11 +57,22 @@ class LauncherWords:
     abort: the program's, no node blamed); ``crash_first``: whether such a line came before any
     line that blames a node (a crash after a node's failure is its consequence); ``trouble_at``:
     when (``time.monotonic()``) a line first said the step is failing; ``launch_failed``: the
-    launcher said it could not start its daemons (the step never ran: not the program's exit)."""
+    launcher said it could not start its daemons (the step never ran: not the program's exit).
+
+    ``nodes`` holds three kinds of evidence, kept apart too: ``failed``, the nodes the launcher
+    itself calls failed (srun's "Node failure", a failed task launch: slurmctld's word);
+    ``lost``, the nodes whose daemon Open MPI lost (its own node's link as likely as theirs); and
+    ``deaths``, the ranks (by rank, where the line says it) each node lost to a signal -- a death
+    its node's own daemon reported, so its node was up. ``alive``: the nodes where a rank lived
+    until the launcher's cleanup (ended by SIGTERM, or exited by itself): their node ran on."""
 
     def __init__(self) -> None:
         self.nodes: List[str] = []
         self.lines: List[str] = []
+        self.failed: List[str] = []
+        self.lost: List[str] = []
+        self.deaths: Dict[str, Set[str]] = {}
+        self.alive: Set[str] = set()
         self.crashes: List[str] = []
         self.crash_first = False
         self._teardown = False
@@ -68,6 +80,7 @@ class LauncherWords:
         self._hydra_code_seen = False
         self.warning: Optional[str] = None
         self._hydra_at: Optional[str] = None
+        self._hydra_rank: Optional[str] = None
         self._srun_ending = False
         self.trouble_at: Optional[float] = None
         self.hung = False  # the supervisor had to end the launcher
@@ -90,6 +103,20 @@ class LauncherWords:
             self.nodes.append(node)
             self.lines.append(line.strip())
 
+    def _node_failed(self, node: str, line: str) -> None:
+        self._blame(node, line)
+        node = node.rstrip(".,:")
+        if node not in self.failed:
+            self.failed.append(node)
+
+    def _died(self, node: str, ranks: Sequence[str], line: str) -> None:
+        self._blame(node, line)
+        self.deaths.setdefault(node.rstrip(".,:"), set()).update(ranks)
+
+    def _lived(self, node: Optional[str]) -> None:
+        if node:
+            self.alive.add(node.rstrip(".,:"))
+
     def feed(self, line: str) -> None:
         if self.trouble_at is None and (any(w in line for w in _TROUBLE) or _SRUN_TASK.search(line)
                                         or _SRUN_NODE.search(line)):  # not srun's other errors (a tty, a plugin)
@@ -101,34 +128,51 @@ class LauncherWords:
         if any(w in line for w in _SRUN_ENDING):
             self._srun_ending = True
         m = _SRUN_TASK.search(line)
-        if m and m.group(2).strip() in _WARNING_WORDS:
-            self._warn(_WARNING_WORDS[m.group(2).strip()])
+        said = m.group(3).strip() if m else ""
+        if m and said in _WARNING_WORDS:
+            self._warn(_WARNING_WORDS[said])
             return
-        if m and not self._srun_ending and m.group(2).startswith(_CRASH_WORDS):
+        if m and said.startswith(_NOT_A_DEATH):  # ended by srun, or by itself: it ran till then
+            self._lived(m.group(1))
+            return
+        if m and not self._srun_ending and said.startswith(_CRASH_WORDS):
             self._crash(line)
             return
-        if m and not self._srun_ending and not m.group(2).startswith(_NOT_A_DEATH):
-            self._blame(m.group(1), line)
+        if m and not self._srun_ending:
+            self._died(m.group(1), _task_ranks(m.group(2)), line)
             return
-        m = _SRUN_NODE.search(line) or _OMPI_DAEMON.search(line)
+        m = _SRUN_NODE.search(line)
         if m:
+            self._node_failed(m.group(1), line)
+            return
+        m = _OMPI_DAEMON.search(line)
+        if m:  # the link between mpirun's node and that one failed: either end's
             self._blame(m.group(1), line)
+            if m.group(1).rstrip(".,:") not in self.lost:
+                self.lost.append(m.group(1).rstrip(".,:"))
             return
         m = _OMPI_SIGNAL.search(line)
-        if m and int(m.group(2)) in WARNING_SIGNALS:
-            self._warn(WARNING_SIGNALS[int(m.group(2))])
+        number = int(m.group(3)) if m else None
+        if m and number in WARNING_SIGNALS:
+            self._warn(WARNING_SIGNALS[int(m.group(3))])
             return
-        if m and int(m.group(2)) in _CRASH_SIGNALS:
+        if m and number in _CRASH_SIGNALS:
             self._crash(line)
             return
-        if m and int(m.group(2)) != signal.SIGTERM:
-            self._blame(m.group(1), line)
+        if m and number == signal.SIGTERM:
+            self._lived(m.group(2))
+            return
+        if m:
+            self._died(m.group(2), [m.group(1)], line)
             return
         if _HYDRA_BANNER in line:
             self._hydra_banners += 1
         m = _HYDRA_AT.search(line)
         if m and self._hydra_banners <= 1:  # (the later banners are hydra's own cleanup)
-            self._hydra_at = m.group(1)
+            self._hydra_at, self._hydra_rank = m.group(2) or m.group(3), m.group(1)
+        m = _HYDRA_STATUS.search(line)
+        if m and self._hydra_banners == 0:
+            self._lived(self._hydra_at)
         m = _HYDRA_SIGNAL.search(line)
         number = int(m.group(1)) if m else None
         m = _HYDRA_EXIT_CODE.search(line)
@@ -139,8 +183,20 @@ class LauncherWords:
             self._warn(WARNING_SIGNALS[number])
         elif number in _CRASH_SIGNALS:
             self._crash(f"{self._hydra_at or '?'}: {line.strip()}")
-        elif number is not None and self._hydra_at and number != signal.SIGTERM:
-            self._blame(self._hydra_at, line)
+        elif number == signal.SIGTERM:
+            self._lived(self._hydra_at)
+        elif number is not None and self._hydra_at:
+            self._died(self._hydra_at, [self._hydra_rank or f"? {line.strip()}"], line)
+
+
+def _task_ranks(spec: str) -> List[str]:
+    """srun's ``0,3-5`` as ``["0", "3", "4", "5"]``."""
+    out: List[str] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (hi.isdigit() or not hi):
+            out += [str(r) for r in range(int(lo), int(hi or lo) + 1)]
+    return out
 
 
 # -- launchers ---------------------------------------------------------------------------------

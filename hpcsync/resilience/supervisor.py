@@ -29,7 +29,12 @@ from the program's latest checkpoint, no human involved.
 - **The program's own exception or crash is not retried** (the same code at the same step fails
   again): an exception, or a rank the launcher says ran out of memory, segfaulted or aborted, is
   one message with the rank and node, and the program's exit code; no node is blamed
-  (``--retry-exceptions`` retries on the same nodes). A GPU's hardware fault that reaches the
+  (``--retry-exceptions`` retries on the same nodes). So is a desync (every rank answered, some
+  never entered the collective), and a rank killed by a signal twice in a row while its node ran
+  on (the kernel's OOM killer: the first time it is relaunched on the same nodes, no spare
+  spent). A node is blamed only when (nearly) all of its ranks are unreachable or the launcher
+  or Slurm says it failed, and one failure leaves out no more nodes than there are spares
+  without a second, independent sign. A GPU's hardware fault that reaches the
   program (ECC, fallen off the bus, Xid) blames its node. A step that ends without any record blaming a node --
   success, a preemption stop and requeue, ``scancel`` -- ends the run with the step's exit code.
 - **A cap** (``--max-restarts``, relaunches and requeues together, across requeues): past it,
@@ -59,8 +64,9 @@ import psutil
 
 from ..core import settings
 from ..observe import failure
+from ..observe.record import FailureRecord
 from . import probe, requeue
-from .verdict import Verdict, judge
+from .verdict import PROCESS_KILLED, Action, Verdict, judge
 from .launchers import (WARNING_SIGNALS, Launcher, LauncherWords, Srun,
                         mpi_launcher, parse_hosts)
 from ..core.environments import expand_hostlist, parse_tasks_per_node
@@ -133,12 +139,19 @@ class State:
         return sum(a.failed for a in self.attempts)
 
     def save(self) -> None:
-        os.makedirs(self.folder, exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"attempts": [asdict(a) for a in self.attempts], "bad_nodes": self.bad_nodes,
-                       "requeues": self.requeues}, f, indent=1)
-        os.replace(tmp, self.path)
+        _private(self.folder, "state folder")
+        failure.write_whole(self.path, {"attempts": [asdict(a) for a in self.attempts], "bad_nodes": self.bad_nodes,
+                                        "requeues": self.requeues})
+
+
+def _private(folder: str, what: str) -> str:
+    """``folder`` private to this user (:func:`hpcsync.observe.failure.private_folder`): the
+    records read from it decide which nodes are left out; else a clear error."""
+    try:
+        return failure.private_folder(folder)
+    except OSError as exc:
+        raise SystemExit(f"hpcsync run: the {what} must be this user's alone (records planted there would decide "
+                         f"the verdict): {exc}") from None
 
 
 # -- the supervisor --------------------------------------------------------------------------------
@@ -182,8 +195,7 @@ class Supervisor:
             self._warning = signum
 
     def _step(self, attempt: Attempt) -> Tuple[int, LauncherWords]:
-        folder = os.path.join(self.state.folder, f"attempt-{attempt.number}")
-        os.makedirs(folder, exist_ok=True)
+        folder = _private(os.path.join(self.state.folder, f"attempt-{attempt.number}"), "attempt folder")
         env = {**os.environ, "HPCSYNC_REPORT_DIR": folder, "HPCSYNC_RUN_ATTEMPT": str(attempt.number)}
         cmd = self.launcher.command(attempt.nodes, self.per_node, self.program)
         say(f"attempt {attempt.number}: {shlex.join(cmd)}")
@@ -254,10 +266,10 @@ class Supervisor:
             words.hung = True
         return _end(child)
 
-    def _observe(self, attempt: Attempt, rc: int, records: List[Dict[str, Any]], verdict: Verdict) -> None:
+    def _observe(self, attempt: Attempt, rc: int, records: List[FailureRecord], verdict: Verdict) -> None:
         attempt.ended, attempt.exit_code = time.time(), rc
         attempt.cause, attempt.blamed, attempt.detail = verdict.cause, verdict.blamed, verdict.detail
-        attempt.first_record_at = records[0]["time"] if records else None
+        attempt.first_record_at = records[0].time if records else None
         try:
             with open(os.path.join(self.state.folder, f"attempt-{attempt.number}", failure.RESUMED)) as f:
                 resumed = json.load(f)
@@ -305,24 +317,29 @@ class Supervisor:
             records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
             verdict = judge(rc, records, words, self._signalled, self._nodes_down if self.slurm_job else None,
                             ranks=len(attempt.nodes) * self.per_node, nodes=attempt.nodes,
-                            probe=self._unreachable if self.state.restarts() < self.max_restarts else None)
-            if verdict.action == "stop-program" and self.retry_exceptions:
-                verdict = Verdict("relaunch", "exception (retried: --retry-exceptions)", [], verdict.detail)
+                            probe=self._unreachable if self.state.restarts() < self.max_restarts else None,
+                            spares=len(self.hosts) - self.width)
+            before = self.state.attempts[-2] if len(self.state.attempts) > 1 else None
+            if verdict.cause == PROCESS_KILLED and before is not None and before.cause == PROCESS_KILLED:
+                verdict = Verdict(Action.STOP_PROGRAM, PROCESS_KILLED, [], f"{verdict.detail}; the second time in a row "
+                                  "on nodes that run on: the program's (a memory limit's kill comes back)")
+            if verdict.action is Action.STOP_PROGRAM and self.retry_exceptions:
+                verdict = Verdict(Action.RELAUNCH, f"{verdict.cause} (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)
             self.state.save()
             if previous is not None:
                 say(f"attempt {attempt.number - 1}'s failure cost {self._lost(previous, attempt)}")
-            if verdict.action == "done":
+            if verdict.action is Action.DONE:
                 say(f"{attempt.line()}" + (f": {verdict.detail}" if verdict.detail else ""))
                 return rc
-            if verdict.action == "requeue":
+            if verdict.action is Action.REQUEUE:
                 say(f"{attempt.line()}: {verdict.detail}")
                 if verdict.blamed:  # the next start leaves them out (a spare, or the job moves elsewhere)
                     self._mark_bad(verdict.blamed)
                     self.state.save()
                 return self._warned(rc, verdict.cause)
-            if verdict.action == "stop-program":
-                code = next((r["exit_code"] for r in records if r.get("program_error") and r.get("exit_code")), rc)
+            if verdict.action is Action.STOP_PROGRAM:
+                code = next((r.exit_code for r in records if r.program_error and r.exit_code), rc)
                 say(f"the program failed: {verdict.detail}; not relaunched (the same code fails again at the "
                     f"same step; --retry-exceptions retries it). Exit code {code}")
                 return code
@@ -555,7 +572,7 @@ def add_parser(sub: Any) -> None:
                          description=__doc__.split("\n\n")[0])
     run.add_argument("--spare-nodes", type=int, default=0, metavar="N", help="nodes held back to replace failed ones")
     run.add_argument("--max-restarts", type=int, default=3, metavar="N", help="relaunches and requeues, in all (default 3)")
-    run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception or crash too (on the same nodes)")
+    run.add_argument("--retry-exceptions", action="store_true", help="relaunch after the program's own exception, crash or desync too (on the same nodes)")
     run.add_argument("--ntasks-per-node", type=int, metavar="N", help="ranks per node (Slurm: the allocation's, SLURM_TASKS_PER_NODE; "
                      "mpirun: the first host's slots)")
     run.add_argument("--hosts", help="mpirun mode: hosts and slots, e.g. n0:2,n1:2,n2:2")
