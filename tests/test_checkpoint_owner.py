@@ -98,3 +98,36 @@ def test_a_job_saves_and_loads_over_an_empty_or_garbage_owner(tmp_path):
             assert d["results"][:2] == [{"saved": "step-00000001"}, {"saved": d["results"][1].get("saved")}], d
             assert d["results"][2]["step"] == 2 and d["results"][2]["v"] == "b", d
         assert f"{root / root_owner.OWNER} is damaged" in res.stderr, res.stderr[-2000:]
+
+
+def test_load_takes_a_step_by_the_rule_save_does_and_the_same_on_every_rank(tmp_path):
+    """``load(step=)`` holds to :data:`STEP_RULE` as ``save()`` does: a step that is none (a
+    string, a bool, a float, a negative number) is one clear error on every rank, not "no complete
+    checkpoint of step 8" while step 8 is there, nor a float that loads; ranks that ask for
+    different steps get one error naming them (rank 0's step is not loaded for all)."""
+    from launch import openmpi, run
+
+    cases = [[8, 8], [{"np": 8}, {"np": 8}], ["8", "8"], [True, True], [8.0, 8.0], [-1, -1], [8, 9], [8, "8"], [9, 9]]
+    res = run(openmpi(), 2, "ckpt_load_steps.py", str(tmp_path / "root"), json.dumps(cases), tmp_path=tmp_path,
+              timeout=120)
+    for i, case in enumerate(cases):
+        got = [d["out"][i] for d in res.ranks]
+        assert got[0][:3] == got[1][:3] or (got[0][0] == got[1][0] == "CheckpointError"), (case, got)
+        kind, words = got[0][0], got[0][1]
+        if json.dumps(case) in ("[8, 8]", '[{"np": 8}, {"np": 8}]'):  # (8.0 == 8 in Python: compared as written)
+            assert got[0][:2] == ["loaded", 8] and got[1][3] == {"r": 1}, (case, got)
+        elif case == [9, 9]:
+            assert kind in ("CheckpointError", "ValueError") and "no complete checkpoint of step 9" in words, (case, got)
+        else:
+            assert kind == "CheckpointError", (case, got)
+            assert ("step is a non-negative integer" in words) or ("different steps" in words), (case, got)
+
+
+def test_a_root_that_is_a_file_is_said_to_be_one(tmp_path):
+    """``Checkpoints(path)`` where ``path`` is a file: "not a directory", not a second job."""
+    from hpcsync.resilience.root_owner import claim, this_job
+
+    root = tmp_path / "file"
+    root.write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        claim(str(root), this_job())

@@ -142,6 +142,22 @@ def next_seq(root: str) -> int:
     return max(seqs) + 1
 
 
+def _step_problem(every: List[Tuple[Any, Optional[str]]], verb: str) -> Optional[str]:
+    """Why the ranks' steps (each ``(step, None)``, or ``(None, how a step that is none reads)``)
+    are not one step, or None."""
+    bad: Dict[str, List[int]] = {}
+    for r, (_, said) in enumerate(every):
+        if said is not None:
+            bad.setdefault(said, []).append(r)
+    if bad:
+        return STEP_RULE + ": " + "; ".join(f"{_who(rs)}: {s}" for s, rs in bad.items())
+    steps = ranks_by_value([n for n, _ in every])
+    if len(steps) > 1:
+        return (f"the ranks gave different steps (every rank {verb} the same step): "
+                + "; ".join(f"{_who(rs)}: {'the latest' if n is None else n}" for n, rs in steps.items()))
+    return None
+
+
 _DIFFER = "hpcsync.checkpoint: the ranks' Checkpoints differ: "
 
 
@@ -318,7 +334,7 @@ class Checkpoints:
     def _skip(self, exc: Damaged, skip: Dict[str, str]) -> None:
         """(rank 0) ``exc``'s checkpoint is damaged: left out of the next choice, with a warning."""
         skip[exc.folder] = exc.why
-        log.warning("hpcsync.checkpoint: skipping %s: damaged: %s; the previous complete checkpoint is loaded "
+        log.warning("hpcsync.checkpoint: skipping %s: damaged: %s; an older whole checkpoint is looked for "
                     "instead", exc.folder, exc.why)
 
     def _read(self, step: Optional[int], size: int) -> Optional[Tuple[int, str, int, bytes, List[bytes]]]:
@@ -448,16 +464,9 @@ class Checkpoints:
         every = ctl.allgather((number, None if number is not None else _said(step),
                                self._options() if sharded is not None else None, error))
         refused = "hpcsync.checkpoint: save() refused on every rank, nothing written: "
-        bad: Dict[str, List[int]] = {}
-        for r, (_, said, _, _) in enumerate(every):
-            if said is not None:
-                bad.setdefault(said, []).append(r)
-        if bad:
-            raise CheckpointError(refused + STEP_RULE + ": " + "; ".join(f"{_who(rs)}: {s}" for s, rs in bad.items()))
-        steps = ranks_by_value([n for n, _, _, _ in every])
-        if len(steps) > 1:
-            raise CheckpointError(refused + "the ranks gave different steps (every rank saves the same step): "
-                                  + "; ".join(f"{_who(rs)}: {n}" for n, rs in steps.items()))
+        problem = _step_problem([(n, said) for n, said, _, _ in every], "saves")
+        if problem:
+            raise CheckpointError(refused + problem)
         forms = ranks_by_value([options is not None for _, _, options, _ in every])
         if len(forms) > 1:  # (each form's exchanges next are its own)
             raise CheckpointError(refused + f"sharded= given on {_who(forms[True])}, not on {_who(forms[False])}")
@@ -548,6 +557,12 @@ class Checkpoints:
         ``local``, and a job of another size reshards (its ``local`` is then None)."""
         self.wait()
         ctl = self._ctl("load()")
+        number = None if step is None else as_step(step)  # (one allgather: a step, the same on every rank)
+        problem = _step_problem(ctl.allgather((number, None if step is None or number is not None else _said(step))),
+                                "loads")
+        if problem:
+            raise CheckpointError("hpcsync.checkpoint: load() refused on every rank: " + problem)
+        step = number
         self._same_options(ctl, sharded)
         if self.local_dir and sharded is None:
             raise ValueError("Checkpoints(local_dir=...) loads sharded checkpoints: load(sharded=<a state dict>)")

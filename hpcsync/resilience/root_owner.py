@@ -189,6 +189,9 @@ def claim(root: str, job: Dict[str, Any]) -> RunRecord:
     :class:`CheckpointError`; a job that ended hands the root on. Takes a file read and, when the
     owner changes, a write (``squeue`` once, or at most ``ENDING_WAIT_S``, to judge another job)."""
     owner_path = os.path.join(root, OWNER)
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"hpcsync.checkpoint: the checkpoint root {root} is not a directory (a file is there): "
+                              "give Checkpoints() a folder")
     for first in (True, False):  # (a second look only when another job created OWNER meanwhile)
         owner, why = _record(owner_path)
         run = _run(owner)

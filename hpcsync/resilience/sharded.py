@@ -403,8 +403,8 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
         except checksums.Damaged as exc:  # (raised on every rank alike)
             skip[exc.folder] = exc.why
             if me == 0:
-                log.warning("hpcsync.checkpoint: skipping %s: damaged: %s; the previous complete checkpoint is "
-                            "loaded instead", exc.folder, exc.why)
+                log.warning("hpcsync.checkpoint: skipping %s: damaged: %s; an older whole checkpoint is "
+                            "looked for instead", exc.folder, exc.why)
 
 
 def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optional[bytes]], template: Any,
