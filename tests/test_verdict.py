@@ -57,6 +57,17 @@ def test_a_record_this_code_did_not_write_is_skipped_with_a_warning(tmp_path, ca
         else:
             raise AssertionError(f"{name}: accepted {data}")
         (tmp_path / f"{failure.PREFIX}{name}.json").write_text(json.dumps(data))
+    for name, data in {"digits": {**base, "silent_at": {"\u00b2": "n1"}}, "dashes": {**base, "silent_at": {"--3": "n1"}},
+                       "deep": {**base, "detail": None}}.items():  # (what once crashed the reader)
+        text = json.dumps(data) if name != "deep" else json.dumps(base)[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}"
+        try:
+            FailureRecord.from_json(text)
+        except RecordError:
+            pass
+        else:
+            raise AssertionError(f"{name}: accepted")
+        (tmp_path / f"{failure.PREFIX}{name}.json").write_text(text)
+        bad[name] = data
     (tmp_path / f"{failure.PREFIX}torn.json").write_text(good.to_json()[:40])
     failure.save(good, str(tmp_path))
     with caplog.at_level(logging.WARNING):
@@ -94,10 +105,17 @@ def test_an_mpi_error_or_a_backend_timeout_is_a_lost_peer_not_the_programs(tmp_p
     bad rank) and the backend's mismatch (a ValueError) stay the program's. Its record says so."""
     from mpi4py import MPI
 
-    for cls in (MPI.ERR_OTHER, MPI.ERR_INTERN, MPI.ERR_TRUNCATE):
+    lost = [getattr(MPI, n) for n in ("ERR_OTHER", "ERR_INTERN", "ERR_UNKNOWN", "ERR_PROC_FAILED", "ERR_PROC_ABORTED",
+                                      "ERR_REVOKED") if hasattr(MPI, n)]
+    for cls in lost:
         assert failure.peer_gone(MPI.Exception(cls)), MPI.Exception(cls)
         assert failure.peer_gone(raised_in(f"{BACKEND}/engine.py", MPI.Exception(cls)))
-    for cls in (MPI.ERR_COUNT, MPI.ERR_RANK, MPI.ERR_TYPE):
+    # every other class is a call the program got wrong (a receive too small, a bad request, a
+    # window or file misused, out of memory): the same call fails again on any node
+    misuse = [getattr(MPI, n) for n in dir(MPI) if n.startswith("ERR_") and isinstance(getattr(MPI, n), int)
+              and getattr(MPI, n) not in lost and 0 < getattr(MPI, n) < MPI.ERR_LASTCODE]
+    assert len(misuse) > 20 and MPI.ERR_TRUNCATE in misuse and MPI.ERR_NO_MEM in misuse, misuse
+    for cls in misuse:
         assert not failure.peer_gone(MPI.Exception(cls)), MPI.Exception(cls)
     def timed():
         return RuntimeError("hpcsync backend: all_reduce in group '0' timed out after 6 s")
@@ -212,6 +230,10 @@ def test_one_failure_excludes_no_more_nodes_than_the_spares_without_a_second_sig
     v = verdict.judge(1, [hang(nodes, silent)], quiet, False, ranks=14, nodes=nodes.names, spares=1,
                       probe=lambda asked: ["n0", "n4"])
     assert v.blamed == ["n4"], v  # a probe's failure of a node no record names is no sign for it
+    one = list(range(12, 14))  # all of n6's ranks silent: one node, whatever the spares (Slurm's
+    for spares in (0, 1):      # requeue leaves it out even with none): the cap is not for one node
+        v = verdict.judge(1, [hang(nodes, one)], quiet, False, ranks=14, nodes=nodes.names, spares=spares)
+        assert v.blamed == ["n6"], (spares, v)
     lost = launchers.LauncherWords()  # Open MPI lost three daemons at once: the launcher alone
     for k in (4, 5, 6):
         lost.feed(f"  Remote daemon: [[4321,0],{k}] on node n{k}")

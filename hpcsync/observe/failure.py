@@ -302,9 +302,12 @@ def peer_gone(exc: BaseException) -> bool:
     return through and any(w in str(exc).lower() for w in _PEER_GONE)
 
 
-# MPI's error classes of a call the program got wrong: the same call fails again, on any node
-_MPI_MISUSE = ("ERR_ARG", "ERR_COUNT", "ERR_TYPE", "ERR_TAG", "ERR_RANK", "ERR_ROOT", "ERR_OP", "ERR_BUFFER",
-               "ERR_COMM", "ERR_GROUP", "ERR_DIMS", "ERR_TOPOLOGY", "ERR_INFO", "ERR_KEYVAL")
+# MPI's error classes of a peer lost or the library failing under the call (ULFM's for a failed
+# or aborted process, a revoked communicator; the generic ones a survivor gets from Open MPI and
+# MPICH when a peer dies): every other class is a call the program got wrong (a receive too
+# small, a bad request, a window or file misused, out of memory), which fails again on any node
+_MPI_PEER_LOST = ("ERR_OTHER", "ERR_INTERN", "ERR_UNKNOWN", "ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                  "ERR_PROC_ABORTED", "ERR_REVOKED")
 _BACKEND_DIR = os.sep.join(["", "hpcsync", "backend", ""])
 
 
@@ -318,7 +321,7 @@ def _mpi_error_class(exc: BaseException) -> Optional[bool]:
         cls = exc.Get_error_class()
     except Exception:  # a record must never fail on its own
         return True
-    return cls not in {getattr(mpi, name) for name in _MPI_MISUSE if hasattr(mpi, name)}
+    return cls in {getattr(mpi, name) for name in _MPI_PEER_LOST if hasattr(mpi, name)}
 
 
 def hardware_fault(exc: BaseException) -> bool:
@@ -525,6 +528,6 @@ def read(folder: str) -> List[FailureRecord]:
     for path in glob.glob(os.path.join(folder, f"{PREFIX}*.json")):
         try:
             out.append(FailureRecord.from_json(_own_text(path), path))
-        except (OSError, UnicodeDecodeError, RecordError) as exc:
+        except (OSError, UnicodeDecodeError, RecordError, ValueError, TypeError, RecursionError) as exc:
             log.warning("hpcsync: skipped %s, not a failure record this hpcsync reads: %s", path, exc)
     return sorted(out, key=lambda r: r.time)

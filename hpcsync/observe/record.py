@@ -16,6 +16,7 @@ believes it and never fails on it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -108,8 +109,8 @@ class FailureRecord:
         """The record in ``text``; :class:`RecordError` for anything this code did not write."""
         try:
             data = json.loads(text)
-        except ValueError as exc:
-            raise RecordError(f"not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise RecordError(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
         return cls.from_dict(data, path)
 
     @classmethod
@@ -133,7 +134,7 @@ class FailureRecord:
             raise RecordError("reporter: want {'rank': int, 'node': str}")
         reached = data.get("reached")
         silent_at = data.get("silent_at", {})
-        if not isinstance(silent_at, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit()
+        if not isinstance(silent_at, dict) or not all(isinstance(k, str) and re.fullmatch(r"-?[0-9]+", k, re.ASCII)
                                                       and isinstance(v, str) for k, v in silent_at.items()):
             raise RecordError("silent_at: want {'<rank>': '<node>'}")
         return cls(cause=cause, reporter=Reporter(_int(rep["rank"], "reporter.rank"), _str(rep["node"], "reporter.node")),

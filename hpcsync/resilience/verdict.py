@@ -244,8 +244,10 @@ def _capped(verdict: Verdict, spares: Optional[int], confirm: Callable[[], Set[s
     """``verdict`` when it leaves out no more nodes than the ``spares`` (None: no bound); else
     only the nodes a second, independent sign (``confirm``) names too -- none without one: one
     source of evidence that names more nodes than there are spares (a gathering that timed out
-    on many ranks at once, a launcher that lost many daemons) is as likely its own failure."""
-    if spares is None or len(verdict.blamed) <= spares:
+    on many ranks at once, a launcher that lost many daemons) is as likely its own failure. One
+    node is always believed, even with no spare (Slurm's requeue leaves it out; without it, the
+    same failed node would be retried to the cap)."""
+    if spares is None or len(verdict.blamed) <= max(spares, 1):
         return verdict
     sure = sorted(confirm())
     said = f"{len(verdict.blamed)} node(s) blamed ({', '.join(verdict.blamed)}), more than the {spares} spare(s)"
