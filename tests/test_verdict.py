@@ -349,3 +349,27 @@ def test_records_only_from_where_they_should_be(tmp_path, caplog):
         assert "a link" in str(exc)
     else:
         raise AssertionError("a link accepted")
+
+
+def test_a_real_desync_is_judged_the_programs_from_the_records_it_writes(tmp_path):
+    """Not hand-made records: a real 3-rank job on the hpcsync backend where rank 2 enters another
+    group's all_reduce than ranks 0 and 1. Every rank answers the reports' gatherings and each
+    waits in a collective of its own that timed out: the records say so (``elsewhere``), and the
+    verdict is the program's (stop, not relaunched to the cap)."""
+    import os
+    import subprocess
+
+    from launch import PY, ROOT, clean_env, mpich
+
+    reports = tmp_path / "reports"
+    reports.mkdir(mode=0o700)
+    env = {**clean_env(), **mpich().env, "HPCSYNC_TIMEOUT": "3", "HPCSYNC_REPORT_DIR": str(reports)}
+    launcher = mpich()
+    proc = subprocess.run([*launcher.command(3), PY, str(ROOT / "tests" / "programs" / "desync.py")], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0, proc
+    records = failure.read(str(reports))
+    assert records and all(r.elsewhere for r in records if r.never_entered), [r.to_dict() for r in records]
+    v = verdict.judge(proc.returncode, records, launchers.LauncherWords(), False, ranks=3, nodes=[os.uname().nodename],
+                      spares=0)
+    assert (v.action, v.cause) == (Action.STOP_PROGRAM, "desync"), v

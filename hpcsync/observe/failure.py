@@ -366,7 +366,7 @@ def hang_record(report: Dict[str, Any], reached: Iterable[int], reporter: Report
     return build(Cause.HANG if silent else Cause.STALL, ranks, nodes_of(ranks, nodes), detail, reporter,
                  blame_nodes=nodes_of(silent, nodes), silent=tuple(sorted(set(silent))),
                  never_entered=tuple(sorted(set(never))), silent_at=_where(silent, nodes),
-                 elsewhere=tuple(sorted(set(never) & set(report.get("timed_out_ranks", [])))), **_reach(reached, nodes))
+                 elsewhere=tuple(sorted(set(never) & set(report.get("stuck_ranks", report.get("timed_out_ranks", []))))), **_reach(reached, nodes))
 
 
 def note_hang(report: Dict[str, Any], reached: Iterable[int] = ()) -> Optional[str]:

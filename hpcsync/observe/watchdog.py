@@ -137,7 +137,8 @@ def digest(group: str, seq: int) -> Dict[str, Any]:
         timed_out = log is not None and log.timed_out == seq
     me = {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "pid": os.getpid(), "timed_out": timed_out,
           "frames": main_frames(), "gathering": group in _gathering,
-          "reporting": _failed or (log is not None and log.timed_out is not None)}  # a hang of this group, any operation
+          "reporting": _failed or (log is not None and log.timed_out is not None),  # a hang of this group, any operation
+          "stuck": _failed or any(g.timed_out is not None for g in _logs.values())}  # a wait of its own timed out
     if log is None:  # a gloo or NCCL group: torch's flight recorder knows where this rank is
         fr = _flight_state(group, seq)
         return {**me, "state": fr["state"], "last": fr["last"], "timed_out": fr["state"] == "inside" and _failed}
@@ -293,6 +294,7 @@ def build_report(group: GroupLog, rec: OpRecord, timeout_s: float, states: Dict[
             "inside": pick["inside"], "finished": pick["finished"], "failed": pick["failed"], "no_reply": no_reply,
             "no_reply_nodes": where(no_reply), "never_entered_nodes": where(pick["never"]),
             "timed_out_ranks": sorted(r for r, d in states.items() if d["timed_out"]),
+            "stuck_ranks": sorted(r for r, d in states.items() if d.get("stuck") or d["timed_out"]),
             "unreached": [r for r in unreached if r in group.ranks],
             "groups": groups, "hosts": {str(r): host(r) for r in (no_reply + pick["never"])[:256]}}
 
