@@ -1,12 +1,10 @@
 """Damaged checkpoints: seeded corruption fuzz over the forms this machine reaches without
-namespace nodes (rank 0's form and the sharded form, 2 real MPI ranks each). For a drawn file of a
+namespace nodes (rank 0's form, the sharded form, and the node-local form with each rank a fake node
+of its own; 2 real MPI ranks each). For a drawn file of a
 drawn checkpoint, a drawn damage (bytes flipped, truncated, same-size garbage, deleted, swapped with
 the same file of another step, replaced by another run's): ``load()`` returns a checkpoint bitwise
 equal to the newest one left whole, or a CheckpointError on every rank; never another state, never
-a hang. The counts by form and damage kind are printed (``-s``), with the seed.
-
-The node-local form (``local_dir=``) is left out: its node copies' markers carry sizes only (its
-loads from the root are the sharded form's, verified)."""
+a hang. The counts by form and damage kind are printed (``-s``), with the seed."""
 import collections
 import os
 
@@ -73,9 +71,11 @@ def test_a_damaged_node_local_copy_is_replaced_or_skipped(tmp_path):
     node's copy, or (node copies removed) in the root. Every case: the newest checkpoint left
     whole, bitwise, on every rank -- from the other node's copy of a damaged file, else the
     previous checkpoint -- and never another state, nor a hang; a damaged copy's warning names the
-    folder, the file and the node, on the console. Every step's biggest file damaged on every
+    folder, the file and the node, on the console. ``latest()`` (markers and sizes only) names
+    what load() loads when the damage changed a size, and never a step older than it loads.
+    Every step's biggest file damaged on every
     node, and the root's gone: a CheckpointError on every rank that says "damaged" and names it."""
-    cases = 45
+    cases = 60
     res = run(openmpi(), 2, "ckpt_damage_nodes.py", str(SEED), str(cases), str(tmp_path / "roots"),
               tmp_path=tmp_path, timeout=240)
     counts = collections.Counter()
@@ -94,6 +94,18 @@ def test_a_damaged_node_local_copy_is_replaced_or_skipped(tmp_path):
                                                              for o in ("right", "error", "wrong")))
     assert not wrong, f"seed {SEED}: {len(wrong)} cases not right, e.g. {wrong[:5]}"
     assert {w for _, w, _ in counts} == {"one", "both", "root"}, counts
+    # latest() reads the markers, not the bytes: a file of another size (truncated, deleted) is
+    # seen there, and it names what load() loads; a same-size damage is found by load(), which may
+    # then take an older step than latest() named, never a newer one
+    for c in res.ranks[0]["cases"]:
+        step = c["got"][1] if c["got"][0] == "loaded" else None
+        if c["damage"].split()[0] in ("truncate", "delete"):
+            assert c["latest"] == step or (step is None and c["expected"] is None), c
+        else:
+            assert step is None or (isinstance(c["latest"], int) and c["latest"] >= step), c
+    named = collections.Counter((c["latest"] == (c["got"][1] if c["got"][0] == "loaded" else None))
+                                for c in res.ranks[0]["cases"])
+    print(f"  latest() named the step load() loaded in {named[True]} of {cases} cases")
     one = [c for c in res.ranks[0]["cases"] if c["damage"].split()[1] == "one" and c["got"][0] == "loaded"]
     assert any(c["got"][1] == 3 and c["got"][3] == "nodes" for c in one), one  # restored from the copies
     said = [ln for ln in res.stderr.splitlines() if ": damaged: the copy of " in ln]

@@ -12,7 +12,8 @@ for the case's root), and damages one file of one checkpoint: in one node's copy
 same file in every node's copy (``both``), or, with the node copies removed, in the root
 (``root``), with one damage: ``flip`` 1-3 bytes, ``truncate``, same-size ``garbage``, ``delete``,
 ``swap-step`` (exchanged with the same file of another step), ``swap-run`` (replaced by run B's
-file of the same step). Every rank loads from a fresh Checkpoints and judges what it got:
+file of the same step). Every rank asks ``latest()`` and then loads, from fresh Checkpoints, and
+judges what it got:
 ``right`` (bitwise what was saved at the newest step left whole: in the root, or on the nodes,
 some node's whole copy of each file), ``error`` (a CheckpointError though a whole one was left) or ``wrong`` (anything else).
 Then: every step's biggest file damaged on every node (a CheckpointError saying "damaged" and
@@ -238,8 +239,12 @@ for case in range(cases):
         what = damage(rng, root, local)
     what, left = comm.bcast(what, root=0)
     expected = max(left, default=None)
+    try:
+        latest = checkpoints(root, local).latest()  # (from the markers: before the load reads the bytes)
+    except hpcsync.CheckpointError as exc:
+        latest = f"error: {exc}"
     got = load(root, local)
-    out["cases"].append({"case": case, "damage": what, "expected": expected, "got": list(got),
+    out["cases"].append({"case": case, "damage": what, "expected": expected, "got": list(got), "latest": latest,
                          "outcome": judge(got, expected)})
     comm.Barrier()
     if R == 0:
