@@ -10,18 +10,26 @@
   (modulo that node's ranks) of nodes ``k+1 .. k+replicas`` over MPI, in bounded chunks
   (:mod:`hpcsync.resilience.peer_transfer`), so any ``replicas`` nodes may be lost;
 - **complete only when every part and every copy is durable**: the ranks agree, then each node's
-  first rank writes that node's marker (the files it holds, their sizes, how many the whole
-  checkpoint has) and renames the folder into place; older ones beyond ``keep`` are removed;
+  first rank writes that node's marker (the files it holds, their sizes and checksums, how many
+  the whole checkpoint has; version 2, sealed with its own checksum) and renames the folder into
+  place; older ones beyond ``keep`` are removed. Every checksum is taken as the bytes are written
+  (DCP's through :func:`~hpcsync.resilience.sharded.summing_writer`), and each copy is summed
+  again as it is sent and as it is received, checked against it
+  (:func:`~hpcsync.resilience.peer_transfer.send_files`);
 - **the shared root every K-th save** (by sequence number; ``shared_every=0``: never): each rank
-  copies its own files from the node-local folder into the root, which is then marked complete as
-  any sharded checkpoint there. The other saves write no checkpoint data there: rank 0 claims the
+  copies its own files from the node-local folder into the root (summed as copied, checked
+  against the sums taken as written), which is then marked complete as any sharded checkpoint
+  there, every file's checksum in its marker. The other saves write no checkpoint data there: rank 0 claims the
   root (its owner record: one job per root) and reads its markers (the next sequence number).
 
 A load gathers every node's list of complete copies to rank 0, which takes the last saved
 checkpoint whose files the nodes of this job hold between them (or the root's, if it is newer):
-each rank then reads the byte ranges DCP asks of it from its own node's disk, or fetches exactly
-those from a rank whose node holds them (one bounded exchange), and no checkpoint data from the
-shared root (rank 0 lists it and reads its markers, to compare). Only when no complete set
+every file is then read whole by one rank and checked against its checksum, a damaged copy
+replaced by another node's (:mod:`hpcsync.resilience.node_verify`; no whole copy left: that
+checkpoint is skipped on every rank and the previous whole one loaded); each rank then reads the
+byte ranges DCP asks of it from those checked bytes, or fetches exactly those from a rank whose
+node's copy was found whole (one bounded exchange), and no checkpoint data from the shared root
+(rank 0 lists it and reads its markers, to compare). Only when no complete set
 survived does it read the root. A copy is one save's: its marker carries a token rank 0 drew for
 that save, so copies of two jobs' saves with the same number never pass for one checkpoint; and
 one run's: its marker carries the root's run identity (:class:`~hpcsync.resilience.root_owner.RunRecord`,
@@ -353,13 +361,14 @@ class Chosen:
 
 
 def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[Tuple[int, str], dict]]],
-            lay: Layout, skip: Dict[Any, str]) -> Any:
+            lay: Layout, skip: Optional[Dict[Any, str]] = None) -> Any:
     """Rank 0: ``("local", Chosen)`` for the last saved checkpoint the nodes hold between them (by
     sequence number, then by rank 0's clock when it was saved), ``("root", chosen)`` when the
     root's is newer (or the only one), or None; less those in ``skip`` (``{(seq, token) or root
     folder: why}``: found damaged by an earlier turn of this load). None left but some damaged:
     :class:`~hpcsync.resilience.checksums.Damaged`."""
     run = claim(ckpts.root, ckpts._job).id  # (read once per load, here)
+    skip = {} if skip is None else skip
     union: Dict[Tuple[int, str], Dict[str, Any]] = {}
     foreign: Dict[str, List[int]] = {}
     for node, copies in enumerate(every):
@@ -441,7 +450,7 @@ def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int], skip: Option
     chosen, error = None, None
     if me == 0:
         try:
-            chosen = _choose(ckpts, step, [every[ranks[0]] for ranks in lay.ranks], lay, skip or {})
+            chosen = _choose(ckpts, step, [every[ranks[0]] for ranks in lay.ranks], lay, skip)
         except Exception as exc:
             error = f"cannot load from {ckpts.root} or the nodes' copies: {checksums.said(exc)}"
     chosen, error = ctl.bcast((chosen, error), root=0)

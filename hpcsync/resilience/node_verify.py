@@ -10,7 +10,8 @@ disk, else fetched whole from a rank of that node (one
 :func:`~hpcsync.resilience.peer_transfer.fetch`, bounded), and summed as it arrives. The ranks
 then agree on the copies found damaged (an allgather of each rank's list, empty when all is well);
 rank 0 warns of each, naming the folder, the file and the node, and the next round reads those
-files from the next node that holds them. A file with no whole copy left makes the checkpoint
+files from the next node that holds them. A disk that stops answering is not damage: it is that
+rank's error, the same CheckpointError on every rank (naming the rank, node, file and phase). A file with no whole copy left makes the checkpoint
 :class:`~hpcsync.resilience.checksums.Damaged` on every rank alike (the caller loads the previous
 one). At most as many rounds as a file has copies (``replicas + 1``).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..core.errors import CheckpointError, raise_if_any_of
 from . import checksums, peer_transfer
 from .sharded import writer_of
 
@@ -85,7 +87,10 @@ def verify(ctl: Any, names: Sequence[str], world: int, holders: Mapping[str, Seq
                     read["node" if peer == me else "peers"] += item[2]
                 else:
                     bad.append((item[0], why))
-        damaged = {n: why for part in ctl.allgather(bad) for n, why in part}
+        stuck = next((e for e in errors if peer_transfer.STUCK in e), None)  # (not damage: this rank's error)
+        parts = ctl.allgather((bad, stuck))
+        raise_if_any_of([s for _, s in parts], CheckpointError, "hpcsync.checkpoint: cannot load: ")
+        damaged = {n: why for part, _ in parts for n, why in part}
         for n in pending:
             if n not in damaged:
                 good[n] = source[n]

@@ -33,7 +33,7 @@ from ..core.errors import CollectiveTimeout
 from ..core.worker import Stalled, Worker, result
 from . import checksums
 
-__all__ = ["CHUNK", "TAG_HEAD", "TAG_DATA", "TAG_ASK", "TAG_RANGE", "SPIN_S", "Step", "Range", "StuckDisk", "Disk",
+__all__ = ["CHUNK", "TAG_HEAD", "TAG_DATA", "TAG_ASK", "TAG_RANGE", "SPIN_S", "STUCK", "Step", "Range", "StuckDisk", "Disk",
            "open_file", "read_into", "write_all", "sync_close", "close_file", "file_size", "read_range",
            "send_files", "fetch"]
 
@@ -41,6 +41,7 @@ CHUNK = 64 << 20  #: the most bytes one message carries
 TAG_HEAD, TAG_DATA, TAG_ASK, TAG_RANGE = (settings.TAG_COPY_HEAD, settings.TAG_COPY_DATA, settings.TAG_COPY_ASK,
                                          settings.TAG_COPY_RANGE)
 SPIN_S = 0.05  # test without sleeping this long after the last progress
+STUCK = "its node-local disk stopped answering"  #: how a stuck disk's error begins (:class:`StuckDisk`)
 
 Step = Tuple[Any, int, Any]  # (an MPI request, the peer rank, the buffers it uses)
 Range = Tuple[str, int, int]  # (a file's name, offset, length)
@@ -106,7 +107,7 @@ class Disk:
         try:
             return result(self._worker.submit(fn, *args), self.limit, lambda: f"{self.who}: {doing} ({self.phase})")
         except Stalled as exc:
-            self.stuck = f"its node-local disk stopped answering: {exc}"
+            self.stuck = f"{STUCK}: {exc}"
             raise StuckDisk(self.stuck) from None
 
     def close(self, f: Any) -> None:
