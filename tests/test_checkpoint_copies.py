@@ -142,7 +142,8 @@ def test_copies_of_two_saves_with_one_number_never_pass_for_one_checkpoint(tmp_p
     assert _choose(ckpts, None, mixed, lay) is None
     whole = [half("one", ["rank-00000.pt", "sharded/__0_0.distcp"]), half("one", ["rank-00001.pt", "sharded/__1_0.distcp"])]
     chosen = _choose(ckpts, None, whole, lay)
-    assert chosen[:4] == ("local", 30, (3, "one"), 2) and chosen[4]["rank-00001.pt"] == [1], chosen
+    assert chosen[0] == "local" and (chosen[1].step, chosen[1].key, chosen[1].world) == (30, (3, "one"), 2) \
+        and chosen[1].holders["rank-00001.pt"] == [1], chosen
 
 
 @pytest.mark.heavy  # (one process, but a dozen starts of it: beside the tests that build nodes)

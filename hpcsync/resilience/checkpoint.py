@@ -358,7 +358,12 @@ class Checkpoints:
 
     # -- collective ----------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
-        """The step of the last saved complete checkpoint (rank 0 looks, every rank gets its answer)."""
+        """The step of the last saved complete checkpoint (rank 0 looks, every rank gets its answer):
+        from the markers (their own checksums, every file present at its size; with
+        ``local_dir``, also the run identity and copies that cover it), not the files' bytes,
+        which :meth:`load` checks as it reads them. So it names the step :meth:`load` tries first:
+        a file damaged at the same size makes that load read another node's copy, or load an older
+        step (never a newer one): resume from the returned :attr:`Checkpoint.step`."""
         self.wait()
         ctl = self._ctl("latest()")
         self._same_options(ctl, True)

@@ -10,9 +10,9 @@ the file is written, and checked as the file is read back.
   GB/s and BLAKE2b's 0.7 GB/s (one core, 256 MiB): a damaged disk block, a truncated or swapped
   file is found with certainty or at odds of 2^-32; it is no defence against someone who can
   write the root (they can write the marker too).
-- **the marker** (``version`` 2): ``files`` (every file's size, as version 1), ``digest``
-  (``"crc32"``), ``sums`` (the files whose checksum was taken: every one, but for files a
-  node-local save copied into the root, which are checked by size), and ``marker_sum``, the
+- **the marker** (``version`` 2, in the root and in every node-local copy): ``files`` (every
+  file's size, as version 1), ``digest`` (``"crc32"``), ``sums`` (every file's checksum; a node
+  copy's and a copy into the root summed as copied, :mod:`hpcsync.resilience.node_copies`), and ``marker_sum``, the
   checksum of the marker itself (its step, sequence number and world size cannot change
   unseen). A marker without ``version`` (an older hpcsync's, version 1) is checked by sizes only.
 - **verified as read**: :func:`read_whole` returns a file's bytes only when its size and checksum

@@ -10,18 +10,26 @@
   (modulo that node's ranks) of nodes ``k+1 .. k+replicas`` over MPI, in bounded chunks
   (:mod:`hpcsync.resilience.peer_transfer`), so any ``replicas`` nodes may be lost;
 - **complete only when every part and every copy is durable**: the ranks agree, then each node's
-  first rank writes that node's marker (the files it holds, their sizes, how many the whole
-  checkpoint has) and renames the folder into place; older ones beyond ``keep`` are removed;
+  first rank writes that node's marker (the files it holds, their sizes and checksums, how many
+  the whole checkpoint has; version 2, sealed with its own checksum) and renames the folder into
+  place; older ones beyond ``keep`` are removed. Every checksum is taken as the bytes are written
+  (DCP's through :func:`~hpcsync.resilience.sharded.summing_writer`), and each copy is summed
+  again as it is sent and as it is received, checked against it
+  (:func:`~hpcsync.resilience.peer_transfer.send_files`);
 - **the shared root every K-th save** (by sequence number; ``shared_every=0``: never): each rank
-  copies its own files from the node-local folder into the root, which is then marked complete as
-  any sharded checkpoint there. The other saves write no checkpoint data there: rank 0 claims the
+  copies its own files from the node-local folder into the root (summed as copied, checked
+  against the sums taken as written), which is then marked complete as any sharded checkpoint
+  there, every file's checksum in its marker. The other saves write no checkpoint data there: rank 0 claims the
   root (its owner record: one job per root) and reads its markers (the next sequence number).
 
 A load gathers every node's list of complete copies to rank 0, which takes the last saved
 checkpoint whose files the nodes of this job hold between them (or the root's, if it is newer):
-each rank then reads the byte ranges DCP asks of it from its own node's disk, or fetches exactly
-those from a rank whose node holds them (one bounded exchange), and no checkpoint data from the
-shared root (rank 0 lists it and reads its markers, to compare). Only when no complete set
+every file is then read whole by one rank and checked against its checksum, a damaged copy
+replaced by another node's (:mod:`hpcsync.resilience.node_verify`; no whole copy left: that
+checkpoint is skipped on every rank and the previous whole one loaded); each rank then reads the
+byte ranges DCP asks of it from those checked bytes, or fetches exactly those from a rank whose
+node's copy was found whole (one bounded exchange), and no checkpoint data from the shared root
+(rank 0 lists it and reads its markers, to compare). Only when no complete set
 survived does it read the root. A copy is one save's: its marker carries a token rank 0 drew for
 that save, so copies of two jobs' saves with the same number never pass for one checkpoint; and
 one run's: its marker carries the root's run identity (:class:`~hpcsync.resilience.root_owner.RunRecord`,
@@ -71,17 +79,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..core.errors import CheckpointError, raise_if_any
 from ..data.filesync import fsync_dir
 from ..data.staging.private import make_private_dirs, not_private
-from . import checkpoint_io, dcp_reader, peer_transfer
+from . import checkpoint_io, checksums, dcp_reader, node_verify, peer_transfer
 from . import sharded as _sharded
 from .checkpoint_io import from_rank0, loads
 from .root_owner import advance, claim
 
-__all__ = ["MARKER", "FOLDER", "Layout", "needs_mpi", "layout", "base", "save", "latest", "load"]
+__all__ = ["MARKER", "FOLDER", "Layout", "Chosen", "needs_mpi", "layout", "base", "save", "latest", "load"]
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 FOLDER = _sharded.FOLDER
+_SUMS = ".sums-"  # a rank's checksums of what it holds, in a save's temporary folder, for its node's marker
 
 
 @dataclass(frozen=True)
@@ -152,7 +161,9 @@ def _name(step: int, seq: int, token: str) -> str:
 
 def _copies(folder: str) -> Dict[Tuple[int, str], Tuple[str, dict]]:
     """This node's complete copies: ``{(seq, token): (folder, marker)}``; a copy whose marker is
-    damaged or whose files differ from it is skipped with a warning."""
+    damaged (its own checksum: :func:`~hpcsync.resilience.checksums.marker_problem`), another
+    folder's, or whose files are missing or differ from it in size is skipped with a warning (the
+    files' checksums are checked as they are read, on load)."""
     found: Dict[Tuple[int, str], Tuple[str, dict]] = {}
     try:
         names = os.listdir(folder)
@@ -165,11 +176,16 @@ def _copies(folder: str) -> Dict[Tuple[int, str], Tuple[str, dict]]:
         try:
             with open(os.path.join(path, MARKER)) as f:
                 marker = json.load(f)
+            why = checksums.marker_problem(marker)
+            if why is not None:
+                raise ValueError(why)
             bad = [n for n, size in marker["files"].items() if os.path.getsize(os.path.join(path, n)) != size]
             if bad:
                 raise ValueError(f"{', '.join(bad[:3])} differ in size from its marker")
             if not all(isinstance(marker.get(k), int) for k in ("step", "seq", "count", "world_size")):
                 raise ValueError("its marker lacks a step, sequence number, file count or world size")
+            if name != _name(marker["step"], marker["seq"], str(marker.get("token"))):
+                raise ValueError(f"its marker is another checkpoint's (step {marker['step']}, number {marker['seq']})")
             found[(marker["seq"], str(marker["token"]))] = (path, marker)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("hpcsync.checkpoint: skipping the node-local copy %s: %s", path, exc)
@@ -191,7 +207,7 @@ def _held(folder: str) -> Dict[str, int]:
     for sub in ("", FOLDER):
         for n in os.listdir(os.path.join(folder, sub)):
             path = os.path.join(folder, sub, n)
-            if n != MARKER and os.path.isfile(path):
+            if n != MARKER and not n.startswith(_SUMS) and os.path.isfile(path):
                 out[f"{sub}/{n}" if sub else n] = os.path.getsize(path)
     return out
 
@@ -237,28 +253,48 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
     except OSError as exc:
         error = f"cannot make {tmp}: {exc}"
     raise_if_any(ctl, error, CheckpointError, failed)
-    error, own = None, {}
+    error, own, sums = None, {}, {}
     try:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, FOLDER), sync_files=True),
-                 process_group=pg, no_dist=_sharded.single_process())
-        checkpoint_io.write_file(os.path.join(tmp, f"rank-{me:05d}.pt"), data)
+        writer = _sharded.summing_writer(os.path.join(tmp, FOLDER))
+        dcp.save(plain, storage_writer=writer, process_group=pg, no_dist=_sharded.single_process())
+        sums = {f"{FOLDER}/{n}": v for n, v in writer.fs.sums.items()}  # (summed as DCP wrote them)
+        sums[f"rank-{me:05d}.pt"] = checkpoint_io.write_file(os.path.join(tmp, f"rank-{me:05d}.pt"), data)
         if me == 0:
-            checkpoint_io.write_file(os.path.join(tmp, "shared.pt"), blob)
+            sums["shared.pt"] = checkpoint_io.write_file(os.path.join(tmp, "shared.pt"), blob)
         own = _own(tmp, me)
+        sums = {n: v for n, v in sums.items() if n in own}
     except _sharded.failed_types() as exc:
         error = _sharded.why_failed(exc)
     raise_if_any(ctl, error, CheckpointError, failed)
     out = {peer: sorted(own.items()) for peer in lay.peers(me, replicas)}
-    _, errors = peer_transfer.send_files(ctl, out, lay.incoming(me, replicas), tmp, lay.where)
-    raise_if_any(ctl, errors[0] if errors else None, CheckpointError, failed)
+    got, errors = peer_transfer.send_files(ctl, out, lay.incoming(me, replicas), tmp, lay.where, sums)
+    error = errors[0] if errors else None
+    if error is None:  # what this rank holds on its node and the sums taken as it was written: for its leader
+        try:
+            held = {**sums, **{n: v for n, (_, v) in got.items() if v is not None}}
+            checkpoint_io.write_file(os.path.join(tmp, f"{_SUMS}{me:05d}"), json.dumps(held).encode())
+        except OSError as exc:
+            error = f"cannot write {tmp}: {exc}"
+    raise_if_any(ctl, error, CheckpointError, failed)
     count = sum(ctl.allgather(len(own)))  # every rank's files are on disk, its copies too
     error = None
     if leader:
         try:
-            marker = {"step": step, "seq": seq, "token": token, "world_size": size, "count": count,
-                      "files": _held(tmp), "job": ckpts._job, "time": saved_at, "sharded": True, "run": run}
+            node_sums: Dict[str, str] = {}
+            for r in lay.ranks[lay.node_of[me]]:
+                path = os.path.join(tmp, f"{_SUMS}{r:05d}")
+                with open(path) as f:
+                    node_sums.update(json.load(f))
+                os.remove(path)
+            files = _held(tmp)
+            unsummed = sorted(set(files) - set(node_sums))
+            if unsummed:
+                raise OSError(f"{', '.join(unsummed[:3])} in it, which no rank of this node wrote or received")
+            marker = checksums.seal({"step": step, "seq": seq, "token": token, "world_size": size, "count": count,
+                                     "files": files, "job": ckpts._job, "time": saved_at, "sharded": True,
+                                     "run": run}, node_sums)
             checkpoint_io.write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
             fsync_dir(os.path.join(tmp, FOLDER))
             fsync_dir(tmp)
@@ -276,27 +312,34 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any, t
     raise_if_any(ctl, error, CheckpointError, failed)
     if not to_root:
         return final
-    return _to_root(ckpts, ctl, step, seq, final, blob)
+    return _to_root(ckpts, ctl, step, seq, final, blob, sums)
 
 
-def _to_root(ckpts: Any, ctl: Any, step: int, seq: int, folder: str, blob: bytes) -> str:
+def _to_root(ckpts: Any, ctl: Any, step: int, seq: int, folder: str, blob: bytes, sums: Dict[str, str]) -> str:
     """The checkpoint just completed in the node-local ``folder``, copied into the shared root by
-    each rank (its own files), then marked complete there. Collective."""
+    each rank (its own files, summed as copied and checked against ``sums``, their checksums as
+    written: a file its node's disk changed since is an error, never copied), then marked
+    complete there, every file's checksum in the root's marker. Collective."""
     me, size = ctl.Get_rank(), ctl.Get_size()
     failed = f"hpcsync.checkpoint: step {step} saved on the nodes, not in {ckpts.root}: "
     tmp, final, _ = from_rank0(ctl, lambda: ckpts._plan_sharded(step, seq), f"step {step} not saved (rank 0: {{}})")
     _sharded.visible(ctl, step, tmp)
-    error, sizes = None, {}
+    error, sizes = None, {}  # (sizes: {name: (size, checksum)})
     try:
         for name, path in _own(folder, me).items():
             if name == "shared.pt":  # (rank 0 writes it from memory as it completes the checkpoint)
                 continue
+            crc, n = 0, 0
             with open(path, "rb") as src, open(os.path.join(tmp, name), "xb") as dst:
-                shutil.copyfileobj(src, dst, 16 << 20)
+                while chunk := src.read(16 << 20):
+                    crc, n = checksums.digest(chunk, crc), n + len(chunk)
+                    dst.write(chunk)
                 dst.flush()
                 os.fsync(dst.fileno())
-            if name != f"{FOLDER}/.metadata":
-                sizes[name] = os.path.getsize(path)
+            if checksums.hex_sum(crc) != sums.get(name):
+                raise OSError(f"{path} changed on its node-local disk since it was written ({checksums.DIGEST} "
+                              f"{checksums.hex_sum(crc)}, written as {sums.get(name)})")
+            sizes[name] = (n, checksums.hex_sum(crc))
     except OSError as exc:
         error = f"cannot copy into {tmp}: {exc}"
     raise_if_any(ctl, error, CheckpointError, failed)
@@ -305,13 +348,27 @@ def _to_root(ckpts: Any, ctl: Any, step: int, seq: int, folder: str, blob: bytes
                       f"step {step} not saved in the root (rank 0: {{}})")
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """Rank 0's choice of a checkpoint the nodes hold between them, sent to every rank."""
+
+    step: int
+    key: Tuple[int, str]  #: (sequence number, the save's token)
+    world: int  #: the ranks that wrote it
+    holders: Dict[str, List[int]]  #: {file: the nodes that hold a copy}
+    marker: Dict[str, Any]  #: ``files`` (every file's size) and ``sums`` (checksums), ``version``
+    time: Optional[float]
+
+
 def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[Tuple[int, str], dict]]],
-            lay: Layout) -> Any:
-    """Rank 0: ``("local", step, (seq, token), world size, {file: holding nodes}, {file: size},
-    time)`` for the last saved checkpoint the nodes hold between them (by sequence number, then by
-    rank 0's clock when it was saved), ``("root", chosen)`` when the root's is newer (or the only
-    one), or None."""
+            lay: Layout, skip: Optional[Dict[Any, str]] = None) -> Any:
+    """Rank 0: ``("local", Chosen)`` for the last saved checkpoint the nodes hold between them (by
+    sequence number, then by rank 0's clock when it was saved), ``("root", chosen)`` when the
+    root's is newer (or the only one), or None; less those in ``skip`` (``{(seq, token) or root
+    folder: why}``: found damaged by an earlier turn of this load). None left but some damaged:
+    :class:`~hpcsync.resilience.checksums.Damaged`."""
     run = claim(ckpts.root, ckpts._job).id  # (read once per load, here)
+    skip = {} if skip is None else skip
     union: Dict[Tuple[int, str], Dict[str, Any]] = {}
     foreign: Dict[str, List[int]] = {}
     for node, copies in enumerate(every):
@@ -319,14 +376,18 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[Tuple
             if marker.get("run") != run:  # another run's copy (its root removed, moved, replaced): never loaded
                 foreign.setdefault(lay.names[node], []).append(marker["step"])
                 continue
-            if step is not None and marker["step"] != step:
+            if (step is not None and marker["step"] != step) or seq in skip:
                 continue
-            u = union.setdefault(seq, {"marker": marker, "holders": {}, "sizes": {}})
+            u = union.setdefault(seq, {"marker": marker, "holders": {}, "sizes": {}, "sums": {},
+                                                 "v": checksums.VERSION})
+            u["v"] = min(u["v"], marker.get("version", 1))  # (sums are checked only when every copy has them)
             for name, n in marker["files"].items():
-                if u["sizes"].setdefault(name, n) != n:  # two copies that differ: never chosen
-                    u["marker"] = None
+                got = (marker.get("sums") or {}).get(name)
+                if u["sizes"].setdefault(name, n) != n or (got and u["sums"].setdefault(name, got) != got):
+                    u["marker"] = None  # two copies that differ: never chosen
                 u["holders"].setdefault(name, []).append(node)
     covered = [s for s, u in union.items() if u["marker"] is not None and len(u["sizes"]) == u["marker"]["count"]]
+
     def newest(s: Tuple[int, str]) -> Tuple[int, float]:
         return s[0], float(union[s]["marker"].get("time") or 0)
 
@@ -344,18 +405,34 @@ def _choose(ckpts: Any, step: Optional[int], every: Sequence[Optional[Dict[Tuple
                     "ies" if sum(map(len, foreign.values())) > 1 else "y",
                     "; ".join(f"{n}: step {', '.join(map(str, sorted(st)))}" for n, st in list(foreign.items())[:8]),
                     ckpts.root, run[:12])
-    in_root = [(s, st) for s, st, _ in ckpts._complete() if step is None or st == step]  # (markers only)
-    if in_root and in_root[0][0] > best[0]:
-        return ("root", ckpts._choose(in_root[0][1], sharded=True))
+    for seq, st, folder in ckpts._complete():  # (markers only; the last saved first)
+        if seq <= best[0]:
+            break
+        if folder in skip or (step is not None and st != step):
+            continue
+        in_root = {k: w for k, w in skip.items() if isinstance(k, str)}
+        try:
+            return ("root", ckpts._choose(st, sharded=True, skip=in_root))
+        except checksums.Damaged:  # (every one of that step in the root: left out)
+            continue
+        finally:
+            skip.update(in_root)  # (what it found damaged: left out of later choices)
     if best[0] < 0:
+        damaged = {**{f: f"{os.path.basename(f)}: {w}" for f, w in ckpts._damaged.items()}, **skip}
+        if damaged:
+            raise checksums.Damaged("", "", "", "hpcsync.checkpoint: no whole checkpoint "
+                                    f"{f'of step {step} ' if step is not None else ''}is left under {ckpts.root} or "
+                                    "on this job's nodes, every one is damaged: " + "; ".join(damaged.values()))
         if step is not None:
             raise ValueError(f"no complete checkpoint of step {step} under {ckpts.root} or on this job's nodes")
         return None
-    m = union[best]["marker"]
-    return ("local", m["step"], best, m["world_size"], union[best]["holders"], union[best]["sizes"], m.get("time"))
+    u = union[best]
+    fields = {"files": u["sizes"], "sums": u["sums"], "version": u["v"]}
+    return ("local", Chosen(u["marker"]["step"], best, u["marker"]["world_size"], u["holders"], fields,
+                            u["marker"].get("time")))
 
 
-def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int]) -> Any:
+def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int], skip: Optional[Dict[Any, str]] = None) -> Any:
     """Collective: every node's complete copies gathered to rank 0, its choice (:func:`_choose`)
     on every rank; rank 0's error as one CheckpointError on every rank."""
     me = ctl.Get_rank()
@@ -373,9 +450,9 @@ def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int]) -> Any:
     chosen, error = None, None
     if me == 0:
         try:
-            chosen = _choose(ckpts, step, [every[ranks[0]] for ranks in lay.ranks], lay)
+            chosen = _choose(ckpts, step, [every[ranks[0]] for ranks in lay.ranks], lay, skip)
         except Exception as exc:
-            error = f"cannot load from {ckpts.root} or the nodes' copies: {type(exc).__name__}: {exc}"
+            error = f"cannot load from {ckpts.root} or the nodes' copies: {checksums.said(exc)}"
     chosen, error = ctl.bcast((chosen, error), root=0)
     if error:
         raise CheckpointError(f"hpcsync.checkpoint: rank 0 {error}")
@@ -383,81 +460,92 @@ def _decide(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int]) -> Any:
 
 
 def latest(ckpts: Any, ctl: Any) -> Optional[int]:
-    """:meth:`Checkpoints.latest` with ``local_dir``: the step a load would take. Collective."""
+    """:meth:`Checkpoints.latest` with ``local_dir``: the step :func:`load` tries first, from the
+    markers (their own checksums, every file present at its size, the run, copies that cover the
+    checkpoint) and ``shared.pt`` of a root checkpoint; the files' bytes are checked by the load
+    that reads them (a copy damaged at the same size is then replaced by another node's, or that
+    checkpoint skipped). Collective."""
     chosen = _decide(ckpts, ctl, layout(ckpts, ctl), None)
-    return None if chosen is None else chosen[1][0] if chosen[0] == "root" else chosen[1]
+    return None if chosen is None else chosen[1][0] if chosen[0] == "root" else chosen[1].step
 
 
 def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[Tuple[int, str, int, Any, Any, dict]]:
     """:meth:`Checkpoints.load` with ``sharded=`` and ``local_dir``: ``(step, folder, seq, shared,
     local, bytes read by where from)``, ``template`` loaded in place; None when there is none.
+    A checkpoint found damaged as it is read (a file with no whole copy on this job's nodes, see
+    :mod:`hpcsync.resilience.node_verify`, or a damaged root checkpoint) is left out on every rank
+    alike and the previous whole one loaded: at most as many turns as there are checkpoints.
     Collective."""
-    me, size = ctl.Get_rank(), ctl.Get_size()
     needs_mpi(ctl)
     lay = layout(ckpts, ctl)
-    chosen = _decide(ckpts, ctl, lay, step)
-    if chosen is None:
-        return None
-    if chosen[0] == "root":
-        got = _sharded.load_chosen(ckpts, ctl, chosen[1], template, latest=step is None)
-        return (*got, {"from": "root"})
-    _, found, (seq, token), world, holders, sizes, saved_at = chosen
+    skip: Dict[Any, str] = {}
+    while True:  # (each turn leaves one more checkpoint out)
+        chosen = _decide(ckpts, ctl, lay, step, skip)
+        if chosen is None:
+            return None
+        try:
+            if chosen[0] == "root":
+                got = _sharded.load_chosen(ckpts, ctl, chosen[1], template, latest=step is None)
+                return (*got, {"from": "root"})
+            return _load_local(ckpts, ctl, lay, step, chosen[1], template)
+        except checksums.Damaged as exc:  # (raised on every rank alike)
+            where = chosen[1][1] if chosen[0] == "root" else exc.folder
+            skip[chosen[1][1] if chosen[0] == "root" else chosen[1].key] = f"{os.path.basename(where)}: {exc.why}"
+            if ctl.Get_rank() == 0:
+                log.warning("hpcsync.checkpoint: skipping %s: damaged: %s; the previous complete checkpoint is "
+                            "loaded instead", where, exc.why)
+
+
+def _load_local(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int], chosen: Chosen, template: Any
+                ) -> Tuple[int, str, int, Any, Any, dict]:
+    """The rest of :func:`load`, from the copies rank 0 chose: every file checked
+    (:func:`~hpcsync.resilience.node_verify.verify`), then DCP's load from the checked bytes."""
+    me, size = ctl.Get_rank(), ctl.Get_size()
+    found, (seq, token), world, sizes = chosen.step, chosen.key, chosen.world, chosen.marker["files"]
     folder = os.path.join(base(ckpts), _name(found, seq, token))
     checkpoint_io.allow_for(ctl, sum(sizes.values()) // len(lay.ranks))  # (a node's share, fetched by its ranks)
-    read = {"from": "nodes", "node": 0, "peers": 0, "root": 0}
 
     def path_of(name: str) -> Optional[str]:
         path = os.path.join(folder, name)
         return path if os.path.isfile(path) else None
 
-    def holder(name: str) -> int:  # a rank on a node with the file: this one's, else spread over them
-        nodes = holders[name]
-        if lay.node_of[me] in nodes:
-            return me
-        ranks = lay.ranks[nodes[me % len(nodes)]]
-        return ranks[me % len(ranks)]
+    cache, good, counted = node_verify.verify(ctl, sorted(sizes), world, chosen.holders, chosen.marker, folder,
+                                              lay.node_of, lay.ranks, lay.names, path_of, lay.where)
+    read = {"from": "nodes", "node": counted["node"], "peers": counted["peers"], "root": 0}
 
     def fetch(ranges: List[Tuple[str, int, int]]) -> Dict[Tuple[str, int, int], Any]:
+        out: Dict[Tuple[str, int, int], Any] = {}
         wants: Dict[int, List[Tuple[str, int, int]]] = {}
         error = None
-        try:
-            for r in ranges:
-                wants.setdefault(holder(r[0]), []).append(r)
-        except KeyError as exc:
-            error = f"the checkpoint's metadata names {exc}, which is not among its files"
+        for r in ranges:
+            if r[0] in cache:  # (checked whole by this rank)
+                out[r] = memoryview(cache[r[0]])[r[1]: r[1] + r[2]]
+            elif r[0] not in good:
+                error = f"the checkpoint's metadata names {r[0]}, which is not among its files"
+            else:  # from the node whose copy was found whole
+                ranks = lay.ranks[good[r[0]]]
+                wants.setdefault(me if lay.node_of[me] == good[r[0]] else ranks[me % len(ranks)], []).append(r)
         raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
         got, errors = peer_transfer.fetch(ctl, wants, path_of, lay.where)
         raise_if_any(ctl, errors[0] if errors else None, CheckpointError, "hpcsync.checkpoint: cannot load: ")
         read["node"] += sum(n for _, _, n in wants.get(me, []))
         read["peers"] += sum(n for peer, items in wants.items() if peer != me for _, _, n in items)
-        return got
+        return {**got, **out}
 
-    def one(name: str) -> Optional[bytes]:  # a file every rank needs: read by a holder, broadcast
-        if name not in holders:
-            return None
-        root, data, error = lay.ranks[holders[name][0]][0], None, None
-        if me == root:
-            try:
-                with open(os.path.join(folder, name), "rb") as f:
-                    data = f.read()
-            except OSError as exc:
-                error = f"{lay.where(root)} cannot read its copy of {name}: {exc}"
-        data, error = ctl.bcast((data, error), root=root)
-        if error:
-            raise CheckpointError(f"hpcsync.checkpoint: cannot load: {error}")
-        read["node" if me == root else "peers"] += len(data)
-        return data
-
+    metadata, blob = ctl.bcast((cache.get(f"{FOLDER}/.metadata"), cache.get("shared.pt")) if me == 0 else None,
+                               root=0)  # (checked by rank 0)
+    if me != 0:
+        read["peers"] += len(metadata or b"") + len(blob or b"")
     error, pg, plain = None, None, {}
     try:
         pg = _sharded.process_group(ckpts._group, size)
         plain = _sharded.plain_state(template)
+        if metadata is None:
+            raise CheckpointError(f"{folder} holds no DCP metadata ({FOLDER}/.metadata)")
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: hpcsync.checkpoint: ")
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
-    metadata, blob = one(f"{FOLDER}/.metadata"), one("shared.pt")
     mine = f"rank-{me:05d}.pt"
-    got = fetch([(mine, 0, sizes[mine])] if world == size and mine in sizes else [])
     error, local, shared = None, None, None
     try:
         import torch.distributed.checkpoint as dcp
@@ -466,8 +554,8 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
                  planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_sharded.single_process())
         _sharded.put_back(template, plain)
         shared = loads(bytes(blob), ckpts.safe_globals) if blob is not None else None
-        if (mine, 0, sizes.get(mine, -1)) in got:
-            local = loads(bytes(got[(mine, 0, sizes[mine])]), ckpts.safe_globals)
+        if world == size and mine in cache:
+            local = loads(cache[mine], ckpts.safe_globals)
         elif me == 0:
             log.warning("hpcsync.checkpoint: step %d was written by %d ranks, this job has %d: the sharded state is "
                         "resharded, the ranks' local states are not loaded", found, world, size)
@@ -481,6 +569,5 @@ def load(ckpts: Any, ctl: Any, step: Optional[int], template: Any) -> Optional[T
         if step is None:
             from ..observe import failure
 
-            failure.note_resume(found, folder, saved_at)
+            failure.note_resume(found, folder, chosen.time)
     return found, folder, seq, shared, local, read
-

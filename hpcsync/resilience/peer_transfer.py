@@ -31,8 +31,9 @@ import numpy as np
 from ..core import bounded, mpi, serial, settings
 from ..core.errors import CollectiveTimeout
 from ..core.worker import Stalled, Worker, result
+from . import checksums
 
-__all__ = ["CHUNK", "TAG_HEAD", "TAG_DATA", "TAG_ASK", "TAG_RANGE", "SPIN_S", "Step", "Range", "StuckDisk", "Disk",
+__all__ = ["CHUNK", "TAG_HEAD", "TAG_DATA", "TAG_ASK", "TAG_RANGE", "SPIN_S", "STUCK", "Step", "Range", "StuckDisk", "Disk",
            "open_file", "read_into", "write_all", "sync_close", "close_file", "file_size", "read_range",
            "send_files", "fetch"]
 
@@ -40,6 +41,7 @@ CHUNK = 64 << 20  #: the most bytes one message carries
 TAG_HEAD, TAG_DATA, TAG_ASK, TAG_RANGE = (settings.TAG_COPY_HEAD, settings.TAG_COPY_DATA, settings.TAG_COPY_ASK,
                                          settings.TAG_COPY_RANGE)
 SPIN_S = 0.05  # test without sleeping this long after the last progress
+STUCK = "its node-local disk stopped answering"  #: how a stuck disk's error begins (:class:`StuckDisk`)
 
 Step = Tuple[Any, int, Any]  # (an MPI request, the peer rank, the buffers it uses)
 Range = Tuple[str, int, int]  # (a file's name, offset, length)
@@ -105,7 +107,7 @@ class Disk:
         try:
             return result(self._worker.submit(fn, *args), self.limit, lambda: f"{self.who}: {doing} ({self.phase})")
         except Stalled as exc:
-            self.stuck = f"its node-local disk stopped answering: {exc}"
+            self.stuck = f"{STUCK}: {exc}"
             raise StuckDisk(self.stuck) from None
 
     def close(self, f: Any) -> None:
@@ -181,13 +183,15 @@ def _receive_sized(comm: Any, peer: int, tag: int, into: List[bytes]) -> Generat
     into.append(bytes(blob))
 
 
-def _send_chunks(comm: Any, peer: int, pieces: Sequence[Tuple[str, int, int]], errors: List[str], disk: Disk
-                 ) -> Generator[Step, None, None]:
-    """Send the bytes of ``pieces`` ((path, 0, length), in order) to ``peer`` in chunks; what
-    cannot be read goes as zeros (the error kept in ``errors``)."""
+def _send_chunks(comm: Any, peer: int, pieces: Sequence[Tuple[str, int, int, Optional[str]]], errors: List[str],
+                 disk: Disk) -> Generator[Step, None, None]:
+    """Send the bytes of ``pieces`` ((path, 0, length, checksum as written or None), in order) to
+    ``peer`` in chunks, summed as read: a file whose bytes differ from its checksum is this rank's
+    error (its disk changed it since it was written); what cannot be read goes as zeros (the error
+    kept in ``errors``)."""
     MPI = mpi.MPI()
-    for path, _, length in pieces:
-        f = None
+    for path, _, length, want in pieces:
+        f, crc = None, 0
         try:
             f = disk.call(f"opening {path}", open_file, path, "rb")
         except OSError as exc:
@@ -202,19 +206,28 @@ def _send_chunks(comm: Any, peer: int, pieces: Sequence[Tuple[str, int, int]], e
                     errors.append(f"cannot read {path}: {exc}")
                     disk.close(f)
                     f = None
+                crc = checksums.digest(buf, crc)
                 yield serial.call(comm.Isend, [buf, MPI.BYTE], peer, TAG_DATA), peer, buf
+            if f is not None and want is not None and checksums.hex_sum(crc) != want:
+                errors.append(f"{path} changed on its node-local disk since it was written "
+                              f"({checksums.DIGEST} {checksums.hex_sum(crc)}, written as {want})")
         finally:
             disk.close(f)
 
 
 def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequence[int], folder: str,
-               where: Callable[[int], str]) -> Tuple[Dict[str, int], List[str]]:
+               where: Callable[[int], str], sums: Optional[Dict[str, str]] = None
+               ) -> Tuple[Dict[str, Tuple[int, Optional[str]]], List[str]]:
     """Collective over the ranks that send or receive: to each rank in ``out``, the files listed
     there ((name, path): the name it is written under, in its ``folder``); from each rank in
-    ``incoming``, theirs, written into ``folder`` (each flushed to disk). Returns the sizes of the
-    files received and this rank's errors (empty when all went well)."""
+    ``incoming``, theirs, written into ``folder`` (each flushed to disk). ``sums``: the checksums
+    of this rank's files as they were written (``{name: hex}``), sent with them; each file is
+    summed as it is read (sent) and as it is received (written), and a file whose bytes differ
+    from its sum on either side is an error. Returns the ``(size, checksum)`` of the files
+    received and this rank's errors (empty when all went well)."""
     errors: List[str] = []
-    got: Dict[str, int] = {}
+    got: Dict[str, Tuple[int, Optional[str]]] = {}
+    sums = sums or {}
     if not out and not incoming:
         return got, errors
     comm, disk = ctl.raw(), Disk(ctl, where, "save")
@@ -227,15 +240,17 @@ def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequen
             except OSError as exc:
                 errors.append(f"cannot read {path}: {exc}")
                 listing.append((name, 0))
-        yield from _sized(comm, peer, json.dumps(listing).encode(), TAG_HEAD)
-        yield from _send_chunks(comm, peer, [(p, 0, n) for (_, p), (_, n) in zip(files, listing)], errors, disk)
+        head = [(name, n, sums.get(name)) for name, n in listing]
+        yield from _sized(comm, peer, json.dumps(head).encode(), TAG_HEAD)
+        yield from _send_chunks(comm, peer, [(p, 0, n, sums.get(name)) for (name, p), (_, n) in zip(files, listing)],
+                                errors, disk)
 
     def receiver(peer: int) -> Generator[Step, None, None]:
         MPI = mpi.MPI()
         head: List[bytes] = []
         yield from _receive_sized(comm, peer, TAG_HEAD, head)
-        for name, size in json.loads(head[0]):
-            f, path = None, os.path.join(folder, name)
+        for name, size, want in json.loads(head[0]):
+            f, path, crc = None, os.path.join(folder, name), 0
             if _plain_name(name):
                 try:
                     f = disk.call(f"creating {path}", open_file, path, "xb")
@@ -246,6 +261,7 @@ def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequen
             for at in range(0, size, CHUNK):
                 buf = bytearray(min(CHUNK, size - at))
                 yield serial.call(comm.Irecv, [buf, MPI.BYTE], peer, TAG_DATA), peer, buf
+                crc = checksums.digest(buf, crc)  # (summed as received, as written)
                 try:
                     if f is not None:
                         disk.call(f"writing {path}", write_all, f, buf)
@@ -253,10 +269,13 @@ def send_files(ctl: Any, out: Dict[int, List[Tuple[str, str]]], incoming: Sequen
                     errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
                     disk.close(f)
                     f = None
+            if want is not None and checksums.hex_sum(crc) != want:
+                errors.append(f"the copy of rank {peer}'s {name} arrived damaged ({checksums.DIGEST} "
+                              f"{checksums.hex_sum(crc)}, sent as {want})")
             if f is not None:
                 try:
                     disk.call(f"flushing {path} to disk", sync_close, f)
-                    got[name] = size
+                    got[name] = (size, checksums.hex_sum(crc))
                 except OSError as exc:
                     errors.append(f"cannot write the copy of rank {peer}'s {name}: {exc}")
 

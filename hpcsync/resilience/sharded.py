@@ -53,7 +53,7 @@ from .checkpoint_io import dumps, from_rank0, loads
 __all__ = [
     "FOLDER", "process_group", "plain_state", "failed_types", "why_failed", "single_process", "prepare", "visible",
     "mark_complete", "save", "checkpoint_groups", "drop_groups", "save_in_background", "put_back", "load",
-    "load_chosen"
+    "load_chosen", "summing_writer", "writer_of"
 ]
 
 log = logging.getLogger(__name__)
@@ -150,13 +150,20 @@ def _own_files(folder: str, rank: int, sums: Dict[str, str], dcp_sums: Dict[str,
     return files
 
 
-def _writer(folder: str) -> Any:
+def summing_writer(folder: str) -> Any:
     """DCP's FileSystemWriter into ``folder``, every file flushed to disk and summed as written."""
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(folder, sync_files=True)
     writer.fs = checksums.SummingFileSystem()
     return writer
+
+
+def writer_of(name: str) -> Optional[int]:
+    """The rank that wrote the checkpoint file ``name`` (``rank-<w>.pt``, DCP's ``__<w>_*``), or
+    None (DCP's metadata, ``shared.pt``: rank 0's)."""
+    m = _WRITER.match(name)
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def _verify_own(folder: str, marker: Dict[str, Any], me: int, size: int) -> Dict[str, bytes]:
@@ -267,7 +274,7 @@ def save(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any, state: Any) -
     try:
         import torch.distributed.checkpoint as dcp
 
-        writer = _writer(os.path.join(tmp, FOLDER))
+        writer = summing_writer(os.path.join(tmp, FOLDER))
         dcp.save(plain, storage_writer=writer, process_group=pg, no_dist=single_process())
         sizes = _write_part(tmp, me, data, writer)
     except failed_types() as exc:  # every rank still reaches the agreement below
@@ -342,7 +349,7 @@ def save_in_background(ckpts: Any, ctl: Any, step: int, shared: Any, local: Any,
         sizes: Dict[str, Tuple[int, Optional[str]]] = {}
         err = None
         try:
-            writer = _writer(os.path.join(tmp, FOLDER))
+            writer = summing_writer(os.path.join(tmp, FOLDER))
             dcp.save(copy, storage_writer=writer, process_group=writing, no_dist=single_process())
             sizes = _write_part(tmp, me, data, writer)
         except failed_types() as exc:  # every rank still reaches the exchange below
