@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import os
 import re
 import shutil
@@ -57,7 +56,6 @@ from ..core.worker import result
 from ..observe import failure
 from ..core.errors import (CheckpointError, raise_if_any, raise_if_any_of, raise_if_differ, raise_if_settings_differ,
                            ranks_by_value)
-from ..core.nodemap import ranges
 from ..data.filesync import fsync_dir
 from . import checkpoint_io, checksums
 from . import node_copies as _node_copies
@@ -65,37 +63,14 @@ from . import sharded as _sharded
 from .checkpoint_io import dumps, from_rank0, loads
 from .checksums import Damaged
 from .root_owner import advance, claim, this_job
+from .steps import STEP_RULE, as_step, said, step_problem, who
 
-__all__ = ["MARKER", "STEP_RULE", "as_step", "read_marker", "next_seq", "Checkpoint", "Checkpoints"]
+__all__ = ["MARKER", "read_marker", "next_seq", "Checkpoint", "Checkpoints"]
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
-STEP_RULE = "a step is a non-negative integer (an int, or an integer scalar of numpy or torch; not a bool)"
-
-
-def as_step(step: Any) -> Optional[int]:
-    """``step`` as the int a checkpoint is saved under, or None when it is no step: a step is a
-    non-negative integer -- an int, or anything ``operator.index`` takes (numpy's and torch's
-    integer scalars) -- but never a bool (``True`` is no step 1)."""
-    if isinstance(step, bool) or "bool" in str(getattr(step, "dtype", "")):
-        return None
-    try:
-        number = operator.index(step)
-    except TypeError:
-        return None
-    return number if number >= 0 else None
-
-
-def _said(step: Any) -> str:
-    """How an error names a step that is none: its repr (cut short) and its type."""
-    text = repr(step)
-    return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(step).__name__})"
-
-
-def _who(ranks: List[int]) -> str:
-    return f"rank{'s' * (len(ranks) > 1)} {ranges(ranks)}"
 
 
 def read_marker(folder: str, warned: Set[str], damaged: Optional[Dict[str, str]] = None) -> Optional[dict]:
@@ -140,22 +115,6 @@ def next_seq(root: str) -> int:
             except (OSError, ValueError, TypeError, AttributeError):
                 continue
     return max(seqs) + 1
-
-
-def _step_problem(every: List[Tuple[Any, Optional[str]]], verb: str) -> Optional[str]:
-    """Why the ranks' steps (each ``(step, None)``, or ``(None, how a step that is none reads)``)
-    are not one step, or None."""
-    bad: Dict[str, List[int]] = {}
-    for r, (_, said) in enumerate(every):
-        if said is not None:
-            bad.setdefault(said, []).append(r)
-    if bad:
-        return STEP_RULE + ": " + "; ".join(f"{_who(rs)}: {s}" for s, rs in bad.items())
-    steps = ranks_by_value([n for n, _ in every])
-    if len(steps) > 1:
-        return (f"the ranks gave different steps (every rank {verb} the same step): "
-                + "; ".join(f"{_who(rs)}: {'the latest' if n is None else n}" for n, rs in steps.items()))
-    return None
 
 
 _DIFFER = "hpcsync.checkpoint: the ranks' Checkpoints differ: "
@@ -218,10 +177,10 @@ class Checkpoints:
 
     def path(self, step: int) -> str:
         """Where ``step`` is written when it is saved once (``step-<N>``; again: ``step-<N>.<seq>``);
-        ``ValueError`` for a step that is none (:data:`STEP_RULE`)."""
+        ``ValueError`` for a step that is none (:data:`~hpcsync.resilience.steps.STEP_RULE`)."""
         number = as_step(step)
         if number is None:
-            raise ValueError(f"hpcsync.checkpoint: {STEP_RULE}, not {_said(step)}")
+            raise ValueError(f"hpcsync.checkpoint: {STEP_RULE}, not {said(step)}")
         return os.path.join(self.root, f"step-{number:08d}")
 
     # -- rank 0 only ---------------------------------------------------------------------------
@@ -389,7 +348,7 @@ class Checkpoints:
         rank 0's is kept) and every rank's ``local``. Returns its directory on every rank once it is
         complete; raises :class:`CheckpointError` on every rank if any part failed.
 
-        ``step``: :data:`STEP_RULE`, the same on every rank; a step that is none on any rank, or
+        ``step``: :data:`~hpcsync.resilience.steps.STEP_RULE`, the same on every rank; a step that is none on any rank, or
         ranks that give different steps, are one :class:`CheckpointError` on every rank (naming
         which rank gave what) before anything is written.
 
@@ -463,18 +422,18 @@ class Checkpoints:
 
     def _agree_save(self, ctl: Any, step: Any, number: Optional[int], sharded: Any, error: Optional[str]) -> int:
         """Collective, a save's first exchange (one allgather): every rank's step is a step
-        (``number``, :func:`as_step`) and the same as the others', it takes the same form (``sharded``
+        (``number``, :func:`~hpcsync.resilience.steps.as_step`) and the same as the others', it takes the same form (``sharded``
         or not) with the same options, and none has an ``error`` yet; else the same
         :class:`CheckpointError` on every rank, before anything is written. The step, an int."""
-        every = ctl.allgather((number, None if number is not None else _said(step),
+        every = ctl.allgather((number, None if number is not None else said(step),
                                self._options() if sharded is not None else None, error))
         refused = "hpcsync.checkpoint: save() refused on every rank, nothing written: "
-        problem = _step_problem([(n, said) for n, said, _, _ in every], "saves")
+        problem = step_problem([(n, s) for n, s, _, _ in every], "saves")
         if problem:
             raise CheckpointError(refused + problem)
         forms = ranks_by_value([options is not None for _, _, options, _ in every])
         if len(forms) > 1:  # (each form's exchanges next are its own)
-            raise CheckpointError(refused + f"sharded= given on {_who(forms[True])}, not on {_who(forms[False])}")
+            raise CheckpointError(refused + f"sharded= given on {who(forms[True])}, not on {who(forms[False])}")
         if sharded is not None and len(every) > 1:
             raise_if_differ([options for _, _, options, _ in every], CheckpointError, _DIFFER)
         agreed = every[0][0]
@@ -563,7 +522,7 @@ class Checkpoints:
         self.wait()
         ctl = self._ctl("load()")
         number = None if step is None else as_step(step)  # (one allgather: a step, the same on every rank)
-        problem = _step_problem(ctl.allgather((number, None if step is None or number is not None else _said(step))),
+        problem = step_problem(ctl.allgather((number, None if step is None or number is not None else said(step))),
                                 "loads")
         if problem:
             raise CheckpointError("hpcsync.checkpoint: load() refused on every rank: " + problem)
