@@ -235,7 +235,7 @@ def one_run(base: Path, case: str, backend: str, n: int, timeout: float, prog: s
                       "never_entered": rep.get("never_entered", []), "inside": len(rep.get("inside", [])),
                       "groups": len(rep.get("groups", [])), "bytes": f.stat().st_size})
     row["hang_reports"] = hangs
-    records = failure.read(str(reports))
+    records = [r.to_dict() for r in failure.read(str(reports))]  # (as their JSON reads)
     row["records"] = [{"cause": r.get("cause"), "reporter": r.get("reporter"), "blame_nodes": r.get("blame_nodes"),
                        "silent": r.get("silent"), "never_entered": r.get("never_entered"),
                        "reached": len(r.get("reached") or []), "time_s": r.get("time", 0) - t_fault}

@@ -21,6 +21,6 @@ if topo.rank == 1:
     t0 = time.monotonic()
     out["printed"] = watchdog.report_timeout(log, rec, 1.0)
     out["took"] = time.monotonic() - t0
-    out["records"] = failure.read(os.environ["HPCSYNC_REPORT_DIR"])
+    out["records"] = [r.to_dict() for r in failure.read(os.environ["HPCSYNC_REPORT_DIR"])]
 world.Barrier()
 report(topo.rank, out)
