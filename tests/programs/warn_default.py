@@ -40,9 +40,13 @@ log.warning("checkpoint step-7 skipped: incomplete")
 if rank == 1:
     log.warning("only rank one says this")
 
-os.makedirs(os.path.join(folder, "ckpt", "step-00000007"), exist_ok=True)  # no marker: incomplete
+os.makedirs(os.path.join(folder, "ckpt", "step-00000007"), exist_ok=True)  # its marker lost: damaged
 with hpcsync.Checkpoints(os.path.join(folder, "ckpt")) as ckpts:
-    assert ckpts.load() is None
+    try:  # (nothing whole is left: one error on every rank, after the warning that skips it)
+        ckpts.load()
+        raise AssertionError("a checkpoint whose marker is lost was loaded")
+    except hpcsync.CheckpointError as exc:
+        assert "damaged" in str(exc), exc
 
 with hpcsync.monitor(steps=4, windows="1/1") as mon:
     wait = mon.section("comm")
