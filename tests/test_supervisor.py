@@ -171,7 +171,7 @@ def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
     # a record that blames nobody never overrides one that blames n3
     stall = rec("n0", 0, [], list(range(8)), four, cause="stall")
     assert verdict.judge(1, R(stall, rec("n1", 2, ["n3"], list(range(6)), four[:3])), quiet, False).blamed == ["n3"]
-    # a frozen rank beside its node's printer, which answered: its process, not its node (issue 57)
+    # a frozen rank beside its node's printer, which answered: its process, not its node
     assert verdict.judge(1, R(rec("n0", 0, ["n0"], [0, 2, 3], four[:2])), quiet, False).blamed == []
     # an equal split: no evidence -> the same nodes; the launcher's words; Slurm's node state
     a, b = rec("n0", 0, ["n1"], [0], ["n0"]), rec("n1", 1, ["n0"], [1], ["n1"])
@@ -295,7 +295,7 @@ def test_a_stall_is_the_programs_and_not_relaunched():
             "reporter": {"rank": 0, "node": "n0"}, "time": 2.0}
     killed = launchers.LauncherWords()
     killed.feed("srun: error: n1: task 3: Killed")
-    stall = {**hang, "cause": "stall", "blame_nodes": [], "never_entered": [1], "elsewhere": [1]}  # a desync (issue 57)
+    stall = {**hang, "cause": "stall", "blame_nodes": [], "never_entered": [1], "elsewhere": [1]}  # a desync
     v = verdict.judge(1, R(stall), launchers.LauncherWords(), False)
     assert (v.action, v.cause, v.blamed) == ("stop-program", "desync", [])
     assert verdict.judge(0, R(hang), killed, False).action == "done"

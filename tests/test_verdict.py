@@ -1,7 +1,7 @@
 """The failure record and the verdict of ``hpcsync run``, without a job: the record's JSON is
 written and read by one class (another version, a foreign key, a wrong type: skipped with a
 warning), and the verdicts follow the evidence (tests/test_verdict_simulator.py draws thousands
-of failures; these are the defects of issue 57, one each)."""
+of failures; the defects found in them, one each)."""
 import json
 import logging
 import random
@@ -11,6 +11,7 @@ from hpcsync.observe import failure
 from hpcsync.observe.record import KIND, VERSION, Cause, FailureRecord, RecordError, Reporter
 from hpcsync.resilience import launchers, verdict
 from hpcsync.resilience.verdict import Action
+from test_supervisor import raised_in
 
 
 def layout(nodes, per_node):
@@ -83,19 +84,8 @@ def test_the_action_is_an_enum_with_the_words_of_the_logs():
     assert v.action is Action.DONE and v.action == "done"
 
 
-# -- the verdicts of issue 57, each on generated cases ----------------------------------------------
-TORCH = "/venv/lib/python3.11/site-packages/torch"
+# -- the verdicts, each on generated cases ---------------------------------------------------------
 BACKEND = "/venv/lib/python3.11/site-packages/hpcsync/backend"
-
-
-def raised_in(path, exc):
-    """``exc`` as raised by code in the file ``path``, with its frame."""
-    space = {}
-    exec(compile("def fail(exc):\n    raise exc\n", path, "exec"), space)
-    try:
-        space["fail"](exc)
-    except BaseException as raised:
-        return raised
 
 
 def test_an_mpi_error_or_a_backend_timeout_is_a_lost_peer_not_the_programs(tmp_path, monkeypatch):
@@ -244,7 +234,7 @@ def test_one_failure_excludes_no_more_nodes_than_the_spares_without_a_second_sig
 
 
 def test_the_oom_killers_sigkill_burns_no_spare(tmp_path):
-    """Issue 57's measured case, with the real supervisor loop: two ranks a node on n0 + n1, n2
+    """The measured case, with the real supervisor loop: two ranks a node on n0 + n1, n2
     spare; rank 3 is SIGKILLed on every start (a memory limit), its node-mate living on. Before,
     n1 then n2 were left out and the run ended with exit 66, both healthy. Now: the same nodes
     once more, and the same death again is the program's: stopped, the launcher's exit code, no
