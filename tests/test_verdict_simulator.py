@@ -1,4 +1,4 @@
-"""A failure simulator with ground truth for ``hpcsync run``'s verdict (issue 57).
+"""A failure simulator with ground truth for ``hpcsync run``'s verdict.
 
 Each seed draws a job -- N ranks on M nodes (up to 8,192 ranks), a launcher (srun, Open MPI's
 mpirun, MPICH's hydra), spares, where the supervisor runs -- and one to three faults among: a
