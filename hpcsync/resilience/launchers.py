@@ -261,6 +261,7 @@ class LauncherWords(Evidence):
     allocation start their daemons with srun, whose errors come out between theirs), and the
     ranks' own watchdog speaks under any of them. Each parser acts on its own launcher's lines."""
 
+    # the watchdog first, as before: its word on a line decides whether that line's abort is a crash
     PARSERS: Tuple[Type[OutputParser], ...] = (WatchdogOutput, SrunOutput, OpenMPIOutput, HydraOutput)
 
     def __init__(self) -> None:
