@@ -1,70 +1,52 @@
 """What ``hpcsync run`` starts a step with, and what it reads back from the launcher: the
 launchers (srun, Open MPI's mpirun, MPICH's hydra) and their words about ranks that died, nodes
-that dropped out, and ranks that crashed by themselves."""
+that dropped out, and ranks that crashed by themselves: one output parser per launcher
+(:class:`OutputParser`), all of them fed each line by :class:`LauncherWords` into one
+:class:`Evidence`, which the verdict reads."""
 from __future__ import annotations
 
 import re
 import signal
 import subprocess
 import time
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from abc import ABC, abstractmethod
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Type
 
-__all__ = ["WARNING_SIGNALS", "LauncherWords", "Launcher", "Srun", "OpenMPI", "Hydra", "mpi_launcher", "parse_hosts"]
+__all__ = ["WARNING_SIGNALS", "Evidence", "OutputParser", "SrunOutput", "OpenMPIOutput", "HydraOutput",
+           "WatchdogOutput", "LauncherWords", "Launcher", "Srun", "OpenMPI", "Hydra", "mpi_launcher", "parse_hosts"]
 
 
 # -- what the launcher said ---------------------------------------------------------------------
-_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
-_SRUN_NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for .+? failed on node) (\S+?)(?:[:\s]|$)")
-_OMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
-_OMPI_DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
-_HYDRA_AT = re.compile(r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)|RUNNING AT (\S+)")
-_HYDRA_STATUS = re.compile(r"=\s+EXIT STATUS: (\d+)")  # MPICH 3-4: a rank that ended by itself (alive till then)
-_HYDRA_SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)")  # MPICH 3-4, one line per dead rank
-# MPICH 5: a banner per process it ended, the first one the process that died first: its EXIT
-# CODE is the raw status (a signal's number in the low bits). "EXIT STRING" ORs every process's
-# status together, and the later banners are hydra's own cleanup: neither says anything.
-_HYDRA_BANNER = "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
-_HYDRA_EXIT_CODE = re.compile(r"=\s+EXIT CODE: (\d+)")
-_NOT_A_DEATH = ("Terminated", "Exited with exit code")
 # the warning signals a job is sent on purpose, on every task (Slurm's --signal, scancel --signal):
 # a rank they killed (its program had no handler yet, or no longer) says nothing about its node
 WARNING_SIGNALS = {int(signal.SIGUSR1): "SIGUSR1", int(signal.SIGUSR2): "SIGUSR2"}
-_WARNING_WORDS = {"User defined signal 1": "SIGUSR1", "User defined signal 2": "SIGUSR2"}
-# srun ending the step: every death it reports from here on is its own doing, not a cause
-_SRUN_ENDING = ("_step_signal: Terminating", "Job step aborted", "CANCELLED AT", "Force Terminated")
-# a rank's own crash (out of memory, a segfault, an abort, a division by zero): the program's
-# doing, the same step crashes again; its node works -- when it is the first death the launcher
-# reports (a survivor that aborts after a peer is lost, as NCCL's watchdog does, comes after).
-# SIGKILL without a word of memory, SIGBUS (a machine check, a full /dev/shm) and SIGILL (a node
-# without an instruction set) stay the node's.
-_CRASH_WORDS = ("Out Of Memory", "Segmentation fault", "Aborted", "Floating point exception")
+# a rank's own crash (a segfault, an abort, a division by zero), whichever launcher says so: the
+# program's doing, the same step crashes again; its node works -- when it is the first death the
+# launcher reports (a survivor that aborts after a peer is lost, as NCCL's watchdog does, comes
+# after). SIGKILL without a word of memory, SIGBUS (a machine check, a full /dev/shm) and SIGILL
+# (a node without an instruction set) stay the node's.
 _CRASH_SIGNALS = {int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGFPE)}
-# NCCL's watchdog ending a rank (SIGABRT) because a peer failed: the aborts after it are not crashes
-_TEARDOWN = ("taking the entire process down", "Process group watchdog thread terminated")
-# the step is failing, whoever says so: from the first of these the launcher has a bounded time to end
-_TROUBLE = ("ORTE was unable", "ORTE has lost communication", "PRTE has lost communication", "BAD TERMINATION",
-            "MPI_ABORT was invoked", "mpirun noticed", "prterun noticed")  # and srun's task and node lines
-# the launcher could not start its daemons (on a node it does not name): the step never ran
-_LAUNCH_FAILED = ("was unable to reliably start one or more daemons",  # Open MPI's ORTE and PRTE
-                  "None of the TCP networks specified to be included for out-of-band",  # its node's link down
-                  "It looks like orte_init failed")
 
 
-class LauncherWords:
-    """The nodes a launcher's output says lost ranks to a signal or dropped out, read line by line;
-    ``warning``: the warning signal (SIGUSR1, SIGUSR2) that killed ranks, if one did (no node
-    blamed); ``crashes``: the lines that say a rank crashed by itself (out of memory, a segfault, an
-    abort: the program's, no node blamed); ``crash_first``: whether such a line came before any
-    line that blames a node (a crash after a node's failure is its consequence); ``trouble_at``:
-    when (``time.monotonic()``) a line first said the step is failing; ``launch_failed``: the
-    launcher said it could not start its daemons (the step never ran: not the program's exit).
+class Evidence:
+    """What a step's output said, whichever launcher's parser read it: the nodes it says lost
+    ranks to a signal or dropped out; ``warning``: the warning signal (SIGUSR1, SIGUSR2) that
+    killed ranks, if one did (no node blamed); ``crashes``: the lines that say a rank crashed by
+    itself (out of memory, a segfault, an abort: the program's, no node blamed); ``crash_first``:
+    whether such a line came before any line that blames a node (a crash after a node's failure
+    is its consequence); ``trouble_at``: when (``time.monotonic()``) a line first said the step is
+    failing; ``launch_failed``: the launcher said it could not start its daemons (the step never
+    ran: not the program's exit); ``teardown``: NCCL's watchdog ended a rank because a peer failed
+    (the aborts after it are not crashes).
 
     ``nodes`` holds three kinds of evidence, kept apart too: ``failed``, the nodes the launcher
     itself calls failed (srun's "Node failure", a failed task launch: slurmctld's word);
     ``lost``, the nodes whose daemon Open MPI lost (its own node's link as likely as theirs); and
     ``deaths``, the ranks (by rank, where the line says it) each node lost to a signal -- a death
     its node's own daemon reported, so its node was up. ``alive``: the nodes where a rank lived
-    until the launcher's cleanup (ended by SIGTERM, or exited by itself): their node ran on."""
+    until the launcher's cleanup (ended by SIGTERM, or exited by itself): their node ran on.
+    ``lines``: the line that first blamed each node of ``nodes``. ``hung`` and ``never_started``
+    are the supervisor's: it had to end the launcher (because its ranks were not all up in time)."""
 
     def __init__(self) -> None:
         self.nodes: List[str] = []
@@ -75,118 +57,220 @@ class LauncherWords:
         self.alive: Set[str] = set()
         self.crashes: List[str] = []
         self.crash_first = False
-        self._teardown = False
-        self._hydra_banners = 0
-        self._hydra_code_seen = False
+        self.teardown = False
         self.warning: Optional[str] = None
-        self._hydra_at: Optional[str] = None
-        self._hydra_rank: Optional[str] = None
-        self._srun_ending = False
         self.trouble_at: Optional[float] = None
         self.hung = False  # the supervisor had to end the launcher
         self.never_started = False  # ... because its ranks were not all up in time
         self.launch_failed = False  # the launcher could not start its daemons
 
-    def _crash(self, line: str) -> None:
-        if self._teardown:  # a survivor ended by its watchdog: the cause is a peer's
+    def trouble(self) -> None:
+        """The step is failing: from now on the launcher has a bounded time to end."""
+        if self.trouble_at is None:
+            self.trouble_at = time.monotonic()
+
+    def crash(self, line: str) -> None:
+        if self.teardown:  # a survivor ended by its watchdog: the cause is a peer's
             return
         if not self.crashes and not self.nodes:
             self.crash_first = True
         self.crashes.append(line.strip())
 
-    def _warn(self, name: str) -> None:
+    def warn(self, name: str) -> None:
         self.warning = self.warning or name  # the first one the launcher reports
 
-    def _blame(self, node: str, line: str) -> None:
+    def blame(self, node: str, line: str) -> None:
         node = node.rstrip(".,:")
         if node not in self.nodes:
             self.nodes.append(node)
             self.lines.append(line.strip())
 
-    def _node_failed(self, node: str, line: str) -> None:
-        self._blame(node, line)
+    def node_failed(self, node: str, line: str) -> None:
+        self.blame(node, line)
         node = node.rstrip(".,:")
         if node not in self.failed:
             self.failed.append(node)
 
-    def _died(self, node: str, ranks: Sequence[str], line: str) -> None:
-        self._blame(node, line)
+    def daemon_lost(self, node: str, line: str) -> None:
+        self.blame(node, line)
+        node = node.rstrip(".,:")
+        if node not in self.lost:
+            self.lost.append(node)
+
+    def died(self, node: str, ranks: Sequence[str], line: str) -> None:
+        self.blame(node, line)
         self.deaths.setdefault(node.rstrip(".,:"), set()).update(ranks)
 
-    def _lived(self, node: Optional[str]) -> None:
+    def lived(self, node: Optional[str]) -> None:
         if node:
             self.alive.add(node.rstrip(".,:"))
 
+
+class OutputParser(ABC):
+    """One launcher's output, read line by line into ``evidence`` (which the parsers of a step
+    share): a parser knows its own launcher's lines and keeps what it must remember between them;
+    a line of another launcher's, or of the program's, changes nothing."""
+
+    def __init__(self, evidence: Evidence) -> None:
+        self.evidence = evidence
+
+    @abstractmethod
     def feed(self, line: str) -> None:
-        if self.trouble_at is None and (any(w in line for w in _TROUBLE) or _SRUN_TASK.search(line)
-                                        or _SRUN_NODE.search(line)):  # not srun's other errors (a tty, a plugin)
-            self.trouble_at = time.monotonic()
-        if any(w in line for w in _LAUNCH_FAILED):
-            self.launch_failed = True
-        if any(w in line for w in _TEARDOWN):
-            self._teardown = True
-        if any(w in line for w in _SRUN_ENDING):
-            self._srun_ending = True
-        m = _SRUN_TASK.search(line)
-        said = m.group(3).strip() if m else ""
-        if m and said in _WARNING_WORDS:
-            self._warn(_WARNING_WORDS[said])
-            return
-        if m and said.startswith(_NOT_A_DEATH):  # ended by srun, or by itself: it ran till then
-            self._lived(m.group(1))
-            return
-        if m and not self._srun_ending and said.startswith(_CRASH_WORDS):
-            self._crash(line)
-            return
-        if m and not self._srun_ending:
-            self._died(m.group(1), _task_ranks(m.group(2)), line)
-            return
-        m = _SRUN_NODE.search(line)
-        if m:
-            self._node_failed(m.group(1), line)
-            return
-        m = _OMPI_DAEMON.search(line)
+        """Read one line of the step's output (stdout or stderr)."""
+
+
+class SrunOutput(OutputParser):
+    """Slurm's ``srun`` (and ``slurmstepd``'s words it passes on): a task's death, exit or crash
+    by node and task, a node's failure, and the step's end, after which srun's deaths are its own
+    doing."""
+
+    _TASK = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$")
+    _NODE = re.compile(r"srun: error: (?:Node failure on|Task launch for .+? failed on node) (\S+?)(?:[:\s]|$)")
+    _WARNING_WORDS = {"User defined signal 1": "SIGUSR1", "User defined signal 2": "SIGUSR2"}
+    _NOT_A_DEATH = ("Terminated", "Exited with exit code")  # ended by srun, or by itself: it ran till then
+    _CRASH_WORDS = ("Out Of Memory", "Segmentation fault", "Aborted", "Floating point exception")  # a rank's own
+    # srun ending the step: every death it reports from here on is its own doing, not a cause
+    _ENDING = ("_step_signal: Terminating", "Job step aborted", "CANCELLED AT", "Force Terminated")
+
+    def __init__(self, evidence: Evidence) -> None:
+        super().__init__(evidence)
+        self._ending = False
+
+    def feed(self, line: str) -> None:
+        words = self.evidence
+        task, node = self._TASK.search(line), self._NODE.search(line)
+        if task or node:  # not srun's other errors (a tty, a plugin)
+            words.trouble()
+        if any(w in line for w in self._ENDING):
+            self._ending = True
+        said = task.group(3).strip() if task else ""
+        if task and said in self._WARNING_WORDS:
+            words.warn(self._WARNING_WORDS[said])
+        elif task and said.startswith(self._NOT_A_DEATH):
+            words.lived(task.group(1))
+        elif task and not self._ending and said.startswith(self._CRASH_WORDS):
+            words.crash(line)
+        elif task and not self._ending:
+            words.died(task.group(1), _task_ranks(task.group(2)), line)
+        elif node:
+            words.node_failed(node.group(1), line)
+
+
+class OpenMPIOutput(OutputParser):
+    """Open MPI's ``mpirun`` (ORTE, PRTE): a rank's death by signal and node, a remote daemon lost,
+    daemons it could not start."""
+
+    _SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+    _DAEMON = re.compile(r"Remote daemon:.*? on node (\S+)")  # not "HNP daemon": mpirun's own node
+    _TROUBLE = ("ORTE was unable", "ORTE has lost communication", "PRTE has lost communication",
+                "MPI_ABORT was invoked", "mpirun noticed", "prterun noticed")
+    # it could not start its daemons (on a node it does not name): the step never ran
+    _LAUNCH_FAILED = ("was unable to reliably start one or more daemons",  # ORTE's and PRTE's
+                      "None of the TCP networks specified to be included for out-of-band",  # its node's link down
+                      "It looks like orte_init failed")
+
+    def feed(self, line: str) -> None:
+        words = self.evidence
+        if any(w in line for w in self._TROUBLE):
+            words.trouble()
+        if any(w in line for w in self._LAUNCH_FAILED):
+            words.launch_failed = True
+        m = self._DAEMON.search(line)
         if m:  # the link between mpirun's node and that one failed: either end's
-            self._blame(m.group(1), line)
-            if m.group(1).rstrip(".,:") not in self.lost:
-                self.lost.append(m.group(1).rstrip(".,:"))
+            words.daemon_lost(m.group(1), line)
             return
-        m = _OMPI_SIGNAL.search(line)
-        number = int(m.group(3)) if m else None
-        if m and number in WARNING_SIGNALS:
-            self._warn(WARNING_SIGNALS[int(m.group(3))])
+        m = self._SIGNAL.search(line)
+        if not m:
             return
-        if m and number in _CRASH_SIGNALS:
-            self._crash(line)
-            return
-        if m and number == signal.SIGTERM:
-            self._lived(m.group(2))
-            return
-        if m:
-            self._died(m.group(2), [m.group(1)], line)
-            return
-        if _HYDRA_BANNER in line:
-            self._hydra_banners += 1
-        m = _HYDRA_AT.search(line)
-        if m and self._hydra_banners <= 1:  # (the later banners are hydra's own cleanup)
-            self._hydra_at, self._hydra_rank = m.group(2) or m.group(3), m.group(1)
-        m = _HYDRA_STATUS.search(line)
-        if m and self._hydra_banners == 0:
-            self._lived(self._hydra_at)
-        m = _HYDRA_SIGNAL.search(line)
+        number = int(m.group(3))
+        if number in WARNING_SIGNALS:
+            words.warn(WARNING_SIGNALS[number])
+        elif number in _CRASH_SIGNALS:
+            words.crash(line)
+        elif number == signal.SIGTERM:
+            words.lived(m.group(2))
+        else:
+            words.died(m.group(2), [m.group(1)], line)
+
+
+class HydraOutput(OutputParser):
+    """MPICH's hydra ``mpiexec``: the node a rank ran at, then its signal or exit status.
+
+    MPICH 3-4 prints one ``KILLED BY SIGNAL`` per dead rank and an ``EXIT STATUS`` for a rank that
+    ended by itself (alive till then). MPICH 5 prints a banner per process it ended, the first one
+    the process that died first: its ``EXIT CODE`` is the raw status (a signal's number in the low
+    bits). Its "EXIT STRING" ORs every process's status together, and the later banners are
+    hydra's own cleanup: neither says anything."""
+
+    _AT = re.compile(r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+)|RUNNING AT (\S+)")
+    _STATUS = re.compile(r"=\s+EXIT STATUS: (\d+)")
+    _SIGNAL = re.compile(r"KILLED BY SIGNAL: (\d+)")
+    _BANNER = "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
+    _EXIT_CODE = re.compile(r"=\s+EXIT CODE: (\d+)")
+    _TROUBLE = "BAD TERMINATION"
+
+    def __init__(self, evidence: Evidence) -> None:
+        super().__init__(evidence)
+        self._banners = 0
+        self._code_seen = False
+        self._at: Optional[str] = None  # the node (and rank) of the banner read last
+        self._rank: Optional[str] = None
+
+    def feed(self, line: str) -> None:
+        words = self.evidence
+        if self._TROUBLE in line:
+            words.trouble()
+        if self._BANNER in line:
+            self._banners += 1
+        m = self._AT.search(line)
+        if m and self._banners <= 1:  # (the later banners are hydra's own cleanup)
+            self._at, self._rank = m.group(2) or m.group(3), m.group(1)
+        if self._STATUS.search(line) and self._banners == 0:
+            words.lived(self._at)
+        m = self._SIGNAL.search(line)
         number = int(m.group(1)) if m else None
-        m = _HYDRA_EXIT_CODE.search(line)
-        if m and self._hydra_banners == 1 and not self._hydra_code_seen:
-            self._hydra_code_seen = True
+        m = self._EXIT_CODE.search(line)
+        if m and self._banners == 1 and not self._code_seen:
+            self._code_seen = True
             number = int(m.group(1)) & 0x7F
         if number in WARNING_SIGNALS:
-            self._warn(WARNING_SIGNALS[number])
+            words.warn(WARNING_SIGNALS[number])
         elif number in _CRASH_SIGNALS:
-            self._crash(f"{self._hydra_at or '?'}: {line.strip()}")
+            words.crash(f"{self._at or '?'}: {line.strip()}")
         elif number == signal.SIGTERM:
-            self._lived(self._hydra_at)
-        elif number is not None and self._hydra_at:
-            self._died(self._hydra_at, [self._hydra_rank or f"? {line.strip()}"], line)
+            words.lived(self._at)
+        elif number is not None and self._at:
+            words.died(self._at, [self._rank or f"? {line.strip()}"], line)
+
+
+class WatchdogOutput(OutputParser):
+    """No launcher's: PyTorch's NCCL watchdog ending a rank (SIGABRT) because a peer failed, in the
+    ranks' own output whoever started them. The aborts any launcher reports after it are not
+    crashes."""
+
+    _TEARDOWN = ("taking the entire process down", "Process group watchdog thread terminated")
+
+    def feed(self, line: str) -> None:
+        if any(w in line for w in self._TEARDOWN):
+            self.evidence.teardown = True
+
+
+class LauncherWords(Evidence):
+    """The :class:`Evidence` of one step's output, each line read by every parser: the
+    supervisor's launcher is not the only one that speaks (mpirun and mpiexec inside a Slurm
+    allocation start their daemons with srun, whose errors come out between theirs), and the
+    ranks' own watchdog speaks under any of them. Each parser acts on its own launcher's lines."""
+
+    # the watchdog first, as before: its word on a line decides whether that line's abort is a crash
+    PARSERS: Tuple[Type[OutputParser], ...] = (WatchdogOutput, SrunOutput, OpenMPIOutput, HydraOutput)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parsers = [parser(self) for parser in self.PARSERS]
+
+    def feed(self, line: str) -> None:
+        for parser in self.parsers:
+            parser.feed(line)
 
 
 def _task_ranks(spec: str) -> List[str]:

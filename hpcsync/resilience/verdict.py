@@ -11,7 +11,7 @@ from enum import Enum
 from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 from ..observe.record import Cause, FailureRecord
-from .launchers import LauncherWords
+from .launchers import Evidence
 
 __all__ = ["Action", "PROCESS_KILLED", "Verdict", "weigh", "judge"]
 
@@ -90,7 +90,7 @@ def _weigh(records: Sequence[FailureRecord], ranks: Optional[int]) -> Tuple[List
     return sorted(blamed - running), sorted(contested), running
 
 
-def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signalled: bool,
+def judge(rc: int, records: Sequence[FailureRecord], words: Evidence, signalled: bool,
           node_state: Optional[Callable[[Sequence[str]], List[str]]] = None, ranks: Optional[int] = None,
           probe: Optional[Callable[[Sequence[str]], List[str]]] = None, nodes: Sequence[str] = (),
           spares: Optional[int] = None) -> Verdict:
@@ -231,7 +231,7 @@ def judge(rc: int, records: Sequence[FailureRecord], words: LauncherWords, signa
     return Verdict(Action.DONE, f"exit code {rc}", detail="no record and no launcher message blames a node: not relaunched")
 
 
-def _all_died(node: str, words: LauncherWords, per_node: Optional[int], running: Set[str]) -> bool:
+def _all_died(node: str, words: Evidence, per_node: Optional[int], running: Set[str]) -> bool:
     """Whether the launcher's deaths on ``node`` are its node's: every one of its ``per_node``
     ranks died (unknown ranks a node: as before, yes) and nothing shows one living on (a believed
     record reached it, ``running``; the launcher ended it at cleanup, ``words.alive``)."""
