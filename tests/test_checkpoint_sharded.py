@@ -22,11 +22,12 @@ def train(tmp_path, backend, root, steps, mode, n=4):
 
 @pytest.mark.parametrize("backend,mode", CASES, ids=["gloo-sync", "gloo-background", "hpcsync-background"])
 def test_fsdp2_resumes_bit_for_bit_from_a_sharded_checkpoint(tmp_path, backend, mode):
-    """12 steps straight, against 10 steps (saved at 5 and 10) and a fresh job that resumes from
-    step 10: the same parameters, bit for bit, on every rank; each rank got its own local state."""
-    whole = train(tmp_path, backend, tmp_path / "whole", 12, mode)
-    root = tmp_path / "cut"
-    train(tmp_path, backend, root, 10, mode)
+    """12 steps straight (saved at 5 and 10), against a fresh job that resumes from that run's
+    step 10: the same parameters, bit for bit, on every rank; each rank got its own local state.
+    (A background save of step 10 is written while steps 11 and 12 change the parameters: what
+    it wrote must still be step 10's.)"""
+    root = tmp_path / "whole"
+    whole = train(tmp_path, backend, root, 12, mode)
     resumed = train(tmp_path, backend, root, 12, "resume")
     for r, (a, b) in enumerate(zip(whole.ranks, resumed.ranks)):
         assert b["loaded"] == {"step": 10, "shared": {"every": 5}, "local": {"rank": r, "step": 10}}, b
