@@ -261,3 +261,45 @@ def test_no_metadata_sets_state_on_any_name_it_may_use(unpickler):
     for module, name in [("os", "system"), ("builtins", "getattr"), ("torch", "load"), ("pathlib", "Path.open")]:
         with pytest.raises(pickle.UnpicklingError, match="is not allowed in a checkpoint's metadata"):
             cls(io.BytesIO(_pickle_ops(("g", module, name), b"."))).load()
+
+
+@pytest.mark.parametrize("form", ["root", "nodes"])
+def test_a_planted_metadata_is_one_refusal_on_every_rank(tmp_path, form):
+    """A 2-rank job saves step 5 (in the root; or on two one-rank "nodes", each holding a copy of
+    the other's files); then its metadata is replaced, its markers resealed to match (an author
+    who can write there), by one that sets state on a class (root) or that names os.system
+    (nodes). A new job's load refuses it before DCP runs, as the same CheckpointError on every
+    rank, naming the file and the reason; nothing runs, no class changes."""
+    import os
+
+    from hpcsync.resilience import checksums
+
+    victim = tmp_path / "PWNED"
+    root, local = tmp_path / "root", tmp_path / "local"
+    env = {"HPCSYNC_TEST_LOCAL_DIR": str(local), "HPCSYNC_TEST_FAKE_NODES": "1"} if form == "nodes" else {}
+    run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "5", "5", "sync", tmp_path=tmp_path, timeout=240, env=env)
+    if form == "root":
+        payload = _pickle_ops(("g", "torch.distributed.checkpoint.filesystem", "_StorageInfo"), b"N}", "offset",
+                              ("g", "builtins", "slice"), b"s\x86b.")
+        why = "sharded/.metadata: UnpicklingError: a checkpoint's metadata may not set state on a class"
+        folders = [root / "step-00000005"]
+    else:
+        class Payload:
+            def __reduce__(self):
+                return (os.system, (f"touch {victim}",))
+
+        payload, why = pickle.dumps(Payload()), "sharded/.metadata: UnpicklingError: posix.system is not allowed"
+        folders = sorted(local.glob("fake*/hpcsync-*/step-*"))
+        assert len(folders) == 2 and not list(root.glob("step-*")), folders
+    for folder in folders:
+        (folder / "sharded" / ".metadata").write_bytes(payload)
+        marker = json.loads((folder / "COMPLETE").read_text())
+        marker["files"]["sharded/.metadata"] = len(payload)
+        sums = {**marker["sums"], "sharded/.metadata": checksums.hex_sum(checksums.digest(payload))}
+        (folder / "COMPLETE").write_text(json.dumps(checksums.seal(marker, sums)))
+    res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "6", "5", "resume", tmp_path=tmp_path, timeout=240,
+              env=env)
+    errors = {d.get("error") for d in res.ranks}
+    assert len(errors) == 1 and why in str(next(iter(errors))), res.ranks
+    assert next(iter(errors)).startswith("hpcsync.checkpoint: cannot load: rank 0: "), errors
+    assert not victim.exists(), "loading the checkpoint ran the planted command"
