@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    layers = 4
+    layers = args.layers
     dim = int((args.model_mib * MIB / 4 / 3 / layers) ** 0.5)  # params + exp_avg + exp_avg_sq, float32
     model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
     mesh = init_device_mesh("cpu", (size,))
@@ -140,6 +140,17 @@ def worker(args: argparse.Namespace) -> None:
             stall_s = time.perf_counter() - t0
             ckpts[form].wait()
             complete_s = time.perf_counter() - t0
+            load_ref_s = None
+            if form != "rank0":  # the same load, its metadata parsed by the pure-Python reference (before)
+                from hpcsync.resilience import dcp_reader
+
+                fast, dcp_reader.MetadataUnpickler = dcp_reader.MetadataUnpickler, dcp_reader.ReferenceUnpickler
+                try:
+                    _, load_ref_s = timed(lambda: load(form))
+                finally:
+                    dcp_reader.MetadataUnpickler = fast
+                if form == "nodes":  # (node 1's folder is gone again for the timed load below)
+                    ckpts[form].save(2 * r + 1, sharded=sharded, local=local)
             r0 = _io("rchar")
             got, load_s = timed(lambda: load(form))
             read = _io("rchar") - r0
@@ -151,7 +162,9 @@ def worker(args: argparse.Namespace) -> None:
             elif rank != 0:
                 names = ("shared.pt", f"rank-{rank:05d}.pt") if form == "rank0" else ("shared.pt", "COMPLETE")
                 sent = sum(os.path.getsize(os.path.join(got.path, n)) for n in names)
+            meta = os.path.join(got.path, "sharded", ".metadata")
             mine[form].append({"save_s": save_s, "stall_s": stall_s, "complete_s": complete_s, "load_s": load_s,
+                               "load_ref_s": load_ref_s, "metadata": os.path.getsize(meta) if os.path.exists(meta) else 0,
                                "read": read, "mpi": sent, "written": written})
             del got
     for c in ckpts.values():
@@ -162,9 +175,13 @@ def worker(args: argparse.Namespace) -> None:
         for form in ckpts:
             per = [e[form] for e in every]  # per[rank][round]
             row = {"ranks": size, "form": form}
-            for k in ("save_s", "stall_s", "complete_s", "load_s"):
+            for k in ("save_s", "stall_s", "complete_s", "load_s", "load_ref_s"):
+                if per[0][0][k] is None:
+                    row[k] = None
+                    continue
                 rounds = [max(p[i][k] for p in per) for i in range(args.repeat)]
                 row[k], row[k + "_rounds"] = statistics.median(rounds), rounds
+            row["metadata_bytes"] = max(p[-1]["metadata"] for p in per)
             last = [p[-1] for p in per]
             got = [x["read"] + x["mpi"] for x in last]
             row.update(load_bytes_max=max(got), load_bytes_rank0=got[0], load_bytes_median=statistics.median(got),
@@ -174,6 +191,53 @@ def worker(args: argparse.Namespace) -> None:
         with open(args.result, "w") as f:
             json.dump({"rows": rows, "state_bytes": state_bytes, "dim": dim}, f)
     hpcsync.shutdown()
+
+
+def synthetic_metadata(ranks: int, tensors: int):
+    """DCP's metadata of ``ranks`` x ``tensors`` chunks, as its save writes it (each tensor split
+    by rows over the ranks, a chunk a rank in its own file)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    sdm, storage = {}, {}
+    for t in range(tensors):
+        fqn = f"model.layers.{t}.weight"
+        chunks = [ChunkStorageMetadata(torch.Size([r * 64, 0]), torch.Size([64, 1024])) for r in range(ranks)]
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([64 * ranks, 1024]), chunks)
+        for r, c in enumerate(chunks):
+            storage[MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(f"__{r}_0.distcp", t * 262144, 262144)
+    return Metadata(sdm, {k: (k,) for k in sdm}, storage, StorageMeta(), "1.0.0")
+
+
+def parse_bench(chunks: int, repeat: int) -> dict:
+    """A metadata of ``chunks`` chunks (1,024 ranks x chunks/1,024 tensors) parsed by the
+    pure-Python reference (before), by hpcsync's guarded C unpickler (now) and by plain
+    ``pickle.loads`` (no checks: the floor); best of ``repeat``, alternating."""
+    import pickle
+
+    sys.path.insert(0, str(ROOT))
+    from hpcsync.resilience import dcp_reader
+
+    data = pickle.dumps(synthetic_metadata(1024, max(1, chunks // 1024)))
+    n = 1024 * max(1, chunks // 1024)
+    ways = {"reference": lambda: dcp_reader.parse_metadata(data, dcp_reader.ReferenceUnpickler),
+            "guarded C": lambda: dcp_reader.parse_metadata(data), "pickle.loads": lambda: pickle.loads(data)}
+    best = {k: float("inf") for k in ways}
+    for _ in range(repeat):
+        for k, fn in ways.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    print(f"metadata parse, {n} chunks ({len(data) / 1e6:.1f} MB), best of {repeat}; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| parser | s | µs a chunk | vs reference |")
+    print("|---|---|---|---|")
+    for k, t in best.items():
+        print(f"| {k} | {t:.3f} | {t / n * 1e6:.1f} | {best['reference'] / t:.2f}x |")
+    print(flush=True)
+    return {"chunks": n, "bytes": len(data), "best_s": best, "repeat": repeat, "load": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -187,6 +251,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; times are the median over them")
     ap.add_argument("--per-node", type=int, default=4, help="ranks per node of the node-local form (at most half)")
     ap.add_argument("--backend", default="gloo", help="hpcsync.init's backend (torch.distributed's, for FSDP2 and DCP)")
+    ap.add_argument("--layers", type=int, default=4, help="Linear layers of the model (tensors: 3 a layer with Adam's)")
+    ap.add_argument("--metadata-chunks", type=int, default=51200, help="chunks of the synthetic metadata parsed")
+    ap.add_argument("--parse-repeat", type=int, default=5, help="the metadata parse: best of this many")
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 and 4 ranks, a 2 MiB model, 2 rounds")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.json"))
     args = ap.parse_args()
@@ -195,13 +262,14 @@ def main() -> None:
         return
     if args.quick:
         args.ranks, args.model_mib, args.repeat = [2, 4], 2, 2
+    parse = parse_bench(args.metadata_chunks, args.parse_repeat)
     env = mpirun_env(OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1")
     rows, started = [], time.perf_counter()
     print(f"model state {args.model_mib:g} MiB (params + Adam), local {args.local_kib} KiB per rank, backend "
           f"{args.backend}, median of {args.repeat}; load bytes per rank = file reads + MPI from rank 0 (MiB)")
-    print("| ranks | form | save s | bg stall s | bg complete s | load s | load MiB max | rank 0 | median | "
-          "save written MiB max | job s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| ranks | form | save s | bg stall s | bg complete s | load s | load s, reference parser | ratio | "
+          "metadata KiB | load MiB max | rank 0 | median | save written MiB max | job s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.ranks:
         root = tempfile.mkdtemp(prefix="hpcsync-bench-checkpoint-", dir="/dev/shm")
         try:
@@ -209,7 +277,7 @@ def main() -> None:
             cmd = ["mpirun.openmpi", "--oversubscribe", "--bind-to", "none", "-n", str(n), sys.executable, __file__,
                    "--worker", "--root", root, "--result", result, "--model-mib", str(args.model_mib),
                    "--local-kib", str(args.local_kib), "--repeat", str(args.repeat), "--backend", args.backend,
-                   "--per-node", str(args.per_node)]
+                   "--per-node", str(args.per_node), "--layers", str(args.layers)]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   timeout=1800)
@@ -223,12 +291,17 @@ def main() -> None:
         for row in res["rows"]:
             row.update(state_mib=res["state_bytes"] / MIB, job_s=job_s)
             rows.append(row)
+            ref = row["load_ref_s"]
+            ratio = "—" if ref is None else f"{ref / row['load_s']:.2f}"
             print(f"| {n} | {row['form']} | {row['save_s']:.3f} | {row['stall_s']:.3f} | {row['complete_s']:.3f} | "
-                  f"{row['load_s']:.3f} | {row['load_bytes_max'] / MIB:.1f} | {row['load_bytes_rank0'] / MIB:.1f} | "
+                  f"{row['load_s']:.3f} | {'—' if ref is None else f'{ref:.3f}'} | "
+                  f"{ratio} | {row['metadata_bytes'] / 1024:.0f} | "
+                  f"{row['load_bytes_max'] / MIB:.1f} | {row['load_bytes_rank0'] / MIB:.1f} | "
                   f"{row['load_bytes_median'] / MIB:.1f} | {row['save_written_max'] / MIB:.1f} | {job_s:.0f} |",
                   flush=True)
     print(f"total {time.perf_counter() - started:.0f} s")
-    save_json(args.out, "rows", rows, model_mib=args.model_mib, local_kib=args.local_kib, repeat=args.repeat,
+    save_json(args.out, "rows", rows, parse=parse, layers=args.layers, model_mib=args.model_mib,
+              local_kib=args.local_kib, repeat=args.repeat,
               backend=args.backend, checkpoint_dir="/dev/shm (tmpfs)")
 
 

@@ -166,3 +166,38 @@ def test_a_node_local_save_keeps_a_complete_checkpoint_at_every_moment(tmp_path)
     k, seen = killed_at_every_change(tmp_path, "sharded-local", prepare, lambda root: load_sharded_here(root, True))
     assert k > 6 and seen == {"old", "new"}, (k, seen)
     assert not list((tmp_path / f"crash{k}").glob("step-*")), "a node-local save wrote into the root"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_reads_of_a_lost_node_spread_over_every_holder_rank(seed):
+    """Generated layouts (nodes of 2-8 ranks, 1-3 holder nodes): the ranks that serve the files
+    of the nodes that lack them are spread over every rank of every node holding them. The check
+    of each file (``sources``): no two files share a server while there are more holder ranks
+    than files, every holder rank serves once there are as many, and a rank whose own node holds
+    a copy reads its own; a fetch (``server``): the same for consecutive requesters. (The first
+    holder's ``ranks[me % ppn]``, or ``nodes[me % n]`` then ``ranks[me % ppn]``, leaves half of
+    them idle or more.)"""
+    import random
+
+    from hpcsync.resilience.node_verify import server, sources
+
+    rng = random.Random(seed)
+    for _ in range(20):
+        per, nodes = rng.randint(2, 8), rng.randint(2, 6)
+        hosts = [f"n{k}" for k in range(nodes) for _ in range(per)]
+        lay = Layout.of(hosts)
+        holders = rng.sample(range(nodes), rng.randint(1, min(3, nodes - 1)))
+        serving = [r for k in holders for r in lay.ranks[k]]
+        lost = [r for r in range(len(hosts)) if lay.node_of[r] not in holders]
+        for count in (1, len(serving) // 2 + 1, len(serving), len(serving) + 3):
+            asking = list(range(lost[0], lost[0] + count))  # consecutive ranks (the numbers alone matter here)
+            got = [server(me, holders, lay.ranks) for me in asking]
+            assert set(got) <= set(serving), (holders, got)
+            assert len(set(got)) == min(count, len(serving)), (per, nodes, holders, count, got)
+        names = [f"rank-{r:05d}.pt" for r in range(len(hosts))]
+        left = {n: list(holders) for n in names}
+        chosen = sources(names, len(hosts), len(hosts), left, lay.node_of, lay.ranks)
+        for r, n in enumerate(names):
+            assert chosen[n] == r if lay.node_of[r] in holders else chosen[n] in serving, (r, chosen[n])
+        outside = [chosen[f"rank-{r:05d}.pt"] for r in lost]
+        assert len(set(outside)) == min(len(lost), len(serving)), (holders, outside)

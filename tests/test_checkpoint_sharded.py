@@ -171,3 +171,136 @@ def test_the_metadata_reader_builds_only_dcps_own_records(tmp_path):
     bad.write_bytes(pickle.dumps(ok, protocol=4))
     with pytest.raises(pickle.UnpicklingError, match="outside its folder"):
         read_metadata(str(bad))
+
+
+def _metadata(ranks, tensors, seed):
+    """A DCP metadata as its save writes it, of ``ranks`` x ``tensors`` chunks (random shapes,
+    dtypes and file offsets from ``seed``; a few non-tensor entries and a path too)."""
+    import pathlib
+    import random
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    rng = random.Random(seed)
+    sdm, storage = {}, {}
+    for t in range(tensors):
+        fqn, rows, cols = f"model.layers.{t}.weight", rng.randint(1, 9), rng.randint(1, 300)
+        chunks = [ChunkStorageMetadata(torch.Size([r * rows, 0]), torch.Size([rows, cols])) for r in range(ranks)]
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=rng.choice([torch.float32, torch.bfloat16])),
+                                         torch.Size([rows * ranks, cols]), chunks)
+        for r, c in enumerate(chunks):
+            storage[MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(f"__{r}_0.distcp", rng.randrange(1 << 30), 4 * rows * cols)
+    for k in range(3):
+        sdm[f"step.{k}"] = BytesStorageMetadata()
+        storage[MetadataIndex(f"step.{k}")] = _StorageInfo("__0_0.distcp", k, 10)
+    meta = StorageMeta(checkpoint_id=pathlib.PosixPath(f"/ckpt/{seed}"))
+    return Metadata(sdm, {k: (k,) for k in sdm}, storage, meta, "1.0.0")
+
+
+def test_the_metadata_parses_at_the_c_unpicklers_speed_to_the_same_records():
+    """Generated metadata (random shapes, seeds): the fast unpickler builds exactly what DCP saved,
+    the same records as the pure-Python reference, and runs as C code: a handful of Python calls
+    a chunk (a guard making a torch.Size, a key's hash), where the reference makes one per opcode
+    (hundreds a chunk), so at 1,024 ranks x 1,000 tensors a rank parses in seconds, not minutes."""
+    import sys
+
+    from hpcsync.resilience.dcp_reader import ReferenceUnpickler, parse_metadata
+
+    for seed in range(3):
+        meta = _metadata(4 + seed, 5 + 3 * seed, seed)
+        data = pickle.dumps(meta)
+        fast, ref = parse_metadata(data), parse_metadata(data, ReferenceUnpickler)
+        assert fast == meta == ref, seed
+        assert type(fast.storage_meta.checkpoint_id) is type(meta.storage_meta.checkpoint_id)
+        assert all(type(k).__module__.startswith("torch.") for k in fast.storage_data), "a guard leaked into the records"
+    data = pickle.dumps(_metadata(64, 20, 7))  # 1,280 chunks
+    for unpickler, most in ((None, 6), (ReferenceUnpickler, None)):
+        calls = [0]
+
+        def count(frame, event, arg, calls=calls):
+            calls[0] += event == "call"
+
+        sys.setprofile(count)
+        try:
+            parse_metadata(data, unpickler)
+        finally:
+            sys.setprofile(None)
+        per_chunk = calls[0] / 1280
+        if most is not None:
+            assert per_chunk < most, f"{per_chunk:.1f} Python calls a chunk: the metadata is not parsed by C code"
+        else:
+            assert per_chunk > 50, per_chunk  # (the reference: what the bound above tells apart)
+
+
+@pytest.mark.parametrize("unpickler", ["fast", "reference"])
+def test_no_metadata_sets_state_on_any_name_it_may_use(unpickler):
+    """For every class or function a metadata may name (generated from the allowed list), pickle's
+    BUILD on it -- a dict of state, and a (None, slots) pair that would set attributes -- is
+    refused with the reason (by Python itself for an immutable type: the builtins, torch.Size),
+    and the real object is unchanged (it would change for the whole process); a name outside the
+    list is refused before anything is built."""
+    import importlib
+    import io
+
+    from hpcsync.resilience import dcp_reader
+
+    cls = dcp_reader.MetadataUnpickler if unpickler == "fast" else dcp_reader.ReferenceUnpickler
+    for module, name in sorted(dcp_reader._ALLOWED):
+        real = getattr(importlib.import_module(module), name)
+        before = dict(vars(real))
+        immutable = isinstance(real, type) and real.__flags__ & (1 << 8)  # (Py_TPFLAGS_IMMUTABLETYPE)
+        for state in (b"}\x8c\x06offset\x94K\x01s", b"N}\x8c\x06offset\x94K\x01s\x86"):
+            with pytest.raises((pickle.UnpicklingError, TypeError),
+                               match="may not set state on a class|does not support item assignment|immutable type"
+                               if immutable and unpickler == "fast" else "may not set state on a class"):
+                cls(io.BytesIO(_pickle_ops(("g", module, name), state + b"b."))).load()
+        assert dict(vars(real)) == before, f"{module}.{name} changed"
+    for module, name in [("os", "system"), ("builtins", "getattr"), ("torch", "load"), ("pathlib", "Path.open")]:
+        with pytest.raises(pickle.UnpicklingError, match="is not allowed in a checkpoint's metadata"):
+            cls(io.BytesIO(_pickle_ops(("g", module, name), b"."))).load()
+
+
+@pytest.mark.parametrize("form", ["root", "nodes"])
+def test_a_planted_metadata_is_one_refusal_on_every_rank(tmp_path, form):
+    """A 2-rank job saves step 5 (in the root; or on two one-rank "nodes", each holding a copy of
+    the other's files); then its metadata is replaced, its markers resealed to match (an author
+    who can write there), by one that sets state on a class (root) or that names os.system
+    (nodes). A new job's load refuses it before DCP runs, as the same CheckpointError on every
+    rank, naming the file and the reason; nothing runs, no class changes."""
+    import os
+
+    from hpcsync.resilience import checksums
+
+    victim = tmp_path / "PWNED"
+    root, local = tmp_path / "root", tmp_path / "local"
+    env = {"HPCSYNC_TEST_LOCAL_DIR": str(local), "HPCSYNC_TEST_FAKE_NODES": "1"} if form == "nodes" else {}
+    run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "5", "5", "sync", tmp_path=tmp_path, timeout=240, env=env)
+    if form == "root":
+        payload = _pickle_ops(("g", "torch.distributed.checkpoint.filesystem", "_StorageInfo"), b"N}", "offset",
+                              ("g", "builtins", "slice"), b"s\x86b.")
+        why = "sharded/.metadata: UnpicklingError: a checkpoint's metadata may not set state on a class"
+        folders = [root / "step-00000005"]
+    else:
+        class Payload:
+            def __reduce__(self):
+                return (os.system, (f"touch {victim}",))
+
+        payload, why = pickle.dumps(Payload()), "sharded/.metadata: UnpicklingError: posix.system is not allowed"
+        folders = sorted(local.glob("fake*/hpcsync-*/step-*"))
+        assert len(folders) == 2 and not list(root.glob("step-*")), folders
+    for folder in folders:
+        (folder / "sharded" / ".metadata").write_bytes(payload)
+        marker = json.loads((folder / "COMPLETE").read_text())
+        marker["files"]["sharded/.metadata"] = len(payload)
+        sums = {**marker["sums"], "sharded/.metadata": checksums.hex_sum(checksums.digest(payload))}
+        (folder / "COMPLETE").write_text(json.dumps(checksums.seal(marker, sums)))
+    res = run(openmpi(), 2, "sharded_ckpt.py", "gloo", str(root), "6", "5", "resume", tmp_path=tmp_path, timeout=240,
+              env=env)
+    errors = {d.get("error") for d in res.ranks}
+    assert len(errors) == 1 and why in str(next(iter(errors))), res.ranks
+    assert next(iter(errors)).startswith("hpcsync.checkpoint: cannot load: rank 0: "), errors
+    assert not victim.exists(), "loading the checkpoint ran the planted command"

@@ -523,8 +523,9 @@ def _load_local(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int], chosen: 
             elif r[0] not in good:
                 error = f"the checkpoint's metadata names {r[0]}, which is not among its files"
             else:  # from the node whose copy was found whole
-                ranks = lay.ranks[good[r[0]]]
-                wants.setdefault(me if lay.node_of[me] == good[r[0]] else ranks[me % len(ranks)], []).append(r)
+                held = good[r[0]]  # (the one copy checked whole: its node's ranks serve, spread)
+                wants.setdefault(me if lay.node_of[me] == held else node_verify.server(me, [held], lay.ranks),
+                                 []).append(r)
         raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
         got, errors = peer_transfer.fetch(ctl, wants, path_of, lay.where)
         raise_if_any(ctl, errors[0] if errors else None, CheckpointError, "hpcsync.checkpoint: cannot load: ")
@@ -540,17 +541,16 @@ def _load_local(ckpts: Any, ctl: Any, lay: Layout, step: Optional[int], chosen: 
     try:
         pg = _sharded.process_group(ckpts._group, size)
         plain = _sharded.plain_state(template)
-        if metadata is None:
-            raise CheckpointError(f"{folder} holds no DCP metadata ({FOLDER}/.metadata)")
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: hpcsync.checkpoint: ")
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
+    parsed = dcp_reader.agreed_metadata(ctl, metadata, f"{folder}/{FOLDER}/.metadata")
     mine = f"rank-{me:05d}.pt"
     error, local, shared = None, None, None
     try:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(plain, storage_reader=dcp_reader.ranged_reader(metadata, fetch, FOLDER),
+        dcp.load(plain, storage_reader=dcp_reader.ranged_reader(parsed, fetch, FOLDER),
                  planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=_sharded.single_process())
         _sharded.put_back(template, plain)
         shared = loads(bytes(blob), ckpts.safe_globals) if blob is not None else None

@@ -30,10 +30,12 @@ plans at rank 0 (O(N·T) records through one rank), a gather of each rank's file
 checksums to rank 0 and a broadcast of the outcome. A load first reads each rank's own files
 whole and checks them (S/N + L; DCP's reads of them then come from memory), the ranks agreeing
 in one allgather of a word each (a few kB at 1,000 ranks); then each receives what it loads from
-other ranks' files (at the same size: the replicated values) plus DCP's metadata, which every
-rank reads whole and which lists every rank's chunk of every tensor (about 155 B × T × N: 159 MB
-per rank at 1,024 ranks and 1,000 tensors). Measured and modelled
-further in docs/performance.md.
+other ranks' files (at the same size: the replicated values) plus DCP's metadata, which lists
+every rank's chunk of every tensor (M about 155 B × T × N: 159 MB at 1,024 ranks and 1,000
+tensors): rank 0 reads and checks it whole and broadcasts it (the shared filesystem serves M
+once, not N times: 159 MB instead of 163 GB at 1,024 ranks), and every rank parses it with
+:func:`~hpcsync.resilience.dcp_reader.agreed_metadata` (C-speed, about 12 s at that size;
+refused on one rank, refused on all). Measured and modelled further in docs/performance.md.
 """
 from __future__ import annotations
 
@@ -438,11 +440,14 @@ def load_chosen(ckpts: Any, ctl: Any, chosen: Tuple[int, str, int, dict, Optiona
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}".removeprefix("CheckpointError: hpcsync.checkpoint: ")
     raise_if_any(ctl, error, CheckpointError, "hpcsync.checkpoint: cannot load: ")
+    where = os.path.normpath(os.path.join(folder, FOLDER, ".metadata"))
+    data = ctl.bcast(cache.get(where) if me == 0 else None, root=0)  # (checked whole by rank 0)
+    metadata = dcp_reader.agreed_metadata(ctl, data, f"{folder}/{FOLDER}/.metadata")
     error, local, shared = None, None, None
     try:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(plain, storage_reader=dcp_reader.reader(os.path.join(folder, FOLDER), cache),
+        dcp.load(plain, storage_reader=dcp_reader.reader(os.path.join(folder, FOLDER), cache, metadata),
                  planner=dcp_reader.planner(ckpts.safe_globals), process_group=pg, no_dist=single_process())
         put_back(template, plain)
         shared = loads(shared_blob, ckpts.safe_globals) if shared_blob is not None else None
