@@ -158,15 +158,15 @@ def test_the_report_names_the_earliest_raise_whoever_won_the_claim():
     from hpcsync.observe import digest
 
     def failed(t, err):
-        return {"failed": True, "time": t, "error": err, "where": "train.py:9", "traceback": f"Traceback\n{err}\n",
-                "step": 40}
+        return {"failed": True, "time": t, "error": err, "where": "train.py:9", "step": 40}
 
     states = {0: failed(100.2, "RuntimeError: a consequence"), 1: failed(100.2, "RuntimeError: a consequence"),
               2: failed(100.0, "ValueError: bad batch")}
-    rep = digest.build(0, states, 3)
+    rep = digest.build(0, states, 3, {2: "Traceback\nValueError: bad batch\n"})
     assert (rep["rank"], rep["reported_by"], rep["error"]) == (2, 0, "ValueError: bad batch"), rep
-    assert rep["others"] == [{"state": "failed", "ranks": [0, 1], "error": "RuntimeError: a consequence",
-                              "where": "train.py:9", "after_s": 0.2}], rep
+    assert rep["others"] == [{"state": "failed", "ranks": "0-1", "count": 2, "first": 0, "nodes": [], "hash": "",
+                              "error": "RuntimeError: a consequence", "messages": 1, "where": "train.py:9",
+                              "after_s": 0.2}], rep
     block = digest.format_block(rep, "rank 0's own traceback")
     assert "uncaught exception on rank 2 (?), the first to fail, at step 40" in block and "ValueError: bad batch" in block
     assert "rank 0's own traceback" not in block
