@@ -12,7 +12,7 @@ def test_the_plan_asks_own_node_directly_and_other_nodes_through_few_relays(monk
     """8 nodes of 4 ranks, 3 relays a rank: rank 0 asks ranks 1-3 itself and 3 relays for the other
     7 nodes in consecutive shares of whole nodes; a suspect node's ranks are asked one by one; the
     bound grows by one hop per factor of FANOUT in the number of nodes."""
-    monkeypatch.setattr(relay, "FANOUT", 3)
+    monkeypatch.setattr(deadlines, "FANOUT", 3)
     nodes = NodeMap([r // 4 for r in range(32)], [f"n{k}" for k in range(8)])
     plan = relay.shares(range(32), 0, nodes)
     assert plan[:3] == [(1, [1]), (2, [2]), (3, [3])]
@@ -23,7 +23,7 @@ def test_the_plan_asks_own_node_directly_and_other_nodes_through_few_relays(monk
     plan = relay.shares(range(32), 0, nodes, suspects={2})  # node 2's relay was silent
     assert [(r, s) for r, s in plan if len(s) == 1][3:] == [(8, [8]), (9, [9]), (10, [10]), (11, [11])]
     assert sorted(r for _, share in plan for r in share) == list(range(1, 32))
-    monkeypatch.setattr(relay, "FANOUT", 16)
+    monkeypatch.setattr(deadlines, "FANOUT", 16)
     assert [relay.hops(n) for n in (1, 2, 16, 17, 256, 1024)] == [1, 2, 2, 3, 3, 4]
     hop = deadlines.Deadlines.for_job(1024, 1024, 1).hop_s
     assert abs(relay.budget(1024) - deadlines.ROUNDS * hop * 5) < 1e-9

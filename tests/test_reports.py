@@ -169,11 +169,11 @@ def test_the_min_reduction_along_the_relays_picks_the_rule_s_printer():
     from hpcsync.core import deadlines
     from hpcsync.observe import digest, relay
 
-    real = relay.FANOUT
+    real = deadlines.FANOUT
     try:
         for seed in range(3000):
             rng = random.Random(seed)
-            relay.FANOUT = rng.choice([2, 3])
+            deadlines.FANOUT = rng.choice([2, 3])
             n_nodes = rng.randint(1, 12)
             per = [rng.randint(1, 4) for _ in range(n_nodes)]
             node_of = [k for k, c in enumerate(per) for _ in range(c)]
@@ -197,10 +197,10 @@ def test_the_min_reduction_along_the_relays_picks_the_rule_s_printer():
                 picked = digest.pick(asker, got.answers, claimants[asker] == 0)
                 assert picked == want, (seed, asker, picked, want, sorted(frozen))
                 assert set(got.heard) == set(live) - {asker} and not got.unreached, (seed, asker)
-                assert widest[0] <= relay.FANOUT + max(per) + n, seed  # a flat last round asks a share at once
+                assert widest[0] <= deadlines.FANOUT + max(per) + n, seed  # a flat last round asks a share at once
                 assert max(received.values()) <= deadlines.SETTLE_ROUNDS, (seed, received)
     finally:
-        relay.FANOUT = real
+        deadlines.FANOUT = real
 
 
 def _raise(kind, rank):

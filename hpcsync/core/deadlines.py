@@ -36,9 +36,11 @@ LOGS_BASE_S = 30.0  #: rank 0's console waits at exit this long, and one answer'
 SIZES: Tuple[Tuple[int, int], ...] = ((2, 1), (1024, 128), (8192, 1024))
 
 
-def depth(nodes: int, fanout: int = FANOUT) -> int:
+def depth(nodes: int, fanout: Optional[int] = None) -> int:
     """Hops from an asker to the farthest rank of a job on ``nodes`` nodes: one level of relays
-    per factor of ``fanout`` in the number of nodes, plus a node's own ranks."""
+    per factor of ``fanout`` (default :data:`FANOUT`) in the number of nodes, plus a node's own
+    ranks."""
+    fanout = FANOUT if fanout is None else fanout
     return 1 + (math.ceil(math.log(nodes, fanout) - 1e-9) if nodes > 1 else 0)
 
 
@@ -70,7 +72,7 @@ class Deadlines:
         ranks, nodes = max(1, ranks), max(1, nodes)
         per = per_node if per_node is not None else -(-ranks // nodes)
         hops = depth(nodes)
-        hop = HOP_BASE_S + (FANOUT + per) / rate
+        hop = HOP_BASE_S + (FANOUT + per) / rate  # (FANOUT read now: a test may set it)
         mates = HOP_BASE_S + per / rate
         round_s = hop * (hops + 1)
         settle, gather, tracebacks = SETTLE_ROUNDS * round_s, ROUNDS * round_s, 2 * hop

@@ -1,10 +1,10 @@
 """Asking every rank of a large job without funnelling the answers through one rank.
 
 The asking rank sends one question to each other rank of its own node and one to each of at
-most :data:`FANOUT` relays; a relay is the lowest rank of a share of the other nodes, answers for
-itself and asks its share the same way (its own node's ranks directly, the rest of its share
-through at most :data:`FANOUT` relays of its own). No rank sends more than ``FANOUT + ranks per
-node`` questions; the farthest rank is :func:`hops` away (``1 + ceil(log_FANOUT(nodes))``: 4 at
+most ``FANOUT`` relays (:data:`hpcsync.core.deadlines.FANOUT`, 16); a relay is the lowest rank
+of a share of the other nodes, answers for itself and asks its share the same way (its own
+node's ranks directly, the rest of its share through at most ``FANOUT`` relays of its own). No
+rank sends more than ``FANOUT + ranks per node`` questions; the farthest rank is :func:`hops` away (``1 + ceil(log_16(nodes))``: 4 at
 8,192 ranks on 1,024 nodes). Each hop gets the job's
 :attr:`~hpcsync.core.deadlines.Deadlines.hop_s`, so the bound grows with the logarithm of the
 job, not with its size (:func:`budget`; every bound: :mod:`hpcsync.core.deadlines`).
@@ -32,18 +32,17 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Se
 from ..core import deadlines, mpi, nodemap
 from . import responder
 
-__all__ = ["FANOUT", "KEYS", "hops", "round_budget", "budget", "job_budget", "shares", "Gathered", "Tree", "walk",
+__all__ = ["KEYS", "hops", "round_budget", "budget", "job_budget", "shares", "Gathered", "Tree", "walk",
            "serve", "ask_all"]
 
-FANOUT = deadlines.FANOUT  #: relays a rank asks (besides its own node's ranks)
 #: reductions by name -> function(rank, answer) -> its key (None: not a candidate); least key wins
 KEYS: Dict[str, Callable[[int, Any], Any]] = {}
 
 
 def hops(nodes: int) -> int:
     """Hops from the asker to the farthest rank of a job on ``nodes`` nodes: one level of relays
-    per factor of :data:`FANOUT` in the number of nodes, plus a node's own ranks."""
-    return deadlines.depth(nodes, FANOUT)
+    per factor of ``FANOUT`` in the number of nodes, plus a node's own ranks."""
+    return deadlines.depth(nodes)
 
 
 def _job(nodes: int) -> deadlines.Deadlines:
@@ -69,7 +68,7 @@ def shares(ranks: Sequence[int], me: int, nodes: Optional[nodemap.NodeMap],
            suspects: Optional[Set[int]] = None) -> List[Tuple[int, List[int]]]:
     """Who ``me`` asks for ``ranks``: ``[(rank asked, ranks it answers for)]`` -- the ranks on
     ``me``'s node and on ``suspects`` (node indexes whose relay was silent) one by one, the other
-    nodes in at most :data:`FANOUT` shares of whole consecutive nodes, each asked through its
+    nodes in at most ``FANOUT`` shares of whole consecutive nodes, each asked through its
     lowest rank."""
     if nodes is None:
         return [(r, [r]) for r in sorted(set(ranks) - {me})]
@@ -80,7 +79,7 @@ def shares(ranks: Sequence[int], me: int, nodes: Optional[nodemap.NodeMap],
     direct = {where(me), -1, *(suspects or ())}
     out = [(r, [r]) for k in sorted(by_node) if k in direct for r in by_node[k]]
     others = [by_node[k] for k in sorted(by_node) if k not in direct]
-    count = min(FANOUT, len(others))
+    count = min(deadlines.FANOUT, len(others))
     for i in range(count):
         part = others[i * len(others) // count:(i + 1) * len(others) // count]
         share = [r for node in part for r in node]
