@@ -354,6 +354,7 @@ def report_model(rate: float, sizes=(32, 128, 512, 1024, 8192), per_node: int = 
     Gathering: along the relays (``hpcsync.observe.relay``), a round of :func:`relay.round_budget`
     seconds; every gatherer's question reaches every rank once, so a responder faced with G
     gatherers answers ``rate x round`` of them and a printer hears min(1, rate x round / G)."""
+    from hpcsync.core import deadlines
     from hpcsync.observe import relay
 
     out = []
@@ -367,9 +368,9 @@ def report_model(rate: float, sizes=(32, 128, 512, 1024, 8192), per_node: int = 
         out.append({"ranks": n, "nodes": nodes, "questions_to_rank0": to_rank0, "gather": gather,
                     "defer": n - gather, "heard": heard, "called_silent": round((1 - heard) * (n - 2)),
                     "hops": relay.hops(nodes), "round_s": window, "bound_s": relay.budget(nodes),
-                    "most_sent_by_one_rank": relay.FANOUT + per_node - 1,
+                    "most_sent_by_one_rank": deadlines.FANOUT + per_node - 1,
                     "questions": int(n * (per_node - 1) / 2) + 3 * per_node * nodes + gather * (n - 1),
-                    "printer_bytes": 400 * n, "first_relay_bytes": 400 * n // min(relay.FANOUT, max(1, nodes - 1))})
+                    "printer_bytes": 400 * n, "first_relay_bytes": 400 * n // min(deadlines.FANOUT, max(1, nodes - 1))})
     return out
 
 

@@ -2,6 +2,7 @@
 and every rank's warnings once on the console), one report for the first failure, and a stalled
 gloo collective reported like the hpcsync backend's (which ranks never entered it, their nodes
 and lines)."""
+import json
 import logging
 import os
 import re
@@ -78,9 +79,12 @@ def test_logging_is_left_alone_when_not_asked(tmp_path):
 
 def test_the_first_failure_is_one_block_naming_its_rank(tmp_path):
     """16 ranks; rank 7 raises at step 40, every other rank 0.2 s later: one block, first, names
-    rank 7, its node and step, with its traceback once; the 15 others are one line."""
+    rank 7, its node and step, with its traceback once; the 15 others are one line. Who prints
+    is settled by the min-reduction along the relays; the JSON report carries one whole traceback
+    per distinct error (two), not one per rank, and names the ranks in ranges."""
+    reports = tmp_path / "reports"
     res = run(openmpi(), 16, "many_ranks.py", "raise", "gloo", "7", "others", tmp_path=tmp_path, expect_ok=False,
-              timeout=240)
+              env={"HPCSYNC_REPORT_DIR": str(reports)}, timeout=240)
     err = res.stderr
     assert res.returncode != 0
     head = f"[hpcsync] ===== uncaught exception on rank 7 ({HOST}), the first to fail, at step 40 ====="
@@ -93,6 +97,13 @@ def test_the_first_failure_is_one_block_naming_its_rank(tmp_path):
                              r"\(.*many_ranks.py:\d+\)", err)
     assert len(consequence) == 1 and err.count("a consequence elsewhere") == 1, err[-4000:]
     assert err.count("calling MPI_Abort") == 1, err[-4000:]
+    files = list(reports.glob("hpcsync-first-failure-*.json"))
+    assert len(files) == 1, files
+    rep = json.loads(files[0].read_text())
+    texts = sorted(t["text"].strip().splitlines()[-1] for t in rep["tracebacks"].values())
+    assert texts == ["RuntimeError: a consequence elsewhere", "ValueError: bad batch on rank 7"], rep["tracebacks"]
+    assert [(g["ranks"], g["count"]) for g in rep["others"]] == [("0-6, 8-15", 15)], rep["others"]
+    assert files[0].stat().st_size < 8000, files[0].stat().st_size
 
 
 def test_the_programs_own_timed_out_error_is_its_own_report_after_the_warnings(tmp_path):
@@ -158,15 +169,15 @@ def test_the_report_names_the_earliest_raise_whoever_won_the_claim():
     from hpcsync.observe import digest
 
     def failed(t, err):
-        return {"failed": True, "time": t, "error": err, "where": "train.py:9", "traceback": f"Traceback\n{err}\n",
-                "step": 40}
+        return {"failed": True, "time": t, "error": err, "where": "train.py:9", "step": 40}
 
     states = {0: failed(100.2, "RuntimeError: a consequence"), 1: failed(100.2, "RuntimeError: a consequence"),
               2: failed(100.0, "ValueError: bad batch")}
-    rep = digest.build(0, states, 3)
+    rep = digest.build(0, states, 3, {2: "Traceback\nValueError: bad batch\n"})
     assert (rep["rank"], rep["reported_by"], rep["error"]) == (2, 0, "ValueError: bad batch"), rep
-    assert rep["others"] == [{"state": "failed", "ranks": [0, 1], "error": "RuntimeError: a consequence",
-                              "where": "train.py:9", "after_s": 0.2}], rep
+    assert rep["others"] == [{"state": "failed", "ranks": "0-1", "count": 2, "first": 0, "nodes": [], "hash": "",
+                              "error": "RuntimeError: a consequence", "messages": 1, "where": "train.py:9",
+                              "after_s": 0.2}], rep
     block = digest.format_block(rep, "rank 0's own traceback")
     assert "uncaught exception on rank 2 (?), the first to fail, at step 40" in block and "ValueError: bad batch" in block
     assert "rank 0's own traceback" not in block

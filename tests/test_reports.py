@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from hpcsync.core import nodemap
+from hpcsync.core.nodemap import NodeMap
 
 from hpcsync.observe import watchdog
 from launch import ROOT
@@ -106,3 +107,212 @@ def test_the_resumed_note_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch)
     monkeypatch.setattr(failure.json, "dump", real_dump)
     assert json.loads((tmp_path / failure.RESUMED).read_text())["step"] == 10
     assert os.listdir(tmp_path) == [failure.RESUMED]
+
+
+def test_the_deadlines_table_in_the_docs_is_the_code_s():
+    """docs/timeouts.md states every deadline of the reports, its formula and its value at 2,
+    1,024 and 8,192 ranks: the table is the one hpcsync.core.deadlines computes, line for line;
+    and the bounds grow with the job (a fixed 1 s or 30 s would not)."""
+    from hpcsync.core import deadlines
+
+    doc = (ROOT / "docs" / "timeouts.md").read_text().splitlines()
+    table = deadlines.rows()
+    start = doc.index(table[0]) if table[0] in doc else None
+    assert start is not None, "docs/timeouts.md has no table of the deadlines"
+    assert doc[start:start + len(table)] == table, "\n".join(table)
+    small, big = (deadlines.Deadlines.for_job(r, n) for r, n in (deadlines.SIZES[0], deadlines.SIZES[-1]))
+    for name in ("hop_s", "round_s", "settle_s", "gather_s", "report_s", "report_bound_s", "logs_close_s"):
+        assert getattr(big, name) > getattr(small, name), name
+    assert big.report_bound_s >= big.report_s and big.wait_s < big.report_bound_s
+
+
+def _simulated(nodes, claimants, frozen, hop_s=1.0):
+    """A pure-Python job of ``nodes`` (a NodeMap): every rank's answer to ("claimant",) by
+    ``claimants`` ({rank: 0 gathering, 1 claiming}), ``frozen`` ranks answer nobody; a relay
+    serves through the same code as over MPI (relay.serve). Returns a tree's sender and the
+    questions each rank received and the widest send."""
+    from hpcsync.observe import relay
+
+    received, widest = {}, [0]
+
+    def sender(me):
+        def send(questions, wait_s):
+            widest[0] = max(widest[0], len(questions))
+            out = {}
+            for r, q in questions.items():
+                received[r] = received.get(r, 0) + 1
+                if r in frozen:
+                    continue
+                if q[0] == "relay":
+                    _, inner, share, left, suspects, keep = q
+                    out[r] = relay.serve(relay.Tree(r, nodes, hop_s, sender(r)), inner, share, left, suspects, keep,
+                                         lambda r=r: claimants.get(r))
+                else:
+                    out[r] = claimants.get(r)
+            return out
+        return send
+    return sender, received, widest
+
+
+def test_the_min_reduction_along_the_relays_picks_the_rule_s_printer():
+    """Who prints a failure report, settled by a min-reduction along the relay tree: 3,000 seeded
+    jobs of 2-40 ranks on 1-12 nodes (FANOUT 2 or 3: trees 2-5 hops deep), random claimants (some
+    already gathering), up to two frozen ranks (relays among them), every claimant settling at
+    once. Each must pick the rule's printer (the least claim among the ranks that answer: one
+    gathering before one claiming, then the lowest rank), so exactly one rank gathers; every live
+    rank is heard; no rank asks more than FANOUT + its node's ranks at once, and each rank is
+    asked at most once per settling claimant and round. At 1,000 ranks on 125 nodes of 8 with
+    every node's first rank claiming: 125 questions to each rank, of a few dozen bytes, 3 hops,
+    no answer larger than one claim and the ranks heard as ranges."""
+    import random
+
+    from hpcsync.core import deadlines
+    from hpcsync.observe import digest, relay
+
+    real = deadlines.FANOUT
+    try:
+        for seed in range(3000):
+            rng = random.Random(seed)
+            deadlines.FANOUT = rng.choice([2, 3])
+            n_nodes = rng.randint(1, 12)
+            per = [rng.randint(1, 4) for _ in range(n_nodes)]
+            node_of = [k for k, c in enumerate(per) for _ in range(c)]
+            n = len(node_of)
+            if n < 2:
+                continue
+            nodes = NodeMap(node_of, [f"n{k}" for k in range(n_nodes)])
+            frozen = set(rng.sample(range(n), min(rng.choice([0, 0, 1, 2]), n - 1)))
+            live = [r for r in range(n) if r not in frozen]
+            claimants = {r: 1 for r in rng.sample(live, rng.randint(1, len(live)))}
+            if rng.random() < 0.2:
+                claimants[rng.choice(sorted(claimants))] = 0
+            want = min((k, r) for r, k in claimants.items())[1]
+            hops = relay.hops(n_nodes)
+            each = 1.0 * (hops + 1)
+            for asker in sorted(claimants):
+                sender, received, widest = _simulated(nodes, {r: k for r, k in claimants.items()}, frozen)
+                got = relay.walk(relay.Tree(asker, nodes, 1.0, sender(asker)), range(n), ("claimant",),
+                                 deadlines.SETTLE_ROUNDS * each, each, deadlines.SETTLE_ROUNDS, keep="claim")
+                assert len(got.answers) <= 1, (seed, got.answers)
+                picked = digest.pick(asker, got.answers, claimants[asker] == 0)
+                assert picked == want, (seed, asker, picked, want, sorted(frozen))
+                assert set(got.heard) == set(live) - {asker} and not got.unreached, (seed, asker)
+                assert widest[0] <= deadlines.FANOUT + max(per) + n, seed  # a flat last round asks a share at once
+                assert max(received.values()) <= deadlines.SETTLE_ROUNDS, (seed, received)
+    finally:
+        deadlines.FANOUT = real
+
+
+def _raise(kind, rank):
+    """A real traceback of one of three distinct errors (the message names the rank)."""
+    def load(i):
+        raise FileNotFoundError(f"shard {i} of rank {rank} is missing")
+
+    def step(i):
+        if kind == 1:
+            raise ValueError(f"bad batch on rank {rank}")
+        if kind == 2:
+            raise RuntimeError(f"loss is NaN on rank {rank} at step {i}")
+        load(i)
+
+    try:
+        step(40)
+    except Exception:
+        return sys.exc_info()
+
+
+def test_a_report_of_generated_failures_names_every_rank_once_with_one_traceback_per_error(monkeypatch):
+    """300 seeded jobs of 4-8 ranks on 1-4 nodes: random ranks raise one of three distinct errors
+    (real tracebacks, the message naming the rank), the others are still running, some silent.
+    The report names every rank in ranges (each once, with its node), carries exactly one whole
+    traceback per distinct error (its hash), the head's its own, and stays small: the states
+    carry no traceback (under 700 bytes a rank) and the report stays under 2 KB plus its
+    tracebacks. At 1,000 ranks: 1,000 states of ~300 bytes (300 KB gathered, not 5-20 MB of
+    tracebacks), and a report of a few groups and at most 13 tracebacks."""
+    import json
+    import random
+    import traceback
+
+    from hpcsync.observe import digest, failure
+
+    for seed in range(300):
+        rng = random.Random(seed)
+        n = rng.randint(4, 8)
+        n_nodes = rng.randint(1, 4)
+        monkeypatch.setattr(nodemap, "_current", NodeMap([r * n_nodes // n for r in range(n)],
+                                                          [f"n{k}" for k in range(n_nodes)]))
+        failed = rng.sample(range(n), rng.randint(1, n))
+        silent = set(rng.sample([r for r in range(n) if r not in failed], rng.randint(0, 1))) \
+            if len(failed) < n else set()
+        states, texts, me = {}, {}, min(failed)
+        for r in range(n):
+            if r in silent:
+                continue
+            if r in failed:
+                kind = rng.randint(0, 2)
+                et, ev, tb = _raise(kind, r)
+                text = "".join(traceback.format_exception(et, ev, tb))
+                monkeypatch.setattr(failure, "_raised", {})
+                failure.note_raised(f"{et.__name__}: {ev}", digest._where(tb), digest._frames(tb), text,
+                                    digest=digest.traceback_hash(et, tb))
+                state = {"rank": r, "failed": True, "step": 40, **failure.raised_state(), "time": 100.0 + rng.random()}
+                texts[r] = text
+            else:
+                state = {"rank": r, "failed": False, "step": 40, "frames": ['  File "train.py", line 9, in <module>\n'
+                                                                            '    step()']}
+            assert "traceback" not in state and len(json.dumps(state)) < 700, state
+            states[r] = state
+        by_hash = {}
+        for r in sorted(states, key=lambda r: (states[r].get("time", 0), r)):
+            if states[r]["failed"]:
+                by_hash.setdefault(states[r]["hash"], r)
+        full = {r: texts[r] for r in by_hash.values()}
+        rep = digest.build(me, states, n, full)
+        distinct = {states[r]["hash"] for r in failed}
+        assert sorted(rep["tracebacks"]) == sorted(distinct) and len(distinct) <= 3, seed
+        assert rep["tracebacks"][rep["hash"]]["text"] == texts[rep["rank"]], seed
+        named = [rep["rank"]] + [r for g in rep["others"] for r in _unranges(g["ranks"])] + rep["silent"]
+        assert sorted(named) == list(range(n)), (seed, named)
+        assert rep["silent"] == sorted(silent) and not rep["frozen"], seed
+        size = len(json.dumps(rep)) - sum(len(json.dumps(t["text"])) for t in rep["tracebacks"].values())
+        assert size < 2000, (seed, size)
+        block = digest.format_block(rep, "", 6.0)
+        assert block.count("Traceback (most recent call last)") == 1, block
+        for g in rep["others"]:
+            assert g["ranks"] in block and all(node in block for node in g["nodes"]), block
+
+
+def _unranges(text):
+    out = []
+    for part in text.split(", "):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def test_the_rank_the_others_waited_for_heads_the_report(monkeypatch):
+    """gloo, 32 ranks on 8 nodes, rank 21 on node 5 frozen: every other rank's send or receive
+    timed out inside gloo (a peer's timeout). The report is headed by rank 21 and its node, "the
+    other ranks failed waiting on it", not by rank 0 as the first to fail; with one rank's own
+    error among them, that rank heads it (its error came first in cause, if not in time)."""
+    from hpcsync.observe import digest
+
+    monkeypatch.setattr(nodemap, "_current", NodeMap([r // 4 for r in range(32)], [f"n{k}" for k in range(8)]))
+
+    def timed_out(r, peer=True, error="RuntimeError: [../gloo/transport/tcp/pair.cc:598] Timed out"):
+        return {"rank": r, "failed": True, "time": 100.0 + r / 100, "error": error, "where": "train.py:9",
+                "hash": "gloo" if peer else "own", "peer": peer, "step": 40}
+
+    states = {r: timed_out(r) for r in range(32) if r != 21}
+    rep = digest.build(0, states, 32)
+    assert (rep["rank"], rep["node"], rep["frozen"]) == (21, "n5", True), rep
+    block = digest.format_block(rep, "rank 0's own traceback", 9.0)
+    head = block.splitlines()[0]
+    assert head.startswith("[hpcsync] ===== rank 21 (n5) gave no answer within 9 s: the other ranks failed "
+                           "waiting on it"), block
+    assert "the first to fail" not in block and "rank 0's own traceback" not in block, block
+    assert "ranks 0-20, 22-31 on n0, n1, n2, n3, n4, n5, n6, n7: raised too" in block, block
+    assert "rank 21 on n5: no answer" not in block, block  # named once, at the top
+    states[9] = timed_out(9, peer=False, error="ValueError: bad batch on rank 9")
+    rep = digest.build(0, states, 32)
+    assert (rep["rank"], rep["frozen"]) == (9, False) and rep["silent"] == [21], rep

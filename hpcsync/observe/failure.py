@@ -52,7 +52,7 @@ from .record import Cause, FailureRecord, RecordError, Reporter
 
 __all__ = [
     "PREFIX", "RESUMED", "STARTED", "use_log_folder", "report_dir", "unkept", "note_step", "note_count", "noted_step", "step_words",
-    "current_step", "note_raised", "raised", "job_id",
+    "current_step", "note_raised", "raised", "raised_state", "job_id",
     "nodes_of", "build", "save", "write", "write_whole", "write_json", "peer_gone", "hardware_fault",
     "exception_record", "hang_record", "silent_record", "p2p_record", "note_exception", "note_hang", "private_folder",
     "note_silent", "note_unreported", "note_p2p_hang", "note_started", "note_resume", "read_json", "read"
@@ -143,16 +143,32 @@ def step_words() -> str:
 _raised: Dict[str, Any] = {}  # this rank's uncaught exception, once it raised
 
 
-def note_raised(error: str, where: str, frames: List[str], text: str, plain: Optional[str] = None) -> None:
+def note_raised(error: str, where: str, frames: List[str], text: str, plain: Optional[str] = None,
+                peer: bool = False, digest: str = "") -> None:
     """This rank raised (the abort hook): its error line, the program's line and innermost frames,
     and the whole traceback; ``plain``: the words of a plain user error (a
-    :class:`~hpcsync.core.errors.SetupError`), which the report shows instead of the traceback."""
-    _raised.update(time=time.time(), error=error, where=where, frames=frames, traceback=text, plain=plain)
+    :class:`~hpcsync.core.errors.SetupError`), which the report shows instead of the traceback;
+    ``peer``: it failed waiting on a peer (:func:`peer_gone`); ``digest``: a hash of the
+    traceback (the same error at the same place, whatever the message's numbers)."""
+    _raised.update(time=time.time(), error=error, where=where, frames=frames, traceback=text, plain=plain,
+                   peer=peer, hash=digest)
 
 
 def raised() -> Dict[str, Any]:
     """This rank's uncaught exception as :func:`note_raised` recorded it; empty when none."""
     return dict(_raised)
+
+
+def raised_state() -> Dict[str, Any]:
+    """:func:`raised` as a failure report gathers it from every rank: without the traceback (its
+    hash stands for it; the printer asks one rank per distinct error for the text), its lines
+    cut: a few hundred bytes a rank."""
+    mine = raised()
+    mine.pop("traceback", None)
+    for key, most in (("error", 500), ("plain", 2000), ("where", 500)):
+        if isinstance(mine.get(key), str):
+            mine[key] = mine[key][:most]
+    return mine
 
 
 def job_id() -> str:

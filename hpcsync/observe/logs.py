@@ -34,11 +34,11 @@ import threading
 import time
 from typing import Any, Dict, Iterable, List, Optional, TextIO, Tuple
 
-from ..core import mpi, jobend, nodemap, settings
+from ..core import deadlines, mpi, jobend, nodemap, settings
 from . import failure
 
 __all__ = [
-    "FORMAT", "WINDOW_S", "HOLD_S", "POLL_S", "CLOSE_WAIT_S", "BYE", "CLOSED", "setup_logging", "console_warnings",
+    "FORMAT", "WINDOW_S", "HOLD_S", "POLL_S", "BYE", "CLOSED", "setup_logging", "console_warnings",
     "reaches_handler", "to_file", "flush_console"
 ]
 
@@ -46,7 +46,6 @@ FORMAT = "%(asctime)s r%(rank)d/%(world)d %(node)s %(levelname)s %(name)s: %(mes
 WINDOW_S = 1.0  # alike warnings from several ranks, each within this of the last, are printed once
 HOLD_S = 5.0  # ... but none is held longer than this after its first rank's
 POLL_S = 0.1
-CLOSE_WAIT_S = 30.0  # how long rank 0's console waits at exit for the other ranks' last warnings
 BYE, CLOSED = "bye", "closed"  # a rank's last message to rank 0; rank 0's answer to those it left
 
 _state: Dict[str, Any] = {}
@@ -195,13 +194,16 @@ class _Collector:
                 if mpi.MPI().Is_finalized():
                     return
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+    def close(self, wait_s: Optional[float] = None) -> None:
         """At exit: print until every other rank has sent :data:`BYE` (after its last warning), for
-        ``wait_s`` at most, as MPI_Finalize would wait for them; the ranks still logging then are
-        told (:data:`CLOSED`) and print their later warnings on their own stderr, marked. At N
-        ranks: one small message from each rank to rank 0, the way its warnings already travel;
-        the wait is the same 30 s bound at any size (the ranks reach their exit steps together, as
-        MPI_Finalize has them do anyway)."""
+        ``wait_s`` at most (default the job's
+        :attr:`~hpcsync.core.deadlines.Deadlines.logs_close_s`: 30 s and one answer's time per
+        rank, 36.8 s at 8,192 ranks), as MPI_Finalize would wait for them; the ranks still logging
+        then are told (:data:`CLOSED`) and print their later warnings on their own stderr, marked.
+        At N ranks: one small message from each rank to rank 0, the way its warnings already
+        travel (1,000 ranks: 1,000 byes of a few bytes, 30.8 s at most)."""
+        if wait_s is None:
+            wait_s = deadlines.current().logs_close_s
         self.stop.set()
         self.thread.join(timeout=2)
         try:

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from ..core import mpi, jobend, nodemap
+from ..core import deadlines, mpi, jobend, nodemap
 from . import failure, flight, relay
 from .responder import ANSWERS, ask, ask_each, notify_done, responder, wait_done
 
@@ -180,11 +180,9 @@ SKEW_S = 2.0  # a rank defers to one inside the same operation for at most this 
 
 def report_bound() -> float:
     """Seconds from a rank's timeout to the end of the hang report it is part of: settling who
-    prints (this node's ranks, then the first three nodes' ranks, 1 s each, along a chain whose
-    every link entered at most :data:`SKEW_S` later), the gathering
-    (:func:`hpcsync.observe.relay.job_budget`), the stacks (2 s) and printing; 30 s at least. It
-    grows with the job's nodes (log N)."""
-    return max(30.0, relay.job_budget() + 20.0)
+    prints, the gathering, the stacks and printing, 30 s at least, growing with the job's depth
+    of relays (log N): :attr:`hpcsync.core.deadlines.Deadlines.report_bound_s`."""
+    return deadlines.current().report_bound_s
 
 
 _hang_reported = False  # report_timeout ran in this process
@@ -211,7 +209,7 @@ def claim(asker: int) -> int:
 
 def failure_state() -> Dict[str, Any]:
     """This rank's uncaught exception, or where its main thread is: what a failure report asks."""
-    mine = failure.raised()
+    mine = failure.raised_state()  # no traceback: a few hundred bytes a rank
     return {"rank": mpi.MPI().COMM_WORLD.Get_rank(), "failed": bool(mine), "step": failure.current_step(),
             "step_words": failure.step_words(), "frames": main_frames(keep=1), **mine}
 
@@ -400,7 +398,7 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     peers = responder()  # None: no responder threads
     printer = _printer_before(group, rec, me) if peers is not None else None
     if printer is not None:  # a rank inside the same operation gathers and prints (or one it defers to)
-        waited = report_bound() - 5.0  # before this process's own end (the backend's deadline thread)
+        waited = report_bound() - deadlines.PRINT_S  # the job's wait_s: before this process's own end
         if not wait_done(None, waited, about):
             failure.note_unreported(f"{rec.describe()} in group {group.name!r}", waited)
         return None
@@ -408,11 +406,11 @@ def report_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> Optional
     states, silent, unreached = collect(group, rec.seq)
     rep = build_report(group, rec, timeout_s, states, silent, unreached=unreached)
     printer = min([r for r, d in states.items() if d.get("gathering")] or [me])  # two gatherers: the lower prints
-    if printer != me and wait_done(printer, relay.job_budget() + 5, about):
+    if printer != me and wait_done(printer, deadlines.current().gather_s + deadlines.PRINT_S, about):
         return None  # (without its word in time, this rank prints its own)
     if peers is not None:  # full stacks from one rank of each group, for the JSON
         reps = [g["representative"] for g in rep["groups"][:MAX_GROUPS]]
-        full = ask([r for r in reps if r != me], ("snapshot",), 2.0)
+        full = ask([r for r in reps if r != me], ("snapshot",), deadlines.current().tracebacks_s)
         full[me] = snapshot()
         rep = build_report(group, rec, timeout_s, states, silent, full, unreached)
     text = format_report(rep)
@@ -441,7 +439,8 @@ def report_p2p_timeout(group: GroupLog, rec: OpRecord, timeout_s: float) -> str:
     its peer is doing (asked through the responders, bounded); printed, and written as JSON."""
     me = mpi.MPI().COMM_WORLD.Get_rank()
     peer = group.ranks[rec.root] if 0 <= rec.root < len(group.ranks) else None
-    answer = ask([peer], ("digest", group.name, group.seq), 2.0).get(peer) if peer is not None and responder() else None
+    wait_s = deadlines.current().tracebacks_s
+    answer = ask([peer], ("digest", group.name, group.seq), wait_s).get(peer) if peer is not None and responder() else None
     names = nodemap.describe
     toward = "to" if rec.op.startswith("send") else "from"
     lines = [f"[hpcsync] HANG REPORT: {rec.op} {toward} rank {names([peer]) if peer is not None else 'any'} "
@@ -480,9 +479,9 @@ def unkept_line(what: str) -> str:
 def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> Optional[int]:
     """The rank this one leaves the report to, always one before it in the group (no two ranks
     wait for each other): the lowest rank of this node before it that is inside operation
-    ``rec.seq`` too (asked at once, 1 s: it times out as well, and reports or leaves the report
+    ``rec.seq`` too (asked at once, the job's ``node_mates_s``: it times out as well, and reports or leaves the report
     to others in turn); when there is none, the lowest such rank on the group's first ``tries``
-    nodes (asked at once, 1 s). So one rank a node looks beyond its node, and rank 0's node
+    nodes (asked at once, as long). So one rank a node looks beyond its node, and rank 0's node
     answers about one question per node, not one per rank; a first rank that is late or lost
     hands its part to the next rank of its node, not to every rank. A rank that already reports a
     hang of this group (a later operation of it) counts as inside: ranks stuck one operation
@@ -490,6 +489,7 @@ def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> 
     entered the operation more than :data:`SKEW_S` after this one would time out too late to
     report within :func:`report_bound`: it is passed over."""
     nodes = nodemap.current()
+    job = deadlines.current()
     mine = time.time() - rec.started if rec.started else None
     order = {r: i for i, r in enumerate(group.ranks)}
     where = (lambda r: nodes.node_of[r] if 0 <= r < len(nodes.node_of) else -1 - r) if nodes is not None \
@@ -505,7 +505,7 @@ def _printer_before(group: GroupLog, rec: OpRecord, me: int, tries: int = 3) -> 
         return answer["state"] == "inside" and (mine is None or age is None or age >= mine - SKEW_S)
 
     def first_good(ranks: List[int]) -> Optional[int]:
-        answers = ask_each({r: ("digest", group.name, rec.seq) for r in ranks}, 1.0) if ranks else {}
+        answers = ask_each({r: ("digest", group.name, rec.seq) for r in ranks}, job.node_mates_s) if ranks else {}
         return next((r for r in ranks if good(answers.get(r))), None)
 
     here = first_good([r for r in before if where(r) == where(me)])

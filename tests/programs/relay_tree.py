@@ -10,12 +10,12 @@ import sys
 import time
 
 import hpcsync
-from hpcsync.core import mpi, nodemap
+from hpcsync.core import deadlines, mpi, nodemap
 from hpcsync.observe import relay, responder, watchdog
 from _report import report
 
 topo = hpcsync.topology()
-relay.FANOUT = int(sys.argv[1])
+deadlines.FANOUT = int(sys.argv[1])
 responder.start()
 world = mpi.MPI().COMM_WORLD
 widest = [0]
