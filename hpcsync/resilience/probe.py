@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
+import psutil
+
 from .schedulers import NodeState
 
-__all__ = ["PROBE_TIMEOUT_S", "PROBES_AT_ONCE", "RETRY_TIMEOUT_S", "RETRY_BUDGET_S", "Outcome", "unreachable"]
+__all__ = ["PROBE_TIMEOUT_S", "PROBES_AT_ONCE", "RETRY_TIMEOUT_S", "RETRY_BUDGET_S", "Outcome", "own_names", "unreachable"]
 
 PROBE_TIMEOUT_S = 30.0  #: one probe's bound: a launcher waiting on a node it cannot reach
 PROBES_AT_ONCE = 32  #: probes in flight together (each one a launcher process on this node)
@@ -59,6 +62,19 @@ def _ends_well(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]]
         except subprocess.TimeoutExpired:
             continue
     return Outcome.TIMED_OUT
+
+
+def own_names() -> List[str]:
+    """This node's names and addresses (for ``here``): a launcher that needs no network to start a
+    process here (mpirun) proves nothing by a probe that passed on any of them, however the host
+    list names this node."""
+    names = [socket.gethostname(), socket.getfqdn(), "localhost"]
+    try:
+        names += [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family in (socket.AF_INET, socket.AF_INET6)]
+    except (OSError, psutil.Error):
+        pass
+    return list(dict.fromkeys(names))
 
 
 def unreachable(nodes: Sequence[str], command: Callable[[str], List[str]], timeout: float = PROBE_TIMEOUT_S,

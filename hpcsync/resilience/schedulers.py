@@ -33,7 +33,7 @@ from ..core.environments import expand_hostlist, parse_tasks_per_node
 from . import requeue
 
 __all__ = ["COMMAND_TIMEOUT_S", "EXIT_NO_NODES", "NodeState", "Scheduler", "Slurm", "PBS", "HostList", "SCHEDULERS",
-           "detect", "slurm_node_states", "slurm_host_names"]
+           "detect", "slurm_node_states", "slurm_host_names", "pbs_node_states"]
 
 COMMAND_TIMEOUT_S = requeue.SCONTROL_TIMEOUT_S  #: one scheduler command's bound (scontrol, qstat, ...)
 EXIT_NO_NODES = 66  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
@@ -314,7 +314,7 @@ class Slurm(Scheduler):
 _PBS_DOWN = {"down", "offline", "unknown", "stale", "state-unknown"}
 
 
-def _pbs_states(text: str) -> Dict[str, NodeState]:
+def pbs_node_states(text: str) -> Dict[str, NodeState]:
     """``pbsnodes NODE...``'s blocks (a node's name, then indented ``state = free``) as states."""
     out: Dict[str, NodeState] = {}
     node: Optional[str] = None
@@ -376,7 +376,7 @@ class PBS(Scheduler):
 
     def node_states(self, nodes: Sequence[str]) -> Dict[str, NodeState]:
         ok, out = self._command("pbsnodes", *nodes) if nodes else (False, "")
-        said = _pbs_states(out) if ok else {}
+        said = pbs_node_states(out) if ok else {}
         return {n: said.get(n, NodeState.UNKNOWN) for n in nodes}
 
     def running(self) -> Optional[bool]:

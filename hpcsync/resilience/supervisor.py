@@ -52,7 +52,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -228,7 +227,7 @@ class Supervisor:
 
     def _unreachable(self, nodes: Sequence[str]) -> List[str]:
         say(f"no evidence names a node: probing each of the step's {len(nodes)} node(s) with {self.launcher.name}")
-        here = [] if self.launcher.through_controller else _own_names()
+        here = [] if self.launcher.through_controller else probe.own_names()
         return probe.unreachable(nodes, self.launcher.probe, here=here, stop=lambda: self._signalled,
                                  node_state=self.scheduler.node_states)
 
@@ -425,18 +424,6 @@ class Supervisor:
         outcome = self.scheduler.requeue_excluding(self.state.bad_nodes, lambda: self._signalled)
         say(outcome.message)
         return outcome.exit_code
-
-
-def _own_names() -> List[str]:
-    """This node's names and addresses: a launcher that needs no network to start a process here
-    (mpirun) proves nothing by a probe that passed on any of them."""
-    names = [socket.gethostname(), socket.getfqdn(), "localhost"]
-    try:
-        names += [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-                  if a.family in (socket.AF_INET, socket.AF_INET6)]
-    except (OSError, psutil.Error):
-        pass
-    return list(dict.fromkeys(names))
 
 
 def _end(child: subprocess.Popen) -> int:
