@@ -66,6 +66,10 @@ def test_scontrol_lines_give_each_nodes_state_and_names(seed):
         assert slurm.node_name(host) == name and slurm.node_name(addr) == name
     assert slurm.node_name("not-a-node") == "not-a-node"  # unknown: unchanged, never another node's
     assert slurm.down(names_of) == [n[0] for n in nodes if n[4]]
+    silent = []  # a controller that does not answer: asked once for the many names of a verdict, not once each
+    mute = schedulers.Slurm(slurm.env, run=lambda argv: silent.append(argv) or (False, "timed out"))
+    assert [mute.node_name(n[1]) for n in nodes] == [n[1] if n[1].split(".")[0] != n[0] else n[0] for n in nodes]
+    assert len(silent) == (0 if all(n[1].split(".")[0] == n[0] for n in nodes) else 1), silent
 
 
 def test_slurm_nodes_ranks_job_and_end_from_the_environment():

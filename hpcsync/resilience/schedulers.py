@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from enum import Enum
@@ -72,7 +73,7 @@ class Scheduler(ABC):
 
     def __init__(self, env: Optional[Mapping[str, str]] = None) -> None:
         self.env: Dict[str, str] = dict(os.environ if env is None else env)
-        self._host_cache: Dict[Tuple[str, ...], Dict[str, str]] = {}
+        self._host_cache: Dict[Tuple[str, ...], Tuple[float, Dict[str, str]]] = {}
 
     @staticmethod
     @abstractmethod
@@ -131,13 +132,14 @@ class Scheduler(ABC):
         return names.get(host) or names.get(_short(host)) or host
 
     def _names(self, known: Sequence[str]) -> Dict[str, str]:
-        key = tuple(known)
-        if key not in self._host_cache:
+        """:meth:`host_names` of ``known``, asked once (no answer: once a :data:`COMMAND_TIMEOUT_S`
+        at most, so that a verdict over many records waits on a slow controller once)."""
+        key, now = tuple(known), time.monotonic()
+        asked = self._host_cache.get(key)
+        if asked is None or (not asked[1] and now - asked[0] > COMMAND_TIMEOUT_S):
             names = self.host_names(known)
-            if not names:  # no answer: asked again next time
-                return {}
-            self._host_cache[key] = names
-        return self._host_cache[key]
+            asked = self._host_cache[key] = (time.monotonic(), names)
+        return asked[1]
 
 
 class HostList(Scheduler):
