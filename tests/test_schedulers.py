@@ -258,3 +258,26 @@ def test_a_probe_that_passed_on_this_nodes_own_address_proves_nothing():
                              here=names) == []
     assert probe.unreachable(["127.0.0.1", "far", "near"], lambda n: ["false"] if n == "far" else ["true"],
                              here=names) == ["far"]
+
+
+@pytest.mark.parametrize("job_state,rerun_rc,code", [("R", 0, 0), ("R", 1, 70), ("E", 0, 143)])
+def test_pbs_reruns_a_running_job_only(tmp_path, job_state, rerun_rc, code):
+    """``qstat -f`` says whether the job runs (``job_state = R``); a running one is rerun with
+    ``qrerun``, one being ended (``E``: exiting) is not."""
+    for name, body in (("qstat", f"echo 'Job Id: 5.pbs01'; echo '    job_state = {job_state}'"),
+                       ("qrerun", f"exit {rerun_rc}")):
+        exe = tmp_path / name
+        exe.write_text(f"#!/bin/sh\necho {name} \"$@\" >> {tmp_path}/calls\n{body}\n")
+        exe.chmod(0o755)
+    (tmp_path / "nf").write_text("a\na\nb\nb\n")
+    pbs = schedulers.PBS({"PBS_JOBID": "5.pbs01", "PBS_NODEFILE": str(tmp_path / "nf"),
+                          "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert pbs.running() is (job_state == "R")
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        outcome = pbs.requeue(["b"])
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert outcome.exit_code == code, outcome
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert ("qrerun 5.pbs01" in calls) == (job_state == "R"), calls

@@ -113,6 +113,15 @@ class Scheduler(ABC):
         """Requeue the job, its next start leaving ``nodes`` out; never a job being ended."""
         return requeue.Requeue(False, EXIT_NO_NODES, f"no spare node left and {self.name} cannot requeue the job")
 
+    def requeue(self, bad: Sequence[str], ending: Optional[str] = None) -> requeue.Requeue:
+        """What the program's preemption guard would do with the job's warning signal: requeue the
+        job (its next start leaving ``bad`` out where the scheduler can), never after an
+        ``ending`` signal (e.g. ``"SIGTERM"``)."""
+        if ending:
+            return requeue.Requeue(False, requeue.EXIT_ENDING_BASE + int(getattr(signal, ending, signal.SIGTERM)),
+                                   f"stopped on {ending}, which ends a job: not requeued", self.job_id())
+        return self.requeue_excluding(bad)
+
     def host_names(self, nodes: Sequence[str]) -> Dict[str, str]:
         """Other names of ``nodes`` (host name, address) -> the scheduler's name; none by default."""
         return {}
@@ -279,6 +288,13 @@ class Slurm(Scheduler):
     def running(self) -> Optional[bool]:
         ok, job, _ = self._job()
         return job.get("JobState") == "RUNNING" if ok and job.get("JobState") else None
+
+    def requeue(self, bad: Sequence[str], ending: Optional[str] = None) -> requeue.Requeue:
+        """As the program's guard does (:func:`hpcsync.resilience.requeue.requeue_job`:
+        ``HPCSYNC_MAX_RESTARTS``, never a job being ended, one Slurm already requeued); ``bad``
+        stays in the state folder, which the next start leaves out of the step."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends a requeued job's batch script with it
+        return requeue.requeue_job(ending=ending)
 
     def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> requeue.Requeue:
         """``scontrol requeue``, then ``nodes`` added to the job's ExcNodeList. A requeued job is

@@ -387,18 +387,14 @@ class Supervisor:
         return self.scheduler.node_name(node, self.all_hosts)
 
     def _warned(self, rc: int, cause: str) -> int:
-        """What the program's guard would have done with the warning: under Slurm, requeue the job
-        (:func:`hpcsync.resilience.requeue.requeue_job`: ``HPCSYNC_MAX_RESTARTS``, never a job being ended; it
-        resumes from the latest checkpoint); elsewhere (``--hosts``), end with ``rc``."""
+        """What the program's guard would have done with the warning: under a scheduler, requeue the
+        job (:meth:`~hpcsync.resilience.schedulers.Scheduler.requeue`; Slurm's:
+        ``HPCSYNC_MAX_RESTARTS``, never a job being ended; it resumes from the latest checkpoint);
+        elsewhere (``--hosts``), end with ``rc``."""
         if not self.scheduler.can_requeue:
             say(f"{cause}: not run by a scheduler, nothing to requeue; not relaunched. Exit code {rc}")
             return rc
-        if not isinstance(self.scheduler, Slurm):
-            outcome = self.scheduler.requeue_excluding(self.state.bad_nodes, lambda: self._signalled)
-            say(outcome.message)
-            return outcome.exit_code
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends a requeued job's batch script with it
-        outcome = requeue.requeue_job(ending="SIGTERM" if self._signalled else None)
+        outcome = self.scheduler.requeue(self.state.bad_nodes, "SIGTERM" if self._signalled else None)
         say(outcome.message)
         return outcome.exit_code
 
