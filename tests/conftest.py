@@ -57,7 +57,7 @@ QUICK = {
                    "test_supervisor.py::test_launcher_words_blame_the_node_whose_ranks_died",
                    "test_supervisor.py::test_judge_never_relaunches_the_programs_own_exception",
                    "test_supervisor.py::test_the_programs_own_exception_is_not_relaunched",
-                   "test_verdict.py", "test_launcher_parsers.py",
+                   "test_verdict.py", "test_launcher_parsers.py", "test_schedulers.py",
                    "test_verdict_simulator.py::test_verdicts_match_the_truth_quick",
                    "test_slurm.py::test_failing_job_ends_failed", "test_example.py::test_example_trains[None-1-auto]"],
     "the command line and the docs": ["test_docs.py", "test_packaging.py", "test_example.py::test_sync_file_example"],

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from hpcsync.resilience import launchers, supervisor, verdict
+from hpcsync.resilience import launchers, schedulers, supervisor, verdict
 from hpcsync.observe import failure, record
 from hpcsync.resilience import probe
 from launch import LONG, PY, PROGRAMS, ROOT, clean_env, openmpi
@@ -117,12 +117,12 @@ def test_a_warning_between_attempts_is_not_lost(tmp_path, monkeypatch):
     try:
         for job, code in (("7", 0), (None, 128 + signal.SIGUSR1)):
             sup = supervisor.Supervisor(Touch("touch", []), ["n0"], 1, 0, 3, str(tmp_path / f"state-{job}"),
-                                        ["prog"], slurm_job=job)
+                                        ["prog"], scheduler=schedulers.Slurm() if job else None)
             sup._forward(signal.SIGUSR1, None)  # no step running: kept, not dropped
             assert sup.run() == code and not marker.exists()
         assert (tmp_path / "calls").read_text().splitlines() == ["show job -o 7", "requeue 7"]
         sup = supervisor.Supervisor(Warned("sh", []), ["n0", "n1"], 1, 0, 3, str(tmp_path / "state-warned"),
-                                    ["prog"], slurm_job="7")
+                                    ["prog"], scheduler=schedulers.Slurm())
         assert sup.run() == 0 and sup.state.bad_nodes == ["n1"]  # requeued; n1 left out from the next start on
         assert (tmp_path / "calls").read_text().splitlines()[2:] == ["show job -o 7", "requeue 7"]
     finally:
@@ -203,24 +203,6 @@ def test_a_split_is_decided_by_the_larger_side_wherever_the_supervisor_runs():
     first = {**rec("n0", 0, ["n3"], list(range(6)), four[:3]), "silent_at": {"6": "n3", "7": "n3"}}
     assert verdict.judge(1, R(late, first), quiet, False, ranks=8).blamed == ["n3"]
     assert verdict.judge(1, R(late), quiet, False, ranks=8).blamed == ["n0", "n3"]  # (only its word)
-
-
-def test_slurm_node_state_names_the_nodes_it_calls_down(tmp_path, monkeypatch):
-    """``scontrol show node -o`` as Slurm prints it: DOWN, NOT_RESPONDING (``IDLE*`` is printed
-    as ``IDLE+NOT_RESPONDING`` with -o) and FAIL count, IDLE and ALLOCATED do not."""
-    fake = tmp_path / "scontrol"
-    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\n"
-                    "echo 'NodeName=n0 Arch=x86_64 State=ALLOCATED ThreadsPerCore=1'\n"
-                    "echo 'NodeName=n1 Arch=x86_64 State=IDLE+NOT_RESPONDING ThreadsPerCore=1'\n"
-                    "echo 'NodeName=n2 Arch=x86_64 State=DOWN+DRAIN ThreadsPerCore=1'\n"
-                    "echo 'NodeName=n3 Arch=x86_64 State=MIXED* ThreadsPerCore=1'\n"
-                    "echo 'NodeName=n4 Arch=x86_64 State=IDLE+REBOOT_REQUESTED ThreadsPerCore=1'\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    assert supervisor.slurm_down(["n0", "n1", "n2", "n3", "n4"]) == ["n1", "n2", "n3"]
-    assert (tmp_path / "args").read_text().split() == ["show", "node", "-o", "n0,n1,n2,n3,n4"]
-    fake.write_text("#!/bin/sh\nexit 1\n")
-    assert supervisor.slurm_down(["n1"]) == []
 
 
 def test_a_launcher_that_never_ends_after_its_step_failed_is_ended(tmp_path, monkeypatch):
@@ -313,10 +295,10 @@ def test_a_node_the_launcher_cannot_use_is_found_by_probing(tmp_path):
         return {"bad": ["sh", "-c", "exit 1"], "stuck": ["sh", "-c", "exec sleep 61"]}.get(node, ["true"])
 
     t0 = time.monotonic()
-    assert probe.unreachable(["ok", "bad", "stuck", "ok2"], command, timeout=1.0) == ["bad", "stuck"]
+    assert probe.unreachable(["ok", "bad", "stuck", "ok2"], command, timeout=1.0, retry_timeout=1.0) == ["bad", "stuck"]
     assert time.monotonic() - t0 < 10
     assert not [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:2] == ["sleep", "61"]]
-    assert probe.unreachable(["bad", "stuck"], command, timeout=0.5) == []  # nothing works: not the nodes
+    assert probe.unreachable(["bad", "stuck"], command, timeout=0.5, retry_timeout=0.5) == []  # nothing works: not the nodes
     # mpirun starts a process on its own node without the network: a supervisor on the node that was
     # cut off reaches only itself, and that blames nobody (srun goes through slurmctld: it counts)
     assert probe.unreachable(["ok", "bad"], command, here=["ok.cluster"]) == []
@@ -470,42 +452,13 @@ def test_a_job_that_keeps_landing_on_bad_nodes_is_not_requeued_for_ever(tmp_path
             raise AssertionError("no step may start without enough healthy nodes")
 
     sup = supervisor.Supervisor(Never("never", []), ["n0", "n1"], 1, 0, 2, str(tmp_path / "state"), ["prog"],
-                                slurm_job="7")
+                                scheduler=schedulers.Slurm({"SLURM_JOB_ID": "7", "PATH": os.environ["PATH"]}))
     try:
         assert sup.run() == supervisor.EXIT_RESTARTS_SPENT
     finally:
         for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
             signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
     assert not (tmp_path / "calls").exists(), "scontrol was called: the job was requeued again"
-
-
-@pytest.mark.parametrize("job_state,update_rc,code,calls", [
-    ("RUNNING", 0, 0, ["requeue", "update"]),
-    ("RUNNING", 1, 70, ["requeue", "update"]),  # requeued, never held: nothing to release
-    ("COMPLETING", 0, 143, []),  # scancel'ed meanwhile: not brought back
-])
-def test_requeue_without_the_bad_nodes(tmp_path, monkeypatch, job_state, update_rc, code, calls):
-    exe = tmp_path / "scontrol"
-    exe.write_text(f"""#!/bin/sh
-echo "$1" >> {tmp_path}/calls
-case "$1" in
-  show) echo "JobId=7 JobState={job_state} Restarts=0 ExcNodeList=n9" ;;
-  update) echo "$@" > {tmp_path}/update; exit {update_rc} ;;
-esac
-""")
-    exe.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    state = supervisor.State(str(tmp_path / "state"))
-    state.bad_nodes = ["n1"]
-    term = signal.getsignal(signal.SIGTERM)
-    try:
-        assert supervisor.requeue_excluding("7", state) == code
-    finally:
-        signal.signal(signal.SIGTERM, term)
-    done = (tmp_path / "calls").read_text().split()
-    assert done == ["show", *calls], done
-    if calls:
-        assert (tmp_path / "update").read_text().split() == ["update", "JobId=7", "ExcNodeList=n9,n1"]
 
 
 def test_hosts_from_a_list_and_a_hostfile():
@@ -745,18 +698,6 @@ def test_mpirun_relaunches_without_the_failed_node(cluster, failure, form, tmp_p
         restored = [ln for ln in text.splitlines() if "restored from the nodes' copies" in ln]
         assert restored and restored[-1].endswith("from peers, 0 B from the shared root"), text[-4000:]
         print(restored[-1])
-
-
-def test_ranks_per_node_come_from_the_allocation_whatever_asked_for_them():
-    """`#SBATCH -N 2 -n 8` sets no SLURM_NTASKS_PER_NODE, only SLURM_TASKS_PER_NODE=4(x2): 4 ranks a
-    node, not 1; uneven counts cannot be kept on a relaunch and are a clear error."""
-    from hpcsync.resilience.supervisor import slurm_tasks_per_node
-
-    assert slurm_tasks_per_node({"SLURM_TASKS_PER_NODE": "4(x2)"}) == 4
-    assert slurm_tasks_per_node({"SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x3)"}) == 2
-    assert slurm_tasks_per_node({}) == 1
-    with pytest.raises(SystemExit, match=r"3,2.*--ntasks-per-node"):
-        slurm_tasks_per_node({"SLURM_TASKS_PER_NODE": "3,2"})
 
 
 def test_a_programs_own_crash_is_not_relaunched_and_blames_no_node():

@@ -363,3 +363,75 @@ def test_a_real_desync_is_judged_the_programs_from_the_records_it_writes(tmp_pat
     v = verdict.judge(proc.returncode, records, launchers.LauncherWords(), False, ranks=3, nodes=[os.uname().nodename],
                       spares=0)
     assert (v.action, v.cause) == (Action.STOP_PROGRAM, "desync"), v
+
+
+def test_no_one_source_leaves_out_more_nodes_than_the_spares():
+    """Every verdict that names nodes is capped by the spares: GPU faults reported on three nodes
+    at once (a fabric's or a driver's failure as likely as three GPUs') and a warning signal's
+    requeue that the launcher blamed three nodes in leave out only the nodes a second sign (the
+    scheduler's state) confirms; one node is always believed."""
+    rng = random.Random(11)
+    for _ in range(6):
+        size = rng.randrange(4, 9)
+        faulty = sorted(rng.sample([f"n{k}" for k in range(size)], rng.randrange(1, size)))
+        spares = rng.randrange(0, 3)
+        down = sorted(rng.sample(faulty, rng.randrange(0, len(faulty) + 1)))
+        gpu = [failure.build(Cause.HARDWARE, [k], [n], "NVRM: Xid 79, GPU has fallen off the bus", Reporter(k, n),
+                             blame_nodes=[n]) for k, n in enumerate(faulty)]
+        quiet = launchers.LauncherWords()
+        state = lambda asked, down=down: [n for n in asked if n in down]  # noqa: E731
+        v = verdict.judge(1, gpu, quiet, False, state, ranks=size, nodes=[f"n{k}" for k in range(size)], spares=spares)
+        want = faulty if len(faulty) <= max(spares, 1) else down
+        assert (v.action, v.cause, v.blamed) == (Action.RELAUNCH, "hardware", want), (faulty, spares, down, v)
+        warned = launchers.LauncherWords()
+        for n in faulty:
+            warned.feed(f"srun: error: Node failure on {n}")
+        warned.feed("srun: error: n0: task 0: User defined signal 1")
+        v = verdict.judge(138, [], warned, False, state, ranks=size, nodes=[f"n{k}" for k in range(size)],
+                          spares=spares)
+        assert (v.action, v.blamed) == (Action.REQUEUE, want), (faulty, spares, down, v)
+
+
+def test_a_probe_failing_most_nodes_still_names_those_the_scheduler_calls_down():
+    """A probe that fails more than half of the step's nodes is no evidence by itself (the
+    supervisor's side may be the one cut off); the nodes among them the scheduler calls down are
+    (a rack's power lost: most nodes down, the scheduler says so)."""
+    nodes = layout(6, 1)
+    lost = launchers.LauncherWords()
+    lost.feed("ORTE was unable to reliably start one or more daemons.")
+    gone = ["n1", "n2", "n3", "n4"]
+    for said, want in (([], []), (["n2", "n3"], ["n2", "n3"])):
+        v = verdict.judge(1, [], lost, False, lambda asked, said=said: [n for n in asked if n in said], ranks=6,
+                          nodes=nodes.names, spares=4, probe=lambda asked: gone)
+        assert v.blamed == want, v
+
+
+def test_killed_twice_is_the_programs_only_when_the_same_rank_is_killed_again(tmp_path):
+    """The OOM killer's rule stops the run when a rank is killed while its node runs on twice in
+    a row: that is the same rank again. Ranks killed on different nodes (rank 3 on n1, then rank
+    1 on n0) are not the same kill coming back: the same nodes once more, then the third kill,
+    rank 1 on n0 again, stops it."""
+    import signal
+
+    from hpcsync.resilience import supervisor
+
+    kills = iter([(3, "n1"), (1, "n0"), (1, "n0")])
+
+    class Oom(launchers.Launcher):
+        def command(self, nodes, per_node, program):
+            rank, node = next(kills)
+            return ["sh", "-c", f"echo '{ompi_killed(rank, node)}' >&2; exit 137"]
+
+        def probe(self, node):  # every node answers
+            return ["true"]
+
+    try:
+        sup = supervisor.Supervisor(Oom("sh", []), ["n0", "n1", "n2"], 2, 1, 3, str(tmp_path / "s"), ["prog"])
+        code = sup.run()
+    finally:
+        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+    attempts = [(a.nodes, a.cause, a.killed) for a in sup.state.attempts]
+    assert code == 137 and sup.state.bad_nodes == [], (code, attempts)
+    assert attempts == [(["n0", "n1"], verdict.PROCESS_KILLED, ["n1/3"]), (["n0", "n1"], verdict.PROCESS_KILLED, ["n0/1"]),
+                        (["n0", "n1"], verdict.PROCESS_KILLED, ["n0/1"])], attempts

@@ -46,38 +46,37 @@ the preemption path of :mod:`hpcsync.resilience.preemption` works inside ``hpcsy
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, List, Optional, Sequence, TextIO, Tuple
 
 import psutil
 
 from ..core import settings
 from ..observe import failure
-from ..observe.record import FailureRecord
+from ..observe.record import FailureRecord, Reporter
 from . import probe, requeue
 from .verdict import PROCESS_KILLED, Action, Verdict, judge
 from .launchers import (WARNING_SIGNALS, Launcher, LauncherWords, Srun,
                         mpi_launcher, parse_hosts)
-from ..core.environments import expand_hostlist, parse_tasks_per_node
+from . import schedulers
+from .schedulers import HostList, Scheduler, Slurm, detect
 
 __all__ = [
     "EXIT_NO_NODES", "EXIT_SIGNALLED", "EXIT_RESTARTS_SPENT", "say", "Attempt", "State", "Supervisor",
-    "LAUNCHER_SLACK_S", "launcher_grace", "START_MIN_S", "start_limit", "slurm_down", "requeue_excluding",
-    "slurm_tasks_per_node", "slurm_nodes", "main", "add_parser"
+    "LAUNCHER_SLACK_S", "launcher_grace", "START_MIN_S", "start_limit", "main", "add_parser"
 ]
 
-EXIT_NO_NODES = 66  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
+EXIT_NO_NODES = schedulers.EXIT_NO_NODES  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
 EXIT_SIGNALLED = 128 + signal.SIGTERM  #: ended by a signal to the supervisor between two attempts
 EXIT_RESTARTS_SPENT = requeue.EXIT_RESTARTS_SPENT  #: failures past ``--max-restarts``
 _FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
@@ -106,6 +105,7 @@ class Attempt:
     first_record_at: Optional[float] = None
     failed: bool = False  # ended by a failure that was retried (counts against the cap)
     started_after: Optional[float] = None  # seconds until every rank was up (hpcsync.init's note)
+    killed: List[str] = field(default_factory=list)  # "node/rank" the launcher says a signal killed ("node/?": rank unsaid)
 
     def line(self) -> str:
         took = f"{self.ended - self.started:.1f} s" if self.ended else "running"
@@ -164,13 +164,18 @@ def _pump(stream: TextIO, out: TextIO, words: LauncherWords, lock: threading.Loc
 
 
 class Supervisor:
-    """Run ``program`` under ``launcher`` on ``hosts`` until it completes, a program error, or the cap."""
+    """Run ``program`` under ``launcher`` on ``hosts`` until it completes, a program error, or the
+    cap. ``scheduler``: whose job it is (:mod:`~hpcsync.resilience.schedulers`: the nodes' names,
+    their state, the requeue); default a :class:`~hpcsync.resilience.schedulers.HostList` of
+    ``hosts``, no scheduler."""
 
     def __init__(self, launcher: Launcher, hosts: Sequence[str], per_node: int, spares: int, max_restarts: int,
                  state_dir: str, program: Sequence[str], retry_exceptions: bool = False,
-                 slurm_job: Optional[str] = None) -> None:
+                 scheduler: Optional[Scheduler] = None) -> None:
         self.launcher, self.per_node, self.spares = launcher, per_node, spares
-        self.max_restarts, self.retry_exceptions, self.slurm_job = max_restarts, retry_exceptions, slurm_job
+        self.max_restarts, self.retry_exceptions = max_restarts, retry_exceptions
+        self.scheduler = scheduler if scheduler is not None else HostList([(h, per_node) for h in hosts])
+        self.all_hosts = list(hosts)
         self.program = list(program)
         self.state = State(state_dir)
         self.hosts = [h for h in hosts if h not in self.state.bad_nodes]
@@ -218,12 +223,22 @@ class Supervisor:
         return rc, words
 
     def _nodes_down(self, nodes: Sequence[str]) -> List[str]:
-        return slurm_down([self._host_name(n) for n in nodes])
+        return self.scheduler.down([self._host_name(n) for n in nodes])
 
     def _unreachable(self, nodes: Sequence[str]) -> List[str]:
         say(f"no evidence names a node: probing each of the step's {len(nodes)} node(s) with {self.launcher.name}")
-        here = [] if self.launcher.through_controller else [socket.gethostname(), socket.getfqdn(), "localhost"]
-        return probe.unreachable(nodes, self.launcher.probe, here=here, stop=lambda: self._signalled)
+        here = [] if self.launcher.through_controller else probe.own_names()
+        return probe.unreachable(nodes, self.launcher.probe, here=here, stop=lambda: self._signalled,
+                                 node_state=self.scheduler.node_states)
+
+    def _named(self, record: FailureRecord) -> FailureRecord:
+        """``record`` with every node by the scheduler's name (a record says ``gethostname()``)."""
+        name = self._host_name
+        return dataclasses.replace(
+            record, reporter=Reporter(record.reporter.rank, name(record.reporter.node)),
+            nodes=tuple(name(n) for n in record.nodes), blame_nodes=tuple(name(n) for n in record.blame_nodes),
+            silent_at={rank: name(n) for rank, n in record.silent_at.items()},
+            reached_nodes=tuple(name(n) for n in record.reached_nodes))
 
     def _wait_bounded(self, child: subprocess.Popen, folder: str, words: LauncherWords, lock: threading.Lock,
                       attempt: Attempt) -> int:
@@ -314,15 +329,19 @@ class Supervisor:
             self.state.attempts.append(attempt)
             self.state.save()
             rc, words = self._step(attempt)
-            records = failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))
-            verdict = judge(rc, records, words, self._signalled, self._nodes_down if self.slurm_job else None,
+            records = [self._named(r) for r in failure.read(os.path.join(self.state.folder, f"attempt-{attempt.number}"))]
+            verdict = judge(rc, records, words, self._signalled, self._nodes_down,
                             ranks=len(attempt.nodes) * self.per_node, nodes=attempt.nodes,
                             probe=self._unreachable if self.state.restarts() < self.max_restarts else None,
                             spares=len(self.hosts) - self.width)
             before = self.state.attempts[-2] if len(self.state.attempts) > 1 else None
-            if verdict.cause == PROCESS_KILLED and before is not None and before.cause == PROCESS_KILLED:
+            attempt.killed = sorted({f"{n}/{r}" for n, ranks in words.deaths.items() for r in (ranks or {"?"})})
+            again = sorted(set(attempt.killed) & set(before.killed)) if before is not None else []
+            if verdict.cause == PROCESS_KILLED and before is not None and before.cause == PROCESS_KILLED and again \
+                    and before.nodes == attempt.nodes:
                 verdict = Verdict(Action.STOP_PROGRAM, PROCESS_KILLED, [], f"{verdict.detail}; the second time in a row "
-                                  "on nodes that run on: the program's (a memory limit's kill comes back)")
+                                  f"({', '.join(again)}) on nodes that run on: the program's (a memory limit's kill "
+                                  "comes back)")
             if verdict.action is Action.STOP_PROGRAM and self.retry_exceptions:
                 verdict = Verdict(Action.RELAUNCH, f"{verdict.cause} (retried: --retry-exceptions)", [], verdict.detail)
             self._observe(attempt, rc, records, verdict)
@@ -362,22 +381,20 @@ class Supervisor:
         return names
 
     def _host_name(self, node: str) -> str:
-        """The launcher's name of ``node`` (a record says what the node's hostname is: maybe the
-        fully qualified form of a Slurm node name)."""
-        if node in self.hosts:
-            return node
-        short = node.split(".")[0]
-        return next((h for h in self.hosts if h.split(".")[0] == short), node)
+        """The scheduler's name of ``node`` (a record says what the node's hostname is: maybe the
+        fully qualified form of a Slurm node name, or another name altogether:
+        :meth:`~hpcsync.resilience.schedulers.Scheduler.node_name`)."""
+        return self.scheduler.node_name(node, self.all_hosts)
 
     def _warned(self, rc: int, cause: str) -> int:
-        """What the program's guard would have done with the warning: under Slurm, requeue the job
-        (:func:`hpcsync.resilience.requeue.requeue_job`: ``HPCSYNC_MAX_RESTARTS``, never a job being ended; it
-        resumes from the latest checkpoint); elsewhere (``--hosts``), end with ``rc``."""
-        if self.slurm_job is None:
-            say(f"{cause}: not run by Slurm, nothing to requeue; not relaunched. Exit code {rc}")
+        """What the program's guard would have done with the warning: under a scheduler, requeue the
+        job (:meth:`~hpcsync.resilience.schedulers.Scheduler.requeue`; Slurm's:
+        ``HPCSYNC_MAX_RESTARTS``, never a job being ended; it resumes from the latest checkpoint);
+        elsewhere (``--hosts``), end with ``rc``."""
+        if not self.scheduler.can_requeue:
+            say(f"{cause}: not run by a scheduler, nothing to requeue; not relaunched. Exit code {rc}")
             return rc
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends a requeued job's batch script with it
-        outcome = requeue.requeue_job(ending="SIGTERM" if self._signalled else None)
+        outcome = self.scheduler.requeue(self.state.bad_nodes, "SIGTERM" if self._signalled else None)
         say(outcome.message)
         return outcome.exit_code
 
@@ -388,22 +405,21 @@ class Supervisor:
 
     def _no_spare(self) -> int:
         bad = ", ".join(self.state.bad_nodes)
-        if self.slurm_job is None:
+        if not self.scheduler.can_requeue:
             say(f"no spare node left ({self.width} needed, healthy: {', '.join(self.hosts) or 'none'}; left out: {bad})")
             return EXIT_NO_NODES
         if self.state.requeues >= self.max_restarts:  # each failure requeues once at most: this is a loop
             say(f"no spare node left and the job was requeued {self.state.requeues} time(s) already (the cap is "
                 f"{self.max_restarts}): it keeps landing on {bad}; not requeued again")
             return self._give_up()
-        return requeue_excluding(self.slurm_job, self.state, lambda: self._signalled)
-
-
-def _scontrol(scontrol: str, *args: str) -> Tuple[bool, str]:
-    try:
-        proc = subprocess.run([scontrol, *args], capture_output=True, text=True, timeout=requeue.SCONTROL_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, str(exc)
-    return proc.returncode == 0, (proc.stderr or proc.stdout).strip()
+        if self._signalled:
+            say("no spare node left; the run was signalled: not requeued")
+            return EXIT_SIGNALLED
+        self.state.requeues += 1
+        self.state.save()
+        outcome = self.scheduler.requeue_excluding(self.state.bad_nodes, lambda: self._signalled)
+        say(outcome.message)
+        return outcome.exit_code
 
 
 def _end(child: subprocess.Popen) -> int:
@@ -457,113 +473,32 @@ def start_limit(earlier: Sequence[float]) -> Optional[float]:
     return max(START_MIN_S, 4 * max(earlier)) if earlier else None
 
 
-_DOWN_STATES = {"DOWN", "NOT_RESPONDING", "NO_RESPOND", "FAIL", "FAILING", "POWER_DOWN", "POWERED_DOWN"}
-
-
-def slurm_down(nodes: Sequence[str]) -> List[str]:
-    """The ``nodes`` Slurm calls down, failed or not responding (``scontrol show node``: a state
-    of DOWN, FAIL, NOT_RESPONDING or the like, or one marked ``*``): evidence for records nobody
-    can believe. None when scontrol is missing or does not answer within its bound."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None or not nodes:
-        return []
-    try:
-        proc = subprocess.run([scontrol, "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
-                              timeout=requeue.SCONTROL_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    down = []
-    for line in proc.stdout.splitlines():
-        name, state = re.search(r"\bNodeName=(\S+)", line), re.search(r"\bState=(\S+)", line)
-        flags = set(state.group(1).upper().rstrip("*$~#!%@^-").split("+")) if state else set()
-        if name and state and (state.group(1).endswith("*") or flags & _DOWN_STATES):  # STATE*: not responding
-            down.append(name.group(1))
-    return down
-
-
-def requeue_excluding(job: str, state: State, signalled: Any = lambda: False) -> int:
-    """Requeue the Slurm job, then add ``state.bad_nodes`` to its ExcNodeList. A requeued job is
-    pending (a running one's ExcNodeList cannot change) and cannot start again while this batch
-    script still runs, so the update lands first; the job is never held, so a supervisor killed
-    between the two calls leaves a job that comes back (its next start leaves the bad nodes out of
-    the step: they are in the state folder), not one held for good. A job being ended
-    (``scancel``: no longer RUNNING, or a TERM to the supervisor) is never requeued. SIGTERM, which
-    Slurm sends the batch script once the job is requeued, is ignored from the requeue on."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        say("no spare node left and scontrol is not on PATH: cannot requeue")
-        return requeue.EXIT_NO_SCONTROL
-    ok, show = _scontrol(scontrol, "show", "job", "-o", job)
-    m = re.search(r"\bJobState=(\S+)", show)
-    if signalled() or not ok or m is None or m.group(1) != "RUNNING":
-        say(f"no spare node left; job {job} is being ended ({m.group(1) if m else show or 'signalled'}): not requeued")
-        return EXIT_SIGNALLED
-    m = re.search(r"\bExcNodeList=(\S+)", show)
-    excluded = [] if m is None or m.group(1) == "(null)" else expand_hostlist(m.group(1))
-    excluded += [n for n in state.bad_nodes if n not in excluded]
-    state.requeues += 1
-    state.save()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ok, why = _scontrol(scontrol, "requeue", job)
-    if not ok:
-        say(f"`scontrol requeue {job}` failed: {why}")
-        return requeue.EXIT_REQUEUE_FAILED
-    updated, why_update = _scontrol(scontrol, "update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}")
-    if not updated:
-        say(f"`scontrol update JobId={job} ExcNodeList=...` failed: {why_update}; requeued without excluding "
-            f"{', '.join(excluded)} (its next start leaves them out of the step)")
-        return requeue.EXIT_REQUEUE_FAILED
-    say(f"no spare node left: requeued Slurm job {job} without {', '.join(excluded)}; it resumes from its "
-        "checkpoint when it starts again")
-    return requeue.EXIT_REQUEUED
-
-
-def slurm_tasks_per_node(env: Dict[str, str]) -> int:
-    """Ranks per node of the Slurm allocation: ``SLURM_NTASKS_PER_NODE`` (set only with
-    ``--ntasks-per-node``), else ``SLURM_TASKS_PER_NODE`` (set for every job: ``-N 2 -n 8`` gives
-    ``4(x2)``); 1 when neither is set. Uneven counts (``3,2``) cannot be kept by a relaunch with a
-    node fewer: a clear error asking for ``--ntasks-per-node``."""
-    if env.get("SLURM_NTASKS_PER_NODE"):
-        return int(env["SLURM_NTASKS_PER_NODE"].split("(")[0])
-    try:
-        counts = set(parse_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "")))
-    except ValueError as exc:
-        raise SystemExit(f"hpcsync run: {exc}; give --ntasks-per-node, the ranks each node runs") from None
-    if len(counts) > 1:
-        raise SystemExit(f"hpcsync run: the allocation has uneven ranks per node (SLURM_TASKS_PER_NODE="
-                         f"{env['SLURM_TASKS_PER_NODE']}); give --ntasks-per-node, the ranks each node runs")
-    return counts.pop() if counts else 1
-
-
-def slurm_nodes(env: Dict[str, str]) -> List[str]:
-    return expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-
-
 def main(args: Any) -> int:
     """``hpcsync run`` (see :mod:`hpcsync.cli`)."""
     program = list(args.program[1:] if args.program[:1] == ["--"] else args.program)
     if not program:
         raise SystemExit("hpcsync run: give the program after --")
     extra = shlex.split(args.launcher_args or "")
-    job = requeue.slurm_job_id()
+    found = detect()
     if args.hosts or args.hostfile:
         spec = args.hosts or open(args.hostfile).read()
-        pairs = parse_hosts(spec)
-        hosts, per_node = [h for h, _ in pairs], args.ntasks_per_node or pairs[0][1]
+        scheduler: Scheduler = HostList(parse_hosts(spec))
         launcher: Launcher = mpi_launcher(args.mpirun or shutil.which("mpirun") or "mpirun", extra)
-        job = None
         default_dir = os.path.join("hpcsync-run", f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    elif job is not None:
-        hosts = slurm_nodes(dict(os.environ))
-        per_node = args.ntasks_per_node or slurm_tasks_per_node(dict(os.environ))
-        launcher = Srun(shutil.which("srun") or "srun", extra)
-        default_dir = os.path.join("hpcsync-run", job)
+    elif found is not None:
+        scheduler = found
+        launcher = Srun(shutil.which("srun") or "srun", extra) if isinstance(found, Slurm) else \
+            mpi_launcher(args.mpirun or shutil.which("mpirun") or "mpirun", extra)
+        default_dir = os.path.join("hpcsync-run", str(found.job_id()))
     else:
-        raise SystemExit("hpcsync run: not inside a Slurm job: give --hosts or --hostfile (and --mpirun)")
+        raise SystemExit("hpcsync run: not inside a scheduler's job (Slurm, PBS): give --hosts or --hostfile "
+                         "(and --mpirun)")
+    hosts = scheduler.nodes()
+    per_node = args.ntasks_per_node or scheduler.tasks_per_node()
     if args.spare_nodes < 0 or args.max_restarts < 0 or per_node < 1:
         raise SystemExit("hpcsync run: --spare-nodes and --max-restarts must be 0 or more, --ntasks-per-node 1 or more")
     sup = Supervisor(launcher, hosts, per_node, args.spare_nodes, args.max_restarts,
-                     os.path.abspath(args.state_dir or default_dir), program, args.retry_exceptions, job)
+                     os.path.abspath(args.state_dir or default_dir), program, args.retry_exceptions, scheduler)
     return sup.run()
 
 

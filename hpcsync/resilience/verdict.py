@@ -127,28 +127,34 @@ def judge(rc: int, records: Sequence[FailureRecord], words: Evidence, signalled:
         return Verdict(Action.STOP_PROGRAM, "exception", detail=f"{who} raised {first.detail}")
     hardware = [r for r in records if r.cause is Cause.HARDWARE]
     if hardware:  # a GPU's fault reached the program: its node, whatever the launcher saw die next
-        return Verdict(Action.RELAUNCH, "hardware", sorted({n for r in hardware for n in r.blame_nodes}),
-                       hardware[0].detail)
+        faulty = sorted({n for r in hardware for n in r.blame_nodes})
+        return _capped(Verdict(Action.RELAUNCH, "hardware", faulty, hardware[0].detail), spares,
+                       lambda: (set(words.nodes) | set(node_state(faulty) if node_state else ())) & set(faulty))
     if words.crash_first:  # the program's own crash: the survivors' records blame its healthy node
         return Verdict(Action.STOP_PROGRAM, "crashed", detail=f"a rank crashed ({words.crashes[0]}): the program's own "
                        "crash, its node is not blamed")
     if words.warning:  # sent to every task on purpose: peers' reports of the dead ranks blame no node either;
         # a node the launcher itself names (a node failure, another death) is still left out
         blamed_too = f"; the launcher also blamed {', '.join(words.nodes)}" if words.nodes else "; no node is blamed"
-        return Verdict(Action.REQUEUE, f"killed by {words.warning}", list(words.nodes),
-                       f"ranks were killed by {words.warning}, the job's warning signal, before the program "
-                       f"handled it (no preemption guard yet, or no longer){blamed_too}")
+        named = list(words.nodes)
+        return _capped(Verdict(Action.REQUEUE, f"killed by {words.warning}", named,
+                               f"ranks were killed by {words.warning}, the job's warning signal, before the program "
+                               f"handled it (no preemption guard yet, or no longer){blamed_too}"), spares,
+                       lambda: set(node_state(named) if node_state else ()) & set(named))
     blamed, contested, running = _weigh(records, ranks)
     asked: List[List[str]] = []  # the probe's answer, asked once
 
     def probed() -> Set[str]:
-        """The step's nodes the probe cannot start a process on -- believed only while they are no
-        more than half of them (else it is the supervisor's side that was cut off)."""
+        """The step's nodes the probe cannot start a process on -- all of them while they are no
+        more than half of them; past that (it is as likely the supervisor's side that was cut
+        off) only those the scheduler calls down too."""
         if probe is None or not nodes:
             return set()
         if not asked:
             failing = list(probe(nodes))
-            asked.append(failing if 2 * len(failing) <= len(nodes) else [])
+            if 2 * len(failing) > len(nodes):
+                failing = list(node_state(failing)) if node_state is not None and failing else []
+            asked.append(failing)
         return set(asked[0])
 
     def second_sign(named: Sequence[str], besides_words: bool) -> Set[str]:
