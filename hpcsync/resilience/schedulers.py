@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Typ
 
 from ..core.environments import expand_hostlist, parse_tasks_per_node
 from . import requeue
+from .requeue import Requeue
 
 __all__ = ["COMMAND_TIMEOUT_S", "EXIT_NO_NODES", "NodeState", "Scheduler", "Slurm", "PBS", "HostList", "SCHEDULERS",
            "detect", "slurm_node_states", "slurm_host_names", "pbs_node_states"]
@@ -109,16 +110,16 @@ class Scheduler(ABC):
         """Whether the job still runs (not being ended); None when it cannot tell."""
         return None
 
-    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> requeue.Requeue:
+    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> Requeue:
         """Requeue the job, its next start leaving ``nodes`` out; never a job being ended."""
-        return requeue.Requeue(False, EXIT_NO_NODES, f"no spare node left and {self.name} cannot requeue the job")
+        return Requeue(False, EXIT_NO_NODES, f"no spare node left and {self.name} cannot requeue the job")
 
-    def requeue(self, bad: Sequence[str], ending: Optional[str] = None) -> requeue.Requeue:
+    def requeue(self, bad: Sequence[str], ending: Optional[str] = None) -> Requeue:
         """What the program's preemption guard would do with the job's warning signal: requeue the
         job (its next start leaving ``bad`` out where the scheduler can), never after an
         ``ending`` signal (e.g. ``"SIGTERM"``)."""
         if ending:
-            return requeue.Requeue(False, requeue.EXIT_ENDING_BASE + int(getattr(signal, ending, signal.SIGTERM)),
+            return Requeue(False, requeue.EXIT_ENDING_BASE + int(getattr(signal, ending, signal.SIGTERM)),
                                    f"stopped on {ending}, which ends a job: not requeued", self.job_id())
         return self.requeue_excluding(bad)
 
@@ -289,14 +290,14 @@ class Slurm(Scheduler):
         ok, job, _ = self._job()
         return job.get("JobState") == "RUNNING" if ok and job.get("JobState") else None
 
-    def requeue(self, bad: Sequence[str], ending: Optional[str] = None) -> requeue.Requeue:
+    def requeue(self, bad: Sequence[str], ending: Optional[str] = None) -> Requeue:
         """As the program's guard does (:func:`hpcsync.resilience.requeue.requeue_job`:
         ``HPCSYNC_MAX_RESTARTS``, never a job being ended, one Slurm already requeued); ``bad``
         stays in the state folder, which the next start leaves out of the step."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends a requeued job's batch script with it
         return requeue.requeue_job(ending=ending)
 
-    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> requeue.Requeue:
+    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> Requeue:
         """``scontrol requeue``, then ``nodes`` added to the job's ExcNodeList. A requeued job is
         pending (a running one's ExcNodeList cannot change) and cannot start again while this
         batch script still runs, so the update lands first; the job is never held, so a
@@ -305,12 +306,12 @@ class Slurm(Scheduler):
         which Slurm sends the batch script once the job is requeued, is ignored from here on."""
         job = self.job_id()
         if shutil.which("scontrol", path=self.env.get("PATH")) is None:
-            return requeue.Requeue(False, requeue.EXIT_NO_SCONTROL, "no spare node left and scontrol is not on "
+            return Requeue(False, requeue.EXIT_NO_SCONTROL, "no spare node left and scontrol is not on "
                                    "PATH: cannot requeue", job)
         ok, show, said = self._job()
         state = show.get("JobState")
         if signalled() or not ok or state != "RUNNING":
-            return requeue.Requeue(False, requeue.EXIT_ENDING_BASE + signal.SIGTERM, f"no spare node left; job {job} "
+            return Requeue(False, requeue.EXIT_ENDING_BASE + signal.SIGTERM, f"no spare node left; job {job} "
                                    f"is being ended ({state or said or 'signalled'}): not requeued", job)
         listed = show.get("ExcNodeList", "(null)")
         excluded = [] if listed in ("", "(null)") else expand_hostlist(listed)
@@ -318,13 +319,13 @@ class Slurm(Scheduler):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         ok, why = self._scontrol("requeue", str(job))
         if not ok:
-            return requeue.Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`scontrol requeue {job}` failed: {why}", job)
+            return Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`scontrol requeue {job}` failed: {why}", job)
         ok, why = self._scontrol("update", f"JobId={job}", f"ExcNodeList={','.join(excluded)}")
         if not ok:
-            return requeue.Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`scontrol update JobId={job} ExcNodeList=...` "
+            return Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`scontrol update JobId={job} ExcNodeList=...` "
                                    f"failed: {why}; requeued without excluding {', '.join(excluded)} (its next start "
                                    "leaves them out of the step)", job)
-        return requeue.Requeue(True, requeue.EXIT_REQUEUED, f"no spare node left: requeued Slurm job {job} without "
+        return Requeue(True, requeue.EXIT_REQUEUED, f"no spare node left: requeued Slurm job {job} without "
                                f"{', '.join(excluded)}; it resumes from its checkpoint when it starts again", job)
 
 
@@ -403,16 +404,16 @@ class PBS(Scheduler):
         m = re.search(r"\bjob_state\s*=\s*(\S+)", out) if ok else None
         return m.group(1) == "R" if m else None
 
-    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> requeue.Requeue:
+    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> Requeue:
         job = self.job_id()
         if signalled() or self.running() is False:
-            return requeue.Requeue(False, requeue.EXIT_ENDING_BASE + signal.SIGTERM, f"no spare node left; job {job} "
+            return Requeue(False, requeue.EXIT_ENDING_BASE + signal.SIGTERM, f"no spare node left; job {job} "
                                    "is being ended: not requeued", job)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         ok, why = self._command("qrerun", str(job))
         if not ok:
-            return requeue.Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`qrerun {job}` failed: {why}", job)
-        return requeue.Requeue(True, requeue.EXIT_REQUEUED, f"no spare node left: reran PBS job {job} (PBS cannot leave "
+            return Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`qrerun {job}` failed: {why}", job)
+        return Requeue(True, requeue.EXIT_REQUEUED, f"no spare node left: reran PBS job {job} (PBS cannot leave "
                                f"{', '.join(nodes)} out: its next start leaves them out of the step)", job)
 
 
