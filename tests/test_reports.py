@@ -316,3 +316,21 @@ def test_the_rank_the_others_waited_for_heads_the_report(monkeypatch):
     states[9] = timed_out(9, peer=False, error="ValueError: bad batch on rank 9")
     rep = digest.build(0, states, 32)
     assert (rep["rank"], rep["frozen"]) == (9, False) and rep["silent"] == [21], rep
+
+
+def test_a_traceback_that_did_not_arrive_is_never_the_printers_own(monkeypatch):
+    """Rank 5 raised first, rank 0 prints: when rank 5's traceback did not reach rank 0 in time,
+    the block under "uncaught exception on rank 5" gives rank 5's error and place and says its
+    traceback is missing -- never rank 0's own traceback under rank 5's name."""
+    from hpcsync.observe import digest
+
+    monkeypatch.setattr(nodemap, "_current", NodeMap([r // 4 for r in range(8)], ["n0", "n1"]))
+    states = {r: {"rank": r, "failed": True, "time": 100.0 + (0 if r == 5 else 1 + r), "error": f"ValueError: bad {r}",
+                  "where": f"train.py:{10 + r}", "hash": f"h{r}", "peer": False, "step": 3} for r in range(8)}
+    rep = digest.build(0, states, 8)
+    assert rep["rank"] == 5 and rep["reported_by"] == 0, rep
+    rep["tracebacks"] = {}  # (none arrived)
+    block = digest.format_block(rep, "Traceback of rank 0 itself", 6.0)
+    assert block.splitlines()[0].startswith("[hpcsync] ===== uncaught exception on rank 5 (n1)"), block
+    assert "Traceback of rank 0 itself" not in block, block
+    assert "ValueError: bad 5" in block and "train.py:15" in block and "did not reach rank 0" in block, block

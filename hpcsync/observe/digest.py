@@ -249,7 +249,9 @@ def format_block(rep: Dict[str, Any], text: str, waited_s: Optional[float] = Non
     else:
         head = f"[hpcsync] ===== uncaught exception on rank {rep['rank']} ({rep['node']}), the first to fail{step} ====="
         own = rep.get("tracebacks", {}).get(rep.get("hash") or "", {})
-        body = own.get("text") or text
+        body = own.get("text") or (text if rep.get("reported_by") == rep["rank"] else
+                                   f"{rep.get('error') or '?'}\n  at {rep.get('where') or '?'} (its traceback did "
+                                   f"not reach rank {rep.get('reported_by')} in time)")
         if rep.get("plain") and not settings.debug():  # a plain user error: its words say what to change
             body = f"{rep['plain']}\n  at {rep['where']} (HPCSYNC_DEBUG=1 shows the traceback)"
         lines = [head, body.rstrip("\n")]
