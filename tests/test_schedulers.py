@@ -281,3 +281,15 @@ def test_pbs_reruns_a_running_job_only(tmp_path, job_state, rerun_rc, code):
     assert outcome.exit_code == code, outcome
     calls = (tmp_path / "calls").read_text().splitlines()
     assert ("qrerun 5.pbs01" in calls) == (job_state == "R"), calls
+
+
+def test_hosts_given_as_addresses_are_never_one_short_name():
+    """A host list of IPv4 addresses (``--hosts 10.0.0.5,10.0.0.6``) with this node among them by
+    its address: the others' short names are not ``10``, so a pass on 10.0.0.6 proves the
+    network and 10.0.0.7, which fails, is named."""
+    from hpcsync.resilience.schedulers import short_name
+
+    assert short_name("10.0.0.5") == "10.0.0.5" and short_name("n1.cluster") == "n1" and short_name("::1") == "::1"
+    got = probe.unreachable(["10.0.0.5", "10.0.0.6", "10.0.0.7"], lambda n: ["false"] if n == "10.0.0.7" else ["true"],
+                            here=["me", "10.0.0.5"])
+    assert got == ["10.0.0.7"], got

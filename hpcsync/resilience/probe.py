@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import psutil
 
-from .schedulers import NodeState
+from .schedulers import NodeState, short_name
 
 __all__ = ["PROBE_TIMEOUT_S", "PROBES_AT_ONCE", "RETRY_TIMEOUT_S", "RETRY_BUDGET_S", "Outcome", "own_names", "unreachable"]
 
@@ -127,6 +127,7 @@ def unreachable(nodes: Sequence[str], command: Callable[[str], List[str]], timeo
             answers[node] = again
             if again is Outcome.FAILED or (again is Outcome.TIMED_OUT and states.get(node) is not NodeState.UP):
                 failed.add(node)
-    local = {h.split(".")[0] for h in here} | set(here)
-    proven = any(ok is Outcome.PASSED for n, ok in answers.items() if n not in local and n.split(".")[0] not in local)
+    local = {short_name(h) for h in here} | set(here)
+    proven = any(ok is Outcome.PASSED for n, ok in answers.items() if n not in local and short_name(n) not in local)
     return [n for n in nodes if n in failed] if proven and not stop() else []
+

@@ -18,6 +18,7 @@ Another scheduler is one more subclass here, with :meth:`Scheduler.detect`, adde
 :data:`SCHEDULERS` (most specific first)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shutil
@@ -35,7 +36,7 @@ from . import requeue
 from .requeue import Requeue
 
 __all__ = ["COMMAND_TIMEOUT_S", "EXIT_NO_NODES", "NodeState", "Scheduler", "Slurm", "PBS", "HostList", "SCHEDULERS",
-           "detect", "slurm_node_states", "slurm_host_names", "pbs_node_states"]
+           "detect", "short_name", "slurm_node_states", "slurm_host_names", "pbs_node_states"]
 
 COMMAND_TIMEOUT_S = requeue.SCONTROL_TIMEOUT_S  #: one scheduler command's bound (scontrol, qstat, ...)
 EXIT_NO_NODES = 66  #: not enough healthy nodes, and no way to requeue (EX_NOINPUT)
@@ -62,8 +63,14 @@ def _run(argv: Sequence[str]) -> Tuple[bool, str]:
     return proc.returncode == 0, proc.stdout if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
 
 
-def _short(name: str) -> str:
-    return name.split(".")[0]
+def short_name(name: str) -> str:
+    """A host's short name (``n1`` of ``n1.cluster``); an address stays whole (``10.0.0.5`` is
+    not ``10``, which every address of that network would share)."""
+    try:
+        ipaddress.ip_address(name)
+        return name
+    except ValueError:
+        return name.split(".")[0]
 
 
 class Scheduler(ABC):
@@ -135,11 +142,11 @@ class Scheduler(ABC):
         known = list(among) or self.nodes()
         if host in known:
             return host
-        short = next((n for n in known if _short(n) == _short(host)), None)
+        short = next((n for n in known if short_name(n) == short_name(host)), None)
         if short is not None:
             return short
         names = self._names(known)
-        return names.get(host) or names.get(_short(host)) or host
+        return names.get(host) or names.get(short_name(host)) or host
 
     def _names(self, known: Sequence[str]) -> Dict[str, str]:
         """:meth:`host_names` of ``known``, asked once (no answer: once a :data:`COMMAND_TIMEOUT_S`
@@ -207,7 +214,7 @@ def slurm_host_names(show: str) -> Dict[str, str]:
         for other in (f.get("NodeHostName"), f.get("NodeAddr")):
             if other and other != "(null)":
                 out.setdefault(other, name)
-                out.setdefault(_short(other), name)
+                out.setdefault(short_name(other), name)
     return out
 
 
@@ -276,7 +283,7 @@ class Slurm(Scheduler):
         if here and here in nodes:
             for host in (socket.gethostname(), socket.getfqdn()):
                 names.setdefault(host, here)
-                names.setdefault(_short(host), here)
+                names.setdefault(short_name(host), here)
         return names
 
     def _job(self) -> Tuple[bool, Dict[str, str], str]:
