@@ -171,6 +171,13 @@ def test_the_metadata_reader_builds_only_dcps_own_records(tmp_path):
     bad.write_bytes(pickle.dumps(ok, protocol=4))
     with pytest.raises(pickle.UnpicklingError, match="outside its folder"):
         read_metadata(str(bad))
+    import pathlib  # a name as a path object: its str() (what is checked) and its parts (what DCP
+    # joins) are separate slots a pickle can set apart, so only a plain str passes
+    for info in ok.storage_data.values():
+        info.relative_path = pathlib.PosixPath("__0_0.distcp")
+    bad.write_bytes(pickle.dumps(ok, protocol=4))
+    with pytest.raises(pickle.UnpicklingError, match="names a file by a PosixPath, not a name"):
+        read_metadata(str(bad))
 
 
 def _metadata(ranks, tensors, seed):

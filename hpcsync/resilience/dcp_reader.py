@@ -141,9 +141,11 @@ def parse_metadata(data: bytes, unpickler: Any = None) -> Any:
     a load reads nothing outside the checkpoint's folder."""
     metadata = (unpickler or MetadataUnpickler)(io.BytesIO(data)).load()
     for info in (getattr(metadata, "storage_data", None) or {}).values():
-        rel = str(getattr(info, "relative_path", ""))
+        rel = getattr(info, "relative_path", "")
+        if type(rel) is not str:  # (a path object's str() and the path DCP joins need not agree)
+            raise pickle.UnpicklingError(f"a checkpoint's metadata names a file by a {type(rel).__name__}, not a name")
         if not rel or "/" in rel or rel in (".", ".."):  # (no os.path call: a million chunks at 1,024 ranks)
-            raise pickle.UnpicklingError(f"a checkpoint's metadata names the file {rel!r}, outside its folder")
+            raise pickle.UnpicklingError(f"a checkpoint's metadata names the file {rel[:200]!r}, outside its folder")
     return metadata
 
 
