@@ -148,18 +148,20 @@ esac
 ])
 def test_requeue_without_the_bad_nodes(tmp_path, job_state, update_rc, code, calls):
     env = fake_scontrol(tmp_path, [("n1", "n1", "10.0.0.1", "IDLE")], job_state, update_rc)
-    term = signal.getsignal(signal.SIGTERM)
+    term, asked = signal.getsignal(signal.SIGTERM), []
     try:
-        outcome = schedulers.Slurm(env).requeue_excluding(["n1"])
+        outcome = schedulers.Slurm(env).requeue_excluding(["n1"], asking=lambda: asked.append(1))
     finally:
         signal.signal(signal.SIGTERM, term)
     assert (outcome.exit_code, outcome.requeued) == (code, code == 0), outcome
+    assert asked == ([1] if calls else []), "a requeue counted where none was asked for, or one not counted"
     done = (tmp_path / "calls").read_text().splitlines()
     assert [c.split()[0] for c in done] == ["show", *calls], done
     if calls:
         assert done[-1].split() == ["update", "JobId=7", "ExcNodeList=n9,n1"]
-    assert schedulers.Slurm({"SLURM_JOB_ID": "7", "PATH": "/nonexistent"}).requeue_excluding(["n1"]).exit_code == \
-        requeue.EXIT_NO_SCONTROL
+    assert schedulers.Slurm({"SLURM_JOB_ID": "7", "PATH": "/nonexistent"}).requeue_excluding(
+        ["n1"], asking=lambda: asked.append(2)).exit_code == requeue.EXIT_NO_SCONTROL
+    assert 2 not in asked, "a requeue counted without scontrol"
 
 
 def hang_record(reporter, rank, silent, reached, ranks_nodes):

@@ -117,8 +117,11 @@ class Scheduler(ABC):
         """Whether the job still runs (not being ended); None when it cannot tell."""
         return None
 
-    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> Requeue:
-        """Requeue the job, its next start leaving ``nodes`` out; never a job being ended."""
+    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False,
+                          asking: Callable[[], None] = lambda: None) -> Requeue:
+        """Requeue the job, its next start leaving ``nodes`` out; never a job being ended.
+        ``asking()`` runs right before the scheduler is asked to requeue, never when it is not
+        (where the caller counts its requeues)."""
         return Requeue(False, EXIT_NO_NODES, f"no spare node left and {self.name} cannot requeue the job")
 
     def requeue(self, bad: Sequence[str], ending: Optional[str] = None) -> Requeue:
@@ -304,7 +307,8 @@ class Slurm(Scheduler):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends a requeued job's batch script with it
         return requeue.requeue_job(ending=ending)
 
-    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> Requeue:
+    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False,
+                          asking: Callable[[], None] = lambda: None) -> Requeue:
         """``scontrol requeue``, then ``nodes`` added to the job's ExcNodeList. A requeued job is
         pending (a running one's ExcNodeList cannot change) and cannot start again while this
         batch script still runs, so the update lands first; the job is never held, so a
@@ -324,6 +328,7 @@ class Slurm(Scheduler):
         excluded = [] if listed in ("", "(null)") else expand_hostlist(listed)
         excluded += [n for n in nodes if n not in excluded]
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        asking()
         ok, why = self._scontrol("requeue", str(job))
         if not ok:
             return Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`scontrol requeue {job}` failed: {why}", job)
@@ -411,12 +416,14 @@ class PBS(Scheduler):
         m = re.search(r"\bjob_state\s*=\s*(\S+)", out) if ok else None
         return m.group(1) == "R" if m else None
 
-    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False) -> Requeue:
+    def requeue_excluding(self, nodes: Sequence[str], signalled: Callable[[], bool] = lambda: False,
+                          asking: Callable[[], None] = lambda: None) -> Requeue:
         job = self.job_id()
         if signalled() or self.running() is False:
             return Requeue(False, requeue.EXIT_ENDING_BASE + signal.SIGTERM, f"no spare node left; job {job} "
                                    "is being ended: not requeued", job)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        asking()
         ok, why = self._command("qrerun", str(job))
         if not ok:
             return Requeue(False, requeue.EXIT_REQUEUE_FAILED, f"`qrerun {job}` failed: {why}", job)

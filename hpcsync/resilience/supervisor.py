@@ -415,11 +415,15 @@ class Supervisor:
         if self._signalled:
             say("no spare node left; the run was signalled: not requeued")
             return EXIT_SIGNALLED
-        self.state.requeues += 1
-        self.state.save()
-        outcome = self.scheduler.requeue_excluding(self.state.bad_nodes, lambda: self._signalled)
+        outcome = self.scheduler.requeue_excluding(self.state.bad_nodes, lambda: self._signalled, self._count_requeue)
         say(outcome.message)
         return outcome.exit_code
+
+    def _count_requeue(self) -> None:
+        """One requeue more against the cap, saved before the scheduler is asked (a requeued
+        job's script may be ended at once)."""
+        self.state.requeues += 1
+        self.state.save()
 
 
 def _end(child: subprocess.Popen) -> int:
