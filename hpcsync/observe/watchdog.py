@@ -33,7 +33,7 @@ from .responder import ANSWERS, ask, ask_each, notify_done, responder, wait_done
 
 __all__ = [
     "RING", "OpRecord", "GroupLog", "group_log", "drop_group_log", "snapshot", "digest", "FLIGHT_CACHE_S", "SKEW_S",
-    "report_bound", "mark_failed", "claim", "failure_state", "flush_before_abort", "collect", "MAX_GROUPS",
+    "report_bound", "mark_failed", "failure_state", "flush_before_abort", "collect", "MAX_GROUPS",
     "build_report", "format_report", "LIBRARY_DIRS", "AT_EXIT", "main_frames", "user_frames", "write_report",
     "report_timeout", "report_p2p_timeout", "unkept_line", "hang_reported"
 ]
@@ -195,18 +195,6 @@ def mark_failed() -> None:
     _failed = True
 
 
-_first_claim: Optional[int] = None  # on rank 0: the rank whose failure report claim came first
-
-
-def claim(asker: int) -> int:
-    """Rank 0 decides which failing rank reports: the first to ask (see :mod:`hpcsync.observe.digest`)."""
-    global _first_claim
-    with _lock:
-        if _first_claim is None:
-            _first_claim = asker
-        return _first_claim
-
-
 def failure_state() -> Dict[str, Any]:
     """This rank's uncaught exception, or where its main thread is: what a failure report asks."""
     mine = failure.raised_state()  # no traceback: a few hundred bytes a rank
@@ -218,7 +206,6 @@ def failure_state() -> Dict[str, Any]:
 ANSWERS.update({
     "digest": lambda _asker, group, seq: digest(group, seq),
     "snapshot": lambda _asker: snapshot(),
-    "claim": claim,
     "failed": lambda _asker: False,  # (hpcsync.observe.digest answers once imported: it goes for a report)
     "failure": lambda _asker: failure_state(),
     "flush": lambda _asker: jobend.run_before_abort() or True,
