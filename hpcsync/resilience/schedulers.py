@@ -79,8 +79,9 @@ class Scheduler(ABC):
     name = "scheduler"
     can_requeue = False  #: whether :meth:`requeue_excluding` can bring the job back
 
-    def __init__(self, env: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, env: Optional[Mapping[str, str]] = None, run: Run = _run) -> None:
         self.env: Dict[str, str] = dict(os.environ if env is None else env)
+        self.run = run  #: how a command of the scheduler's is run (default: bounded)
         self._host_cache: Dict[Tuple[str, ...], Tuple[float, Dict[str, str]]] = {}
 
     @staticmethod
@@ -229,10 +230,6 @@ class Slurm(Scheduler):
     name = "Slurm"
     can_requeue = True
 
-    def __init__(self, env: Optional[Mapping[str, str]] = None, run: Run = _run) -> None:
-        super().__init__(env)
-        self.run = run
-
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
         return bool(env.get("SLURM_JOB_ID"))
@@ -368,10 +365,6 @@ class PBS(Scheduler):
 
     name = "PBS"
     can_requeue = True
-
-    def __init__(self, env: Optional[Mapping[str, str]] = None, run: Run = _run) -> None:
-        super().__init__(env)
-        self.run = run
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
