@@ -239,21 +239,14 @@ def test_the_oom_killers_sigkill_burns_no_spare(tmp_path):
     n1 then n2 were left out and the run ended with exit 66, both healthy. Now: the same nodes
     once more, and the same death again is the program's: stopped, the launcher's exit code, no
     node on the bad list."""
-    import signal
 
-    from hpcsync.resilience import supervisor
 
     class Oom(launchers.Launcher):
         def command(self, nodes, per_node, program):
             line = ompi_killed(2 * len(nodes) - 1, nodes[-1])
             return ["sh", "-c", f"echo '{line}' >&2; exit 137"]
 
-    try:
-        sup = supervisor.Supervisor(Oom("sh", []), ["n0", "n1", "n2"], 2, 1, 3, str(tmp_path / "s"), ["prog"])
-        code = sup.run()
-    finally:
-        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+    sup, code = supervise_three_nodes(Oom("sh", []), tmp_path)
     attempts = [(a.nodes, a.cause, a.blamed) for a in sup.state.attempts]
     assert (code, sup.state.bad_nodes) == (137, []), (code, attempts)
     assert attempts == [(["n0", "n1"], verdict.PROCESS_KILLED, [])] * 2, attempts
@@ -411,9 +404,7 @@ def test_killed_twice_is_the_programs_only_when_the_same_rank_is_killed_again(tm
     a row: that is the same rank again. Ranks killed on different nodes (rank 3 on n1, then rank
     1 on n0) are not the same kill coming back: the same nodes once more, then the third kill,
     rank 1 on n0 again, stops it."""
-    import signal
 
-    from hpcsync.resilience import supervisor
 
     kills = iter([(3, "n1"), (1, "n0"), (1, "n0")])
 
@@ -425,13 +416,23 @@ def test_killed_twice_is_the_programs_only_when_the_same_rank_is_killed_again(tm
         def probe(self, node):  # every node answers
             return ["true"]
 
-    try:
-        sup = supervisor.Supervisor(Oom("sh", []), ["n0", "n1", "n2"], 2, 1, 3, str(tmp_path / "s"), ["prog"])
-        code = sup.run()
-    finally:
-        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+    sup, code = supervise_three_nodes(Oom("sh", []), tmp_path)
     attempts = [(a.nodes, a.cause, a.killed) for a in sup.state.attempts]
     assert code == 137 and sup.state.bad_nodes == [], (code, attempts)
     assert attempts == [(["n0", "n1"], verdict.PROCESS_KILLED, ["n1/3"]), (["n0", "n1"], verdict.PROCESS_KILLED, ["n0/1"]),
                         (["n0", "n1"], verdict.PROCESS_KILLED, ["n0/1"])], attempts
+
+
+def supervise_three_nodes(launcher, tmp_path):
+    """A Supervisor of ``launcher`` on n0, n1 (n2 spare), 2 nodes, 3 attempts at most, run to
+    its end; the signal handlers it set are given back. ``(supervisor, exit code)``."""
+    import signal
+
+    from hpcsync.resilience import supervisor
+
+    try:
+        sup = supervisor.Supervisor(launcher, ["n0", "n1", "n2"], 2, 1, 3, str(tmp_path / "s"), ["prog"])
+        return sup, sup.run()
+    finally:
+        for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
